@@ -1,0 +1,438 @@
+"""After a hit: turn a step's log into findings (module, tensor, element, cause, hint).
+
+Runs only when the step's sync said something was non-finite, so host reads are allowed here.
+The log says *which* call and tensor went bad first; the replay (`_replay`) recovers the tensors
+themselves, the inputs and parameters, and whether the value is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from . import _hints, _oplevel
+from ._finding import Finding
+from ._log import StepLog, Top
+from ._replay import Replay, ReplayCall, replay_top
+from ._tree import Path, format_path
+
+if TYPE_CHECKING:
+    from ._hunt import Hunt
+
+__all__ = ["analyze", "element"]
+
+
+def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
+    """First non-finite element (row-major), its value, and counts over the whole tensor."""
+    with torch.no_grad():
+        t = t.detach()
+        if t.is_complex():
+            parts = torch.view_as_real(t)
+            bad = ~torch.isfinite(parts)
+            mask = bad.any(-1)
+            vals = torch.where(bad[..., 0], parts[..., 0], parts[..., 1])
+        else:
+            mask = ~torch.isfinite(t)
+            vals = t
+        counts = {
+            "nan": int(torch.isnan(vals).sum()) if not t.is_complex() else int(torch.isnan(torch.view_as_real(t)).sum()),
+            "+inf": int((vals == math.inf).sum()),
+            "-inf": int((vals == -math.inf).sum()),
+        }
+        if t.is_complex():
+            r = torch.view_as_real(t)
+            counts = {
+                "nan": int(torch.isnan(r).sum()),
+                "+inf": int((r == math.inf).sum()),
+                "-inf": int((r == -math.inf).sum()),
+            }
+        if t.dim() == 0:
+            return ((), float(vals), counts) if bool(mask) else (None, None, counts)
+        flat = mask.reshape(-1).nonzero()
+        if flat.numel() == 0:
+            return None, None, counts
+        i = int(flat[0, 0])
+        index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape))
+        return index, float(vals.reshape(-1)[i]), counts
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _is_bad(t: torch.Tensor | None) -> bool:
+    return t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+
+
+class _Ctx:
+    """What the analysis of one step needs from the hunt."""
+
+    def __init__(self, log: StepLog, hunt: Hunt, step: int):
+        self.log = log
+        self.hunt = hunt
+        self.step = step
+        self.names: dict[nn.Module, str] = hunt._names or (hunt._build_names() if hunt._root is not None else {})
+        self._params: dict[int, tuple[str, str, nn.Module]] | None = None
+        self._replays: dict[tuple[int, bool], Replay | None] = {}
+        # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
+        self.where: dict[int, tuple[str, int, int, Path]] = {}
+
+    def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
+        if self._params is None:
+            self._params = {}
+            root = self.hunt._root
+            if root is not None:
+                for mname, m in root.named_modules():
+                    for pname, q in m.named_parameters(recurse=False):
+                        self._params.setdefault(id(q), (mname, pname, m))
+        got = self._params.get(id(p))
+        return got if got is not None else ("", "parameter", None)
+
+    def replay(self, top_i: int, backward: bool) -> Replay | None:
+        key = (top_i, backward)
+        if key in self._replays:
+            return self._replays[key]
+        r = None
+        top = self.log.tops[top_i]
+        if self.hunt.replay and _replayable(top):
+            grads = None
+            params = None
+            if backward:
+                grads = [self.log.tensors[k].grad for k in top.out_keys]
+                params = list(top.module.parameters())
+            r = replay_top(top, self.names, backward=grads, params=params)
+        self._replays[key] = r
+        return r
+
+
+def _replayable(top: Top) -> bool:
+    from ._tree import tensors
+
+    return top.kwargs is not None and [t._version for _, t in tensors(top.args)] == top.versions
+
+
+def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
+    """Findings of one step, in order of occurrence: at most one per phase."""
+    ctx = _Ctx(log, hunt, step)
+    sbad, vbad = log.bad_flags()
+    out: list[Finding] = []
+    # post-step checks of the previous step happened before anything else in this log
+    for (vec, meta), flags in zip(log.vectors, vbad):
+        if meta[0] == "optim" and any(flags):
+            f = _optimizer_finding(ctx, meta, flags)
+            if f is not None:
+                out.append(f)
+                break
+    firsts: dict[str, int] = {}
+    for i, bad in enumerate(sbad):
+        if bad and log.meta[i][0] not in firsts:
+            firsts[log.meta[i][0]] = i
+    for kind in sorted(firsts, key=firsts.__getitem__):
+        i = firsts[kind]
+        f = None
+        if kind == "fwd":
+            f = _forward_finding(ctx, i)
+        elif kind == "chk":
+            f = _check_finding(ctx, i)
+        elif kind == "bwd":
+            f = _backward_finding(ctx, i, sbad)
+        if f is not None:
+            out.append(f)
+    if hunt.mode == "sentinel" and not any(f.phase in ("forward", "backward") for f in out):
+        out[:0] = _sentinel_findings(ctx, bool(firsts) or any(any(v) for v in vbad))
+    for (vec, meta), flags in zip(log.vectors, vbad):
+        if meta[0] == "grad" and any(flags):
+            f = _grad_finding(ctx, meta, flags, earlier=bool(out))
+            if f is not None:
+                out.append(f)
+                break
+    return [_finish(ctx, f) for f in out]
+
+
+def _finish(ctx: _Ctx, f: Finding) -> Finding:
+    import dataclasses
+
+    where = ctx.where.get(id(f))
+    if where is not None and f.reproducible and ctx.hunt.replay:
+        phase, top_i, ordinal, path = where
+        top = ctx.log.tops[top_i]
+        if phase == "forward":
+            got = _oplevel.locate_forward(top, ctx.names, ordinal, path)
+        else:
+            grads = [ctx.log.tensors[k].grad for k in top.out_keys]
+            got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
+        if got is not None:
+            f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
+    hint = f.hint or _hints.hint(f)
+    return dataclasses.replace(f, hint=hint, rank=ctx.hunt.rank)
+
+
+# ---------------------------------------------------------------- forward
+def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
+    log = ctx.log
+    _, ci, j = log.meta[i]
+    c = log.calls[ci]
+    path = c.paths[j]
+    ref, ver = c.outs[j]
+    alive = ref()
+    tensor = alive if alive is not None and alive._version == ver else None
+    if tensor is not None and not _is_bad(tensor):
+        return None  # a finite sum that overflowed: not a finding
+    r = ctx.replay(c.top, backward=False)
+    rc = _match(r, c.ordinal, c.module)
+    reproducible: bool | None = None
+    cause = "unknown"
+    name, module, call = c.name, c.module, c.call
+    if r is not None and r.error is None:
+        first = _first_bad_forward(r)
+        reproducible = first is not None and first.ordinal == c.ordinal
+        if reproducible and rc is not None:
+            cause, rc, path = _forward_cause(r, rc, path)
+            if rc.ordinal != c.ordinal:  # born in an enclosing module's own code
+                name, module = rc.name, rc.module
+                call = _call_index(log, c.top, rc)
+            tensor = dict(rc.outputs).get(path, tensor)
+    if cause == "unknown" and any(_is_bad(p) for _, p in _own(module)):
+        cause = "parameter"
+    if tensor is None:
+        return _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
+    index, value, counts = element(tensor)
+    f = Finding(
+        phase="forward", module=name, module_type=type(module).__name__,
+        tensor=format_path("output", path), step=ctx.step, call=call, index=index, value=value,
+        counts=counts, shape=tuple(tensor.shape), dtype=_dtype(tensor), cause=cause,
+        reproducible=reproducible,
+    )
+    if rc is not None:
+        ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
+    return f
+
+
+def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | None:
+    if r is None or r.error is not None or ordinal >= len(r.calls):
+        return None
+    rc = r.calls[ordinal]
+    return rc if rc.module is module else None
+
+
+def _first_bad_forward(r: Replay) -> ReplayCall | None:
+    for o in r.order:
+        if any(r.calls[o].out_bad):
+            return r.calls[o]
+    return None
+
+
+def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCall, Path]:
+    """Cause at ``rc``; when fed in, climb to the innermost enclosing call that made it."""
+    if rc.params_bad:
+        return "parameter", rc, path
+    if not any(rc.in_bad):
+        return "created", rc, path
+    p = rc.parent
+    while p >= 0:
+        pc = r.calls[p]
+        if not any(pc.in_bad):
+            bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
+            if pc.params_bad:
+                return "parameter", rc, path
+            if bad_out:  # the enclosing module's own code made it; report its output
+                return "created", pc, bad_out[0][0]
+            return "created", rc, path
+        p = pc.parent
+    return "input", rc, path
+
+
+def _call_index(log: StepLog, top: int, rc: ReplayCall) -> int:
+    for c in log.calls:
+        if c.top == top and c.ordinal == rc.ordinal:
+            return c.call
+    return 0
+
+
+def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, call: int,
+             cause: str, reproducible: bool | None) -> Finding:
+    return Finding(
+        phase=phase, module=name, module_type=type(module).__name__, tensor=tensor, step=ctx.step,
+        call=call, index=None, value=None, counts={}, shape=(), dtype="", cause=cause,
+        reproducible=reproducible,
+    )
+
+
+# ---------------------------------------------------------------- check
+def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
+    _, name, t = ctx.log.meta[i]
+    if not _is_bad(t):
+        return None
+    index, value, counts = element(t)
+    fwd_bad = any(m[0] == "fwd" for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
+    return Finding(
+        phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,
+        call=sum(1 for m in ctx.log.meta[:i] if m[0] == "chk" and m[1] == name), index=index,
+        value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+        cause="input" if fwd_bad else "created",
+    )
+
+
+# ---------------------------------------------------------------- backward
+def _backward_culprit(
+    events: list[tuple[int, bool]], calls: list[Any]
+) -> tuple[Any, int, Path, str] | None:
+    """The call whose backward made the first non-finite gradient from finite ones.
+
+    ``events``: (tensor key, non-finite?) in the order autograd produced the gradients. A call
+    *created* it when a gradient w.r.t. one of its inputs is non-finite while every gradient
+    w.r.t. its outputs was finite; the earliest such input wins, ties go to the innermost call.
+    """
+    bad_at: dict[int, int] = {}
+    seen: set[int] = set()
+    for n, (k, b) in enumerate(events):
+        seen.add(k)
+        if b and k not in bad_at:
+            bad_at[k] = n
+    best: tuple[int, int, Any, int, Path] | None = None
+    for c in calls:
+        ins = [(bad_at[k], k, p) for k, p in c.in_keys if k in bad_at]
+        if not ins:
+            continue
+        if any(k in bad_at for k, _ in c.out_keys):
+            continue
+        n, k, p = min(ins, key=lambda x: x[0])
+        cand = (n, -c.depth, c, k, p)
+        if best is None or cand[:2] < best[:2]:
+            best = cand
+    if best is None:
+        return None
+    return best[2], best[3], best[4], "created"
+
+
+def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
+    log = ctx.log
+    k0 = log.meta[i][1]
+    # which top-level call's graph: the one whose calls touched the tensor
+    info = log.tensors[k0]
+    cis = [ci for ci, _ in info.producers + info.consumers if ci >= 0]
+    top_i = log.calls[cis[0]].top if cis else (len(log.tops) - 1)
+    if top_i < 0:
+        return None
+    r = ctx.replay(top_i, backward=True) if log.tops else None
+    if r is not None and r.error is None and r.grads:
+        events = [(k, _is_bad(g)) for k, g in r.grads]
+        got = _backward_culprit(events, r.calls)
+        reproducible = any(b for _, b in events)
+        if got is not None:
+            rc, k, path, cause = got
+            grad = next(g for kk, g in r.grads if kk == k and _is_bad(g))
+            if rc.params_bad:
+                cause = "parameter"
+            index, value, counts = element(grad)
+            f = Finding(
+                phase="backward", module=rc.name, module_type=type(rc.module).__name__,
+                tensor=_grad_input_name(path), step=ctx.step,
+                call=_call_index(log, top_i, rc), index=index, value=value, counts=counts,
+                shape=tuple(grad.shape), dtype=_dtype(grad), cause=cause, reproducible=reproducible,
+            )
+            ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
+            return f
+        if reproducible:
+            return _fed_backward(ctx, top_i, r, True)
+    # no replay: attribute from the log alone (no element)
+    events = [(m[1], b) for m, b in zip(log.meta, sbad) if m[0] == "bwd"]
+    got = _backward_culprit(events, [c for c in log.calls if c.top == top_i])
+    reproducible = False if r is not None and r.error is None else None
+    if got is not None:
+        c, _, path, cause = got
+        return _partial(ctx, "backward", c.name, c.module, _grad_input_name(path), c.call, cause, reproducible)
+    return _fed_backward(ctx, top_i, None, reproducible)
+
+
+def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | None) -> Finding | None:
+    """The gradient arriving at the model's output was already non-finite: made outside it."""
+    log = ctx.log
+    top = log.tops[top_i]
+    g = next((log.tensors[k].grad for k in top.out_keys if _is_bad(log.tensors[k].grad)), None)
+    name = ctx.names.get(top.module, "")
+    if g is None:
+        return _partial(ctx, "backward", name, top.module, "grad_output", 0, "unknown", reproducible)
+    index, value, counts = element(g)
+    return Finding(
+        phase="backward", module=name, module_type=type(top.module).__name__, tensor="grad_output",
+        step=ctx.step, call=0, index=index, value=value, counts=counts, shape=tuple(g.shape),
+        dtype=_dtype(g), cause="input", reproducible=reproducible,
+        hint="The gradient arriving at the model's output was already non-finite: it was made by "
+        "the code after the model (the loss). Pass the loss to hunt.check(loss) to see it.",
+    )
+
+
+def _grad_input_name(path: Path) -> str:
+    if len(path) >= 2 and path[0] == 0 and isinstance(path[1], int):
+        return f"grad_input[{path[1]}]"
+    if len(path) >= 2 and path[0] == 1:
+        return f"grad_input[{path[1]!r}]"
+    return format_path("grad_input", path)
+
+
+# ---------------------------------------------------------------- sentinel
+def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
+    """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
+    out: list[Finding] = []
+    for ti in range(len(ctx.log.tops)):
+        r = ctx.replay(ti, backward=False)
+        if r is None or r.error is not None:
+            continue
+        first = _first_bad_forward(r)
+        if first is not None:
+            cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
+            t = dict(rc.outputs)[path]
+            index, value, counts = element(t)
+            out.append(Finding(
+                phase="forward", module=rc.name, module_type=type(rc.module).__name__,
+                tensor=format_path("output", path), step=ctx.step, call=0, index=index, value=value,
+                counts=counts, shape=tuple(t.shape), dtype=_dtype(t), cause=cause, reproducible=True,
+            ))
+            return out
+    for ti, top in enumerate(ctx.log.tops):
+        if top.out_keys or not top.grad_enabled:
+            continue
+    return out
+
+
+# ---------------------------------------------------------------- grad / optimizer
+def _grad_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool], earlier: bool) -> Finding | None:
+    params = meta[2]
+    for p, b in zip(params, flags):
+        if not b or p.grad is None or not _is_bad(p.grad):
+            continue
+        mname, pname, m = ctx.param_owner(p)
+        g = p.grad
+        index, value, counts = element(g)
+        cause = "input" if earlier else ("parameter" if _is_bad(p) else "created")
+        return Finding(
+            phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
+            tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
+            shape=tuple(g.shape), dtype=_dtype(g), cause=cause,
+        )
+    return None
+
+
+def _optimizer_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Finding | None:
+    _, _, step, items, tens = meta
+    for (p, sk), t, b in zip(items, tens, flags):
+        if not b or not _is_bad(t):
+            continue
+        mname, pname, m = ctx.param_owner(p)
+        index, value, counts = element(t)
+        return Finding(
+            phase="optimizer", module=mname,
+            module_type=type(m).__name__ if m is not None else "Parameter",
+            tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
+            value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t), cause="created",
+            hint=_hints.optimizer_hint(pname, sk, value),
+        )
+    return None

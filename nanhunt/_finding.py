@@ -1,0 +1,145 @@
+"""The record of one non-finite value: :class:`Finding`, and the error that carries it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+__all__ = ["Finding", "NonFiniteError", "PHASES", "CAUSES"]
+
+PHASES = ("forward", "backward", "grad", "optimizer", "check")
+CAUSES = ("created", "input", "parameter", "unknown")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """Where one non-finite value was found. Every field is plain data."""
+
+    phase: str
+    module: str
+    module_type: str
+    tensor: str
+    step: int
+    call: int
+    index: tuple[int, ...] | None
+    value: float | None
+    counts: dict[str, int]
+    shape: tuple[int, ...]
+    dtype: str
+    cause: str
+    op: str | None = None
+    source: str | None = None
+    chain: tuple[str, ...] = ()
+    rank: int | None = None
+    reproducible: bool | None = None
+    hint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["index"] = list(self.index) if self.index is not None else None
+        d["shape"] = list(self.shape)
+        d["chain"] = list(self.chain)
+        d["value"] = _json_float(self.value)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["index"] = tuple(d["index"]) if d.get("index") is not None else None
+        kw["shape"] = tuple(d.get("shape", ()))
+        kw["chain"] = tuple(d.get("chain", ()))
+        v = d.get("value")
+        kw["value"] = float(v) if v is not None else None
+        kw["counts"] = dict(d.get("counts", {}))
+        return cls(**kw)
+
+    @property
+    def where(self) -> str:
+        """`module` as a person reads it: the model itself is ``<model>``."""
+        return self.module if self.module else "<model>"
+
+    def summary(self) -> str:
+        """The one-paragraph answer."""
+        return summarize(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _json_float(v: float | None) -> float | str | None:
+    if v is None:
+        return None
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
+
+
+def _kind(f: Finding) -> str:
+    if f.value is None:
+        return "NaN/Inf"
+    if math.isnan(f.value):
+        return "NaN"
+    return "+Inf" if f.value > 0 else "-Inf"
+
+
+_PHASE_WORDS = {
+    "forward": "in the forward of",
+    "backward": "in the backward of",
+    "grad": "in the accumulated gradient of",
+    "optimizer": "after the optimizer step, in",
+    "check": "in the checked tensor",
+}
+
+_CAUSE_WORDS = {
+    "created": "It was born here: the inputs and parameters were finite.",
+    "input": "It was fed in: an input was already non-finite.",
+    "parameter": "A parameter or buffer of this module was already non-finite (poisoned weights).",
+    "unknown": "Whether it was born here or fed in could not be told.",
+}
+
+
+def summarize(f: Finding) -> str:
+    where = f"`{f.where}` ({f.module_type})" if f.phase != "check" else f"`{f.module}`"
+    idx = "" if f.index is None else "[" + ", ".join(map(str, f.index)) + "]"
+    val = "" if f.value is None else f" = {_json_float(f.value)}"
+    c = f.counts
+    counts = (
+        f"{c.get('nan', 0)} nan, {c.get('+inf', 0)} +inf, {c.get('-inf', 0)} -inf" if c else "counts unknown"
+    )
+    shape = "(" + ", ".join(map(str, f.shape)) + ("," if len(f.shape) == 1 else "") + ")"
+    parts = [
+        f"First {_kind(f)} {_PHASE_WORDS.get(f.phase, f.phase)} {where} at step {f.step}, call {f.call}: "
+        f"{f.tensor}{idx}{val} (shape {shape}, {f.dtype}; {counts})."
+    ]
+    if f.op:
+        at = f" at {f.source}" if f.source else ""
+        parts.append(f"Created by {f.op}{at}.")
+    if len(f.chain) > 1:
+        parts.append("Path: " + " -> ".join(f.chain) + ".")
+    parts.append(_CAUSE_WORDS.get(f.cause, ""))
+    if f.rank is not None:
+        parts.append(f"Rank {f.rank}.")
+    if f.reproducible is False:
+        parts.append("Replaying the step did not reproduce it.")
+    if f.hint:
+        parts.append(f.hint)
+    return " ".join(p for p in parts if p)
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised at the first non-finite value when ``on_find="raise"``.
+
+    ``.finding`` is the first :class:`Finding`, ``.report`` the hunt's :class:`Report`.
+    """
+
+    def __init__(self, finding: Finding, report: Any = None) -> None:
+        super().__init__(finding.summary())
+        self.finding = finding
+        self.report = report
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.finding, self.report))

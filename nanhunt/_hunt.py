@@ -1,0 +1,501 @@
+"""`watch()` and `Hunt`: the hooks, the step's bookkeeping and its single sync.
+
+Hot path (every watched module call): one device-side sum per floating output tensor, appended
+to the step's log, plus one gradient hook per distinct tensor that requires grad. Nothing is read
+back to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when
+no optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
+non-finite. Only then is the step analysed (`_analyze`) and, if needed, replayed (`_replay`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+from . import _analyze
+from ._finding import Finding, NonFiniteError
+from ._log import Call, StepLog, TensorInfo, Top
+from ._probe import fused_probe, is_checked, probe
+from ._report import Report
+from ._tree import tensors
+
+__all__ = ["watch", "Hunt", "NonFiniteWarning"]
+
+_ON_FIND = ("raise", "warn", "record")
+_MODES = ("full", "sentinel")
+_NO = object()
+_MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Emitted for each finding when ``on_find="warn"``."""
+
+
+def watch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    on_find: str | Callable[[Finding], Any] = "raise",
+    scaler: Any = None,
+    ignore: Iterable[str] = (),
+    history: int = 32,
+    report: str | os.PathLike[str] | None = None,
+    **more: Any,
+) -> Hunt:
+    """Watch ``model`` (and ``optimizer``) for the first NaN/Inf. See ``Hunt``.
+
+    Extra options (``**more``):
+      ``mode="full"`` (per-module checks in forward and backward) or ``"sentinel"`` (only checked
+      tensors, gradients, parameters and optimizer state; localised by replay on a hit);
+      ``replay=True`` (replay the failing call to find the element, cause and op).
+    """
+    return Hunt(model, optimizer, on_find=on_find, scaler=scaler, ignore=ignore, history=history,
+                report=report, **more)
+
+
+class Hunt:
+    """A running watch. Use as a context manager or call :meth:`close`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        *,
+        on_find: str | Callable[[Finding], Any] = "raise",
+        scaler: Any = None,
+        ignore: Iterable[str] = (),
+        history: int = 32,
+        report: str | os.PathLike[str] | None = None,
+        mode: str = "full",
+        replay: bool = True,
+        rank: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
+        opts = _optimizers(optimizer)
+        if not (callable(on_find) or on_find in _ON_FIND):
+            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
+        if isinstance(ignore, str):
+            ignore = (ignore,)
+        ignore = tuple(ignore)
+        for p in ignore:
+            if not isinstance(p, str):
+                raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
+        if not isinstance(history, int) or isinstance(history, bool) or history < 0:
+            raise ValueError(f"history must be an int >= 0 (steps kept); got {history!r}")
+        if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
+        self._report_path = _check_report_path(report)
+
+        self.on_find = on_find
+        self.mode = mode
+        self.replay = replay
+        self.history = history
+        self.rank = rank if rank is not None else _dist_rank()
+        self.step = 0
+        self.findings: list[Finding] = []
+        self._root: nn.Module | None = model
+        self._opts: list[torch.optim.Optimizer] = opts
+        self._scaler = scaler
+        self._ignore = ignore
+        self._names: dict[nn.Module, str] | None = None
+        self._ignored: set[nn.Module] = set()
+        self._log = StepLog()
+        self._stack: list[Call] = []
+        self._paused = False
+        self._closed = False
+        self._steps_applied = 0
+        self._skipped_steps = 0
+        self._scale_history: list[float] = []
+        self._reported = False
+        self._handles: list[Any] = []
+
+        if mode == "full":
+            self._handles.append(_module_mod.register_module_forward_pre_hook(self._pre))
+            self._handles.append(
+                _module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
+            )
+        else:
+            self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
+        for i, opt in enumerate(opts):
+            self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
+            self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
+        if scaler is not None:
+            self._wrap_scaler(scaler)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def first(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    @property
+    def report(self) -> Report:
+        return Report(self.findings, history={}, meta=self._meta())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check(self, tensor: torch.Tensor, name: str = "check") -> torch.Tensor:
+        """Check a tensor computed outside any module (the loss). Returns it unchanged."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"hunt.check() needs a torch.Tensor, got {type(tensor).__name__} for {name!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
+        if self._closed or self._paused or not is_checked(tensor):
+            return tensor
+        log = self._log
+        with torch.no_grad():
+            log.sums.append(probe(tensor))
+        log.meta.append(("chk", name, tensor.detach()))
+        if self.mode == "full" and tensor.requires_grad and torch.is_grad_enabled():
+            k = self._key(tensor)
+            log.tensors[k].consumers.append((-1, (name,)))
+        return tensor
+
+    def close(self) -> None:
+        """Stop watching; idempotent. Raises a pending `NonFiniteError` in raise mode."""
+        self._close(raise_pending=True)
+
+    def __enter__(self) -> Hunt:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._close(raise_pending=exc_type is None)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "watching"
+        return f"<nanhunt.Hunt {state} step={self.step} findings={len(self.findings)}>"
+
+    # ------------------------------------------------------------------ hooks
+    def _name_of(self, module: nn.Module) -> str | None:
+        names = self._names
+        if names is None:
+            names = self._build_names()
+        return names.get(module)
+
+    def _build_names(self) -> dict[nn.Module, str]:
+        root = self._root
+        names: dict[nn.Module, str] = {}
+        if root is not None:
+            for n, m in root.named_modules(remove_duplicate=False):
+                names.setdefault(m, n)
+        self._names = names
+        self._ignored = {m for m, n in names.items() if any(fnmatch.fnmatchcase(n, p) for p in self._ignore)}
+        return names
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._paused:
+            return
+        name = self._name_of(module)
+        if name is None:
+            return
+        stack = self._stack
+        log = self._log
+        if not stack:
+            if module is self._root and not self._opts:
+                if log.root_calls:
+                    self._end_step(advance=True)
+                    log = self._log
+                log.root_calls += 1
+            elif len(log) > _MAX_ENTRIES:
+                self._end_step(advance=False)
+                log = self._log
+            top = len(log.tops)
+            log.tops.append(_capture_top(module, args))
+            parent, depth = -1, 0
+        else:
+            p = stack[-1]
+            top, parent, depth = p.top, p.index, p.depth + 1
+        counts = log.counts
+        n = counts.get(module, 0)
+        counts[module] = n + 1
+        t = log.tops[top]
+        c = Call(module, name, n, depth, parent, top, t.calls)
+        t.calls += 1
+        c.index = len(log.calls)
+        log.calls.append(c)
+        stack.append(c)
+
+    def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if output is _NO:  # the always-call path after an exception: (module, args, result)
+            output, kwargs = kwargs, {}
+        stack = self._stack
+        if not stack or self._paused:
+            return
+        if stack[-1].module is not module:
+            if not any(c.module is module for c in stack):
+                return
+            while stack[-1].module is not module:  # a child raised and was not unwound
+                stack.pop()
+        c = stack.pop()
+        log = self._log
+        ci = c.index
+        c.first = len(log.sums)
+        grad_on = torch.is_grad_enabled()
+        ignored = module in self._ignored if self._ignored else False
+        with torch.no_grad():
+            for path, t in tensors(output):
+                if not is_checked(t):
+                    continue
+                if grad_on and t.requires_grad:
+                    k = self._key(t)
+                    log.tensors[k].producers.append((ci, path))
+                    c.out_keys.append((k, path))
+                if ignored:
+                    log.ignored.add((id(t), t._version))
+                    continue
+                if self._ignored and (id(t), t._version) in log.ignored:
+                    continue
+                log.sums.append(probe(t))
+                log.meta.append(("fwd", ci, len(c.paths)))
+                c.paths.append(path)
+                c.outs.append((weakref.ref(t), t._version))
+        if grad_on:
+            for path, t in tensors((args, kwargs)):
+                if t.requires_grad and is_checked(t):
+                    k = self._key(t)
+                    log.tensors[k].consumers.append((ci, path))
+                    c.in_keys.append((k, path))
+        if c.depth == 0:
+            top = log.tops[c.top]
+            top.kwargs = kwargs
+            top.out_keys = [k for k, _ in c.out_keys]
+            for k in top.out_keys:
+                log.tensors[k].keep_grad = True
+
+    def _key(self, t: torch.Tensor) -> int:
+        """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
+        log = self._log
+        k = (id(t), t._version)
+        i = log.keys.get(k)
+        if i is not None and log.tensors[i].ref() is t:
+            return i
+        i = len(log.tensors)
+        info = TensorInfo()
+        info.ref = weakref.ref(t)
+        log.tensors.append(info)
+        log.keys[k] = i
+        log.handles.append(t.register_hook(partial(self._on_grad, log, i)))
+        return i
+
+    def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
+        if g is None or log is not self._log or self._paused or not is_checked(g):
+            return
+        with torch.no_grad():
+            log.sums.append(probe(g))
+        log.meta.append(("bwd", i))
+        info = log.tensors[i]
+        if info.keep_grad:
+            info.grad = g
+
+    # sentinel mode: only the root's calls are recorded, for the replay
+    def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._paused or self._stack:
+            return
+        log = self._log
+        if not self._opts:
+            if log.root_calls:
+                self._end_step(advance=True)
+                log = self._log
+            log.root_calls += 1
+        top = _capture_top(module, args)
+        top.kwargs = kwargs
+        log.tops.append(top)
+        c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
+        log.counts[module] = c.call + 1
+        c.index = len(log.calls)
+        log.calls.append(c)
+        self._stack.append(c)
+
+    def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if self._stack and self._stack[-1].module is module:
+            c = self._stack.pop()
+            c.first = len(self._log.sums)
+
+    # ------------------------------------------------------------------ steps
+    def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._paused:
+            return
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        log = self._log
+        if grads:
+            log.vectors.append((fused_probe([g.to_dense() if g.is_sparse else g for g in grads]), ("grad", i, params)))
+        self._end_step(advance=False)
+
+    def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._paused:
+            return
+        self._steps_applied += 1
+        step = self.step
+        self.step += 1
+        items: list[tuple[torch.Tensor, str]] = []
+        tens: list[torch.Tensor] = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if is_checked(p) and p.numel():
+                    tens.append(p)
+                    items.append((p, ""))
+                for sk, sv in opt.state.get(p, {}).items():
+                    if isinstance(sv, torch.Tensor) and sv.dim() > 0 and is_checked(sv) and not sv.is_sparse:
+                        tens.append(sv)
+                        items.append((p, sk))
+        if tens:
+            self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens)))
+        if self._scaler is not None:
+            self._scale_history.append(self._scaler._scale)  # a device tensor: read only for a report
+
+    def _wrap_scaler(self, scaler: Any) -> None:
+        orig = scaler.step
+        hunt = weakref.ref(self)
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            h = hunt()
+            before = h._steps_applied if h is not None else 0
+            try:
+                return orig(optimizer, *args, **kwargs)
+            finally:
+                if h is not None and not h._closed and h._steps_applied == before:
+                    h._skipped_steps += 1
+                    h._drop_backward()
+
+        step.__nanhunt__ = True  # type: ignore[attr-defined]
+        scaler.step = step
+
+    def _drop_backward(self) -> None:
+        """The scaler skipped this step: its non-finite scaled gradients are expected."""
+        log = self._log
+        keep = [i for i, m in enumerate(log.meta) if m[0] != "bwd"]
+        log.sums = [log.sums[i] for i in keep]
+        log.meta = [log.meta[i] for i in keep]
+        log.vectors = [v for v in log.vectors if v[1][0] != "grad"]
+
+    def _end_step(self, *, advance: bool, raise_ok: bool = True) -> None:
+        """The step's single sync; analysis and `on_find` only on a hit."""
+        log, self._log = self._log, StepLog()
+        self._stack.clear()
+        step = self.step
+        if advance:
+            self.step += 1
+        try:
+            if not log.any_bad():
+                return
+            self._paused = True
+            try:
+                found = _analyze.analyze(log, self, step)
+            finally:
+                self._paused = False
+        finally:
+            log.release()
+        if found:
+            self._handle(found, raise_ok)
+
+    def _handle(self, found: list[Finding], raise_ok: bool) -> None:
+        self.findings.extend(found)
+        if self._report_path is not None:
+            self._write_report()
+        if callable(self.on_find):
+            for f in found:
+                self.on_find(f)
+        elif self.on_find == "warn":
+            for f in found:
+                warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
+        elif self.on_find == "raise" and raise_ok:
+            raise NonFiniteError(found[0], self.report)
+
+    def _write_report(self) -> None:
+        try:
+            self.report.save(self._report_path)  # type: ignore[arg-type]
+        except OSError as e:  # never break the user's run over a report
+            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {e}", stacklevel=3)
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "steps": self.step,
+            "mode": self.mode,
+            "skipped_steps": self._skipped_steps,
+            "torch": torch.__version__,
+            "rank": self.rank,
+        }
+
+    def _close(self, raise_pending: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._root is not None:
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise")
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._log.release()
+            self._stack.clear()
+            if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
+                del self._scaler.step
+            self._scaler = None
+            self._root = None
+            self._opts = []
+            self._names = None
+            self._ignored = set()
+            if self._report_path is not None:
+                self._write_report()
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in opts:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or a list of them; got {type(o).__name__}"
+            )
+    return opts
+
+
+def _check_report_path(report: Any) -> str | None:
+    if report is None:
+        return None
+    path = os.fspath(report)
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".json", ".html", ".txt"):
+        raise ValueError(f"report must end in .json, .html or .txt; got {path!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"report {path!r}: folder {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise PermissionError(f"report {path!r} is not writable")
+    return path
+
+
+def _dist_rank() -> int | None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return None
+
+
+def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
+    cuda_rng = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_rng = torch.cuda.get_rng_state_all()
+    autocast = tuple(
+        (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+    )
+    top = Top(module, args, torch.get_rng_state(), cuda_rng, autocast, torch.is_grad_enabled())
+    top.versions = [t._version for _, t in tensors(args)]
+    return top

@@ -1,0 +1,45 @@
+"""Device-side probes: one small tensor per checked tensor, non-finite iff the tensor has a
+non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
+exactly before it becomes a finding). No probe reads anything back to the host."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["probe", "fused_probe", "is_checked"]
+
+_F32 = torch.float32
+
+
+def is_checked(t: torch.Tensor) -> bool:
+    """Only floating and complex tensors can hold NaN/Inf."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def probe(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float32 tensor on ``t``'s device; call under ``torch.no_grad()``."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype is _F32:
+        return t.sum()
+    return t.sum(dtype=_F32)
+
+
+def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One float32 vector, one element per tensor, in order; fused per (device, dtype)."""
+    if not tensors:
+        return torch.zeros(0)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    with torch.no_grad():
+        if len(groups) == 1:
+            ts = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
+            return torch.stack(torch._foreach_norm(ts, 2, dtype=_F32))
+        dev = tensors[0].device
+        out = torch.empty(len(tensors), dtype=_F32, device=dev)
+        for (d, _), idx in groups.items():
+            ts = [torch.view_as_real(tensors[i]) if tensors[i].is_complex() else tensors[i] for i in idx]
+            norms = torch.stack(torch._foreach_norm(ts, 2, dtype=_F32)).to(dev, non_blocking=True)
+            out[torch.tensor(idx, device=dev)] = norms
+        return out

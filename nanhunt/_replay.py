@@ -1,0 +1,184 @@
+"""Faithful replay of one top-level call, after a hit, with every watched module instrumented.
+
+The replay uses the call's own inputs (references kept for the step), the parameters as they are
+before the optimizer applies the step, the RNG state captured at the call (CPU and CUDA), its
+autocast and grad mode. Buffers (BatchNorm statistics) and the user's RNG stream are restored
+afterwards, and no `.grad` is touched: the user's run goes on exactly as if no replay happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+from ._log import Top
+from ._tree import Path, tensors
+
+__all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
+
+
+@dataclass
+class ReplayCall:
+    module: nn.Module
+    name: str
+    ordinal: int
+    depth: int
+    parent: int
+    inputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
+    outputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
+    out_bad: list[bool] = field(default_factory=list)
+    in_bad: list[bool] = field(default_factory=list)
+    params_bad: list[str] = field(default_factory=list)
+    in_keys: list[tuple[int, Path]] = field(default_factory=list)
+    out_keys: list[tuple[int, Path]] = field(default_factory=list)
+    done: int = -1  # completion order
+
+
+@dataclass
+class Replay:
+    calls: list[ReplayCall]
+    order: list[int]  # call indices in completion (post-hook) order
+    output: Any
+    grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tensor key, grad) in autograd order
+    param_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+    error: str | None = None
+
+
+def _bad(t: torch.Tensor) -> bool:
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    return not bool(torch.isfinite(t).all())
+
+
+@contextlib.contextmanager
+def faithful(top: Top) -> Iterator[None]:
+    """Run inside the state ``top`` was called in; restore the user's state afterwards."""
+    mod = top.module
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
+    with torch.no_grad():
+        bufs = [(b, b.clone()) for b in mod.buffers()]
+    stack = contextlib.ExitStack()
+    try:
+        torch.set_rng_state(top.rng)
+        if top.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(top.cuda_rng)
+        for dev, enabled, dtype in top.autocast:
+            if enabled:
+                stack.enter_context(torch.autocast(dev, dtype=dtype))
+        stack.enter_context(torch.set_grad_enabled(top.grad_enabled))
+        yield
+    finally:
+        stack.close()
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        with torch.no_grad():
+            for b, v in bufs:
+                b.copy_(v)
+
+
+def replay_top(
+    top: Top,
+    names: dict[nn.Module, str],
+    *,
+    backward: list[torch.Tensor | None] | None = None,
+    params: list[nn.Parameter] | None = None,
+) -> Replay:
+    """Re-run ``top`` with every watched module call recorded.
+
+    With ``backward`` (the gradients that arrived at the top-level outputs, in output order), also
+    run the backward pass through ``torch.autograd.grad`` (nothing accumulates into ``.grad``),
+    recording the gradient of every module input and output in the order autograd produced them.
+    """
+    calls: list[ReplayCall] = []
+    order: list[int] = []
+    stack: list[int] = []
+    keys: dict[int, int] = {}
+    key_tensors: list[torch.Tensor] = []
+    grads: list[tuple[int, torch.Tensor]] = []
+    handles: list[Any] = []
+    want_grad = backward is not None
+
+    def key(t: torch.Tensor) -> int:
+        k = keys.get(id(t) * 1_000_003 + t._version)
+        if k is not None and key_tensors[k] is t:
+            return k
+        k = len(key_tensors)
+        key_tensors.append(t)
+        keys[id(t) * 1_000_003 + t._version] = k
+        handles.append(t.register_hook(lambda g, k=k: grads.append((k, g)) if g is not None else None))
+        return k
+
+    def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = names.get(module)
+        if name is None:
+            return
+        parent = stack[-1] if stack else -1
+        c = ReplayCall(module, name, len(calls), len(stack), parent)
+        calls.append(c)
+        stack.append(c.ordinal)
+
+    def post(module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = None) -> None:
+        if not stack or calls[stack[-1]].module is not module:
+            return
+        c = calls[stack.pop()]
+        c.done = len(order)
+        order.append(c.ordinal)
+        with torch.no_grad():
+            c.inputs = [(p, t) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
+            c.in_bad = [_bad(t) for _, t in c.inputs]
+            c.outputs = [(p, t) for p, t in tensors(output)]
+            c.out_bad = [_bad(t) for _, t in c.outputs]
+            c.params_bad = [n for n, p in _own_tensors(module) if _bad(p)]
+        if want_grad and torch.is_grad_enabled():
+            for p, t in c.outputs:
+                if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                    c.out_keys.append((key(t), p))
+            for p, t in c.inputs:
+                if t.requires_grad and (t.is_floating_point() or t.is_complex()):
+                    c.in_keys.append((key(t), p))
+
+    h1 = _module_mod.register_module_forward_pre_hook(pre)
+    h2 = _module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True)
+    result = Replay(calls, order, None)
+    try:
+        with faithful(top):
+            if want_grad:
+                with torch.enable_grad():
+                    out = top.module(*top.args, **(top.kwargs or {}))
+            else:
+                out = top.module(*top.args, **(top.kwargs or {}))
+        result.output = out
+        h1.remove()
+        h2.remove()
+        if want_grad:
+            outs = [t for _, t in tensors(out) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, backward or []) if g is not None]
+            leaves = [p for p in (params or []) if p.requires_grad]
+            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+            if pairs and leaves:
+                gs = torch.autograd.grad(
+                    [o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True
+                )
+                result.param_grads = [(p, g) for p, g in zip(leaves, gs) if isinstance(p, nn.Parameter)]
+            result.grads = grads
+    except Exception as e:  # a replay must never break the user's run
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        h1.remove()
+        h2.remove()
+        for h in handles:
+            h.remove()
+    return result
+
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=True)
+    yield from module.named_buffers(recurse=True)

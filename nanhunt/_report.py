@@ -1,0 +1,124 @@
+"""`Report`: the findings, the magnitude history and the early warnings, as plain data.
+
+Rendering lives elsewhere (`_render`): this module only holds data and writes files atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ._finding import Finding
+
+__all__ = ["Report", "SCHEMA"]
+
+SCHEMA = "nanhunt.report/1"
+
+
+class Report:
+    """What a hunt found. ``str(report)`` is the terminal text; ``save(path)`` writes a file."""
+
+    def __init__(
+        self,
+        findings: Sequence[Finding] = (),
+        history: dict[str, Any] | None = None,
+        warnings: Sequence[dict[str, Any]] = (),
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self.findings: list[Finding] = list(findings)
+        self.history: dict[str, Any] = dict(history or {})
+        self.warnings: list[dict[str, Any]] = list(warnings)
+        self.meta: dict[str, Any] = dict(meta or {})
+
+    @property
+    def first(self) -> Finding | None:
+        return self.findings[0] if self.findings else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "first": self.first.to_dict() if self.first else None,
+            "findings": [f.to_dict() for f in self.findings],
+            "history": self.history,
+            "warnings": self.warnings,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("nanhunt.report/"):
+            raise ValueError("not a nanhunt report: the 'schema' field is missing or unknown")
+        return cls(
+            [Finding.from_dict(f) for f in d.get("findings", [])],
+            history=d.get("history") or {},
+            warnings=d.get("warnings") or [],
+            meta=d.get("meta") or {},
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Report:
+        with open(path, encoding="utf-8") as fh:
+            try:
+                d = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)} is not a JSON report: {e}") from None
+        return cls.from_dict(d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False, default=_plain)
+
+    def to_text(self) -> str:
+        from ._render import text
+
+        return text(self)
+
+    def to_html(self) -> str:
+        from ._render import html
+
+        return html(self)
+
+    def save(self, path: str | os.PathLike[str]) -> str:
+        """Write by suffix (``.json``, ``.html``, ``.txt``), atomically; returns the path."""
+        p = os.fspath(path)
+        suffix = os.path.splitext(p)[1].lower()
+        if suffix == ".json":
+            data = self.to_json()
+        elif suffix == ".html":
+            data = self.to_html()
+        elif suffix == ".txt":
+            data = self.to_text()
+        else:
+            raise ValueError(f"report path must end in .json, .html or .txt; got {p!r}")
+        folder = os.path.dirname(os.path.abspath(p))
+        fd, tmp = tempfile.mkstemp(prefix=".nanhunt-", suffix=suffix, dir=folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(data)
+            os.replace(tmp, p)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return p
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        return f"<nanhunt.Report findings={len(self.findings)} first={self.first.module if self.first else None!r}>"
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from ._render import rich_renderables
+
+        yield from rich_renderables(self)
+
+
+def _plain(o: Any) -> Any:
+    if isinstance(o, float):
+        return str(o)
+    if isinstance(o, (tuple, set)):
+        return list(o)
+    return str(o)
