@@ -129,9 +129,9 @@ class Hunt:
         else:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
-        for i, opt in enumerate(opts):
-            self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
-            self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
+        self._opts = []
+        for opt in opts:
+            self.add_optimizer(opt)
         if scaler is not None:
             self._wrap_scaler(scaler)
 
@@ -147,6 +147,18 @@ class Hunt:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch one more optimizer; its ``step()`` calls now count the training step."""
+        if self._closed:
+            raise RuntimeError("this hunt is closed")
+        (opt,) = _optimizers(optimizer)
+        if any(o is opt for o in self._opts):
+            return
+        i = len(self._opts)
+        self._opts.append(opt)
+        self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
+        self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
 
     def check(self, tensor: torch.Tensor, name: str = "check") -> torch.Tensor:
         """Check a tensor computed outside any module (the loss). Returns it unchanged."""
