@@ -23,6 +23,7 @@ from torch.nn.modules import module as _module_mod
 
 from . import _analyze
 from ._finding import Finding, NonFiniteError
+from ._history import History, stats
 from ._log import Call, StepLog, TensorInfo, Top
 from ._probe import fused_probe, is_checked, probe
 from ._report import Report
@@ -78,6 +79,7 @@ class Hunt:
         mode: str = "full",
         replay: bool = True,
         rank: int | None = None,
+        stats_every: int = 10,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
@@ -94,6 +96,8 @@ class Hunt:
                 raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
         if not isinstance(history, int) or isinstance(history, bool) or history < 0:
             raise ValueError(f"history must be an int >= 0 (steps kept); got {history!r}")
+        if not isinstance(stats_every, int) or isinstance(stats_every, bool) or stats_every < 1:
+            raise ValueError(f"stats_every must be an int >= 1 (sample magnitudes every N steps); got {stats_every!r}")
         if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         self._report_path = _check_report_path(report)
@@ -117,7 +121,9 @@ class Hunt:
         self._closed = False
         self._steps_applied = 0
         self._skipped_steps = 0
-        self._scale_history: list[float] = []
+        self._history = History(history)
+        self._stats_every = stats_every
+        self._stats_on = mode == "full" and history > 0
         self._reported = False
         self._handles: list[Any] = []
 
@@ -142,7 +148,8 @@ class Hunt:
 
     @property
     def report(self) -> Report:
-        return Report(self.findings, history={}, meta=self._meta())
+        hist = self._history.to_dict()
+        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta())
 
     @property
     def closed(self) -> bool:
@@ -273,6 +280,9 @@ class Hunt:
                     continue
                 log.sums.append(probe(t))
                 log.meta.append(("fwd", ci, len(c.paths)))
+                if self._stats_on and not c.paths and t.numel():
+                    log.stats.append(stats(t))
+                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
                 c.paths.append(path)
                 c.outs.append((weakref.ref(t), t._version))
         if grad_on:
@@ -354,6 +364,7 @@ class Hunt:
         self._steps_applied += 1
         step = self.step
         self.step += 1
+        self._stats_on = self.mode == "full" and self.history > 0 and self.step % self._stats_every == 0
         items: list[tuple[torch.Tensor, str]] = []
         tens: list[torch.Tensor] = []
         for g in opt.param_groups:
@@ -367,8 +378,6 @@ class Hunt:
                         items.append((p, sk))
         if tens:
             self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens)))
-        if self._scaler is not None:
-            self._scale_history.append(self._scaler._scale)  # a device tensor: read only for a report
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
@@ -377,6 +386,8 @@ class Hunt:
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             h = hunt()
             before = h._steps_applied if h is not None else 0
+            if h is not None and getattr(scaler, "_scale", None) is not None:
+                h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
             try:
                 return orig(optimizer, *args, **kwargs)
             finally:
@@ -402,6 +413,8 @@ class Hunt:
         step = self.step
         if advance:
             self.step += 1
+        self._history.add(step, list(log.stats_rows), log.stats)
+        self._stats_on = self.mode == "full" and self.history > 0 and self.step % self._stats_every == 0
         try:
             if not log.any_bad():
                 return

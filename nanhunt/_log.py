@@ -94,6 +94,8 @@ class StepLog:
         self.handles: list[Any] = []
         self.counts: dict[nn.Module, int] = {}
         self.ignored: set[tuple[int, int]] = set()
+        self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
+        self.stats_rows: list[tuple[str, str, int]] = []
         self.root_calls = 0
 
     def __len__(self) -> int:
@@ -131,3 +133,5 @@ class StepLog:
         self.keys.clear()
         self.counts.clear()
         self.ignored.clear()
+        self.stats.clear()
+        self.stats_rows.clear()

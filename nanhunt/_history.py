@@ -1,0 +1,123 @@
+"""Per-module magnitude history and the early warnings read from it.
+
+On sampled steps (every ``stats_every``-th), the forward hook stacks four device-side numbers for
+the first floating output of each watched call: min, max, L2 norm and count of non-zeros. The
+step's stats stay on the device in a ring of ``history`` entries; they are read back only when a
+report is made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+
+__all__ = ["History", "stats"]
+
+
+def stats(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max, l2, nonzeros]`` as float32 on ``t``'s device; call under no_grad."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    mn, mx = torch.aminmax(t)
+    return torch.stack([
+        mn.float(), mx.float(), torch.linalg.vector_norm(t, dtype=torch.float32),
+        torch.count_nonzero(t).float(),
+    ])
+
+
+class History:
+    """A bounded ring of sampled steps."""
+
+    def __init__(self, maxlen: int) -> None:
+        self._ring: deque[tuple[int, list[tuple[str, str, int]], torch.Tensor]] = deque(maxlen=max(maxlen, 0))
+        self.scales: deque[tuple[int, Any]] = deque(maxlen=max(maxlen, 4))
+
+    def add(self, step: int, rows: list[tuple[str, str, int]], values: list[torch.Tensor]) -> None:
+        if self._ring.maxlen and values:
+            self._ring.append((step, rows, torch.stack(values)))
+
+    def clear(self) -> None:
+        self._ring.clear()
+        self.scales.clear()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain-data history of a report (see `Report.history`)."""
+        if not self._ring:
+            return {}
+        steps = [s for s, _, _ in self._ring]
+        modules: list[str] = []
+        dtypes: dict[str, str] = {}
+        per_step: list[dict[str, tuple[float, float, float]]] = []
+        for _, rows, vals in self._ring:
+            agg: dict[str, list[float]] = {}
+            for (name, dtype, numel), (mn, mx, l2, nz) in zip(rows, vals.double().cpu().tolist()):
+                if name not in dtypes:
+                    dtypes[name] = dtype
+                    modules.append(name)
+                absmax = max(abs(mn), abs(mx)) if not (math.isnan(mn) or math.isnan(mx)) else math.nan
+                a = agg.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+                a[0] = absmax if math.isnan(absmax) else max(a[0], absmax)
+                a[1] += l2 * l2
+                a[2] += numel
+                a[3] += numel - nz
+            per_step.append({n: (a[0], math.sqrt(a[1] / a[2]) if a[2] else 0.0, a[3] / a[2] if a[2] else 0.0)
+                             for n, a in agg.items()})
+        out: dict[str, Any] = {"steps": steps, "modules": modules, "dtype": dtypes,
+                               "absmax": [], "rms": [], "zeros": [], "headroom": []}
+        for name in modules:
+            fmax = _finfo_max(dtypes[name])
+            rows = [ps.get(name) for ps in per_step]
+            out["absmax"].append([_num(r[0]) if r else None for r in rows])
+            out["rms"].append([_num(r[1]) if r else None for r in rows])
+            out["zeros"].append([_num(r[2]) if r else None for r in rows])
+            out["headroom"].append([
+                _num(fmax / r[0]) if r and fmax and r[0] and math.isfinite(r[0]) else None for r in rows
+            ])
+        return out
+
+    def warnings(self, hist: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Early warnings: near the dtype's max, geometric growth, a falling loss scale."""
+        hist = self.to_dict() if hist is None else hist
+        out: list[dict[str, Any]] = []
+        if hist:
+            steps = hist["steps"]
+            for name, row in zip(hist["modules"], hist["absmax"]):
+                dtype = hist["dtype"][name]
+                vals = [v for v in row if isinstance(v, (int, float)) and math.isfinite(v)]
+                fmax = _finfo_max(dtype)
+                if dtype in ("float16", "bfloat16") and vals and fmax and vals[-1] >= fmax / 2:
+                    out.append({"kind": "near_overflow", "module": name, "step": steps[-1],
+                                "message": f"`{name or '<model>'}` output abs-max {vals[-1]:.4g} is within 2x of "
+                                           f"{dtype}'s largest finite value ({fmax:g})."})
+                tail = vals[-5:]
+                if len(tail) >= 5 and all(b > 1.5 * a > 0 for a, b in zip(tail, tail[1:])):
+                    out.append({"kind": "growth", "module": name, "step": steps[-1],
+                                "message": f"`{name or '<model>'}` output abs-max grows geometrically: "
+                                           + " -> ".join(f"{v:.3g}" for v in tail) + "."})
+        scales = [(s, float(v)) for s, v in self.scales]
+        if len(scales) >= 4:
+            last = scales[-4:]
+            if all(b[1] < a[1] for a, b in zip(last, last[1:])):
+                out.append({"kind": "scale_falling", "module": None, "step": last[-1][0],
+                            "message": "The GradScaler's scale fell at each of the last steps: "
+                                       + " -> ".join(f"{v:g}" for _, v in last)
+                                       + " (gradients keep overflowing)."})
+        return out
+
+
+def _finfo_max(dtype: str) -> float | None:
+    try:
+        return float(torch.finfo(getattr(torch, dtype)).max)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _num(v: float) -> float | str:
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return v
