@@ -193,7 +193,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             cause, rc, path = _forward_cause(r, rc, path)
             if rc.ordinal != c.ordinal:  # born in an enclosing module's own code
                 name, module = rc.name, rc.module
-                call = _call_index(log, c.top, rc)
+                call = _call_index(ctx, c.top, rc)
             tensor = dict(rc.outputs).get(path, tensor)
     if cause == "unknown" and any(_is_bad(p) for _, p in _own(module)):
         cause = "parameter"
@@ -249,11 +249,15 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
     return "input", rc, path
 
 
-def _call_index(log: StepLog, top: int, rc: ReplayCall) -> int:
-    for c in log.calls:
-        if c.top == top and c.ordinal == rc.ordinal:
+def _call_index(ctx: _Ctx, top: int, rc: ReplayCall) -> int:
+    """This module's call index within the step, for a call seen in a replay of ``top``."""
+    for c in ctx.log.calls:
+        if c.top == top and c.ordinal == rc.ordinal and c.module is rc.module:
             return c.call
-    return 0
+    earlier = sum(1 for c in ctx.log.calls if c.top < top and c.module is rc.module)
+    r = ctx._replays.get((top, False)) or ctx._replays.get((top, True))
+    within = sum(1 for o in (r.calls if r else []) if o.ordinal < rc.ordinal and o.module is rc.module)
+    return earlier + within
 
 
 def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, call: int,
@@ -302,7 +306,9 @@ def _backward_culprit(
         if not ins:
             continue
         if any(k in bad_at for k, _ in c.out_keys):
-            continue
+            continue  # fed a non-finite gradient
+        if not any(k in seen for k, _ in c.out_keys):
+            continue  # its backward never ran (no gradient reached its outputs)
         n, k, p = min(ins, key=lambda x: x[0])
         cand = (n, -c.depth, c, k, p)
         if best is None or cand[:2] < best[:2]:
@@ -321,27 +327,10 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
     top_i = log.calls[cis[0]].top if cis else (len(log.tops) - 1)
     if top_i < 0:
         return None
-    r = ctx.replay(top_i, backward=True) if log.tops else None
-    if r is not None and r.error is None and r.grads:
-        events = [(k, _is_bad(g)) for k, g in r.grads]
-        got = _backward_culprit(events, r.calls)
-        reproducible = any(b for _, b in events)
-        if got is not None:
-            rc, k, path, cause = got
-            grad = next(g for kk, g in r.grads if kk == k and _is_bad(g))
-            if rc.params_bad:
-                cause = "parameter"
-            index, value, counts = element(grad)
-            f = Finding(
-                phase="backward", module=rc.name, module_type=type(rc.module).__name__,
-                tensor=_grad_input_name(path), step=ctx.step,
-                call=_call_index(log, top_i, rc), index=index, value=value, counts=counts,
-                shape=tuple(grad.shape), dtype=_dtype(grad), cause=cause, reproducible=reproducible,
-            )
-            ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
-            return f
-        if reproducible:
-            return _fed_backward(ctx, top_i, r, True)
+    r = ctx.replay(top_i, backward=True)
+    f = _backward_from_replay(ctx, top_i, r)
+    if f is not None:
+        return f
     # no replay: attribute from the log alone (no element)
     events = [(m[1], b) for m, b in zip(log.meta, sbad) if m[0] == "bwd"]
     got = _backward_culprit(events, [c for c in log.calls if c.top == top_i])
@@ -350,6 +339,30 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
         c, _, path, cause = got
         return _partial(ctx, "backward", c.name, c.module, _grad_input_name(path), c.call, cause, reproducible)
     return _fed_backward(ctx, top_i, None, reproducible)
+
+
+def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | None:
+    if r is None or r.error is not None or not r.grads:
+        return None
+    events = [(k, _is_bad(g)) for k, g in r.grads]
+    if not any(b for _, b in events):
+        return None
+    got = _backward_culprit(events, r.calls)
+    if got is None:
+        return _fed_backward(ctx, top_i, r, True)
+    rc, k, path, cause = got
+    grad = next(g for kk, g in r.grads if kk == k and _is_bad(g))
+    if rc.params_bad:
+        cause = "parameter"
+    index, value, counts = element(grad)
+    f = Finding(
+        phase="backward", module=rc.name, module_type=type(rc.module).__name__,
+        tensor=_grad_input_name(path), step=ctx.step,
+        call=_call_index(ctx, top_i, rc), index=index, value=value, counts=counts,
+        shape=tuple(grad.shape), dtype=_dtype(grad), cause=cause, reproducible=True,
+    )
+    ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
+    return f
 
 
 def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | None) -> Finding | None:
@@ -381,26 +394,28 @@ def _grad_input_name(path: Path) -> str:
 # ---------------------------------------------------------------- sentinel
 def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
-    out: list[Finding] = []
     for ti in range(len(ctx.log.tops)):
         r = ctx.replay(ti, backward=False)
-        if r is None or r.error is not None:
+        first = _first_bad_forward(r) if r is not None and r.error is None else None
+        if r is None or first is None:
             continue
-        first = _first_bad_forward(r)
-        if first is not None:
-            cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
-            t = dict(rc.outputs)[path]
-            index, value, counts = element(t)
-            out.append(Finding(
-                phase="forward", module=rc.name, module_type=type(rc.module).__name__,
-                tensor=format_path("output", path), step=ctx.step, call=0, index=index, value=value,
-                counts=counts, shape=tuple(t.shape), dtype=_dtype(t), cause=cause, reproducible=True,
-            ))
-            return out
+        cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
+        t = dict(rc.outputs)[path]
+        index, value, counts = element(t)
+        f = Finding(
+            phase="forward", module=rc.name, module_type=type(rc.module).__name__,
+            tensor=format_path("output", path), step=ctx.step, call=_call_index(ctx, ti, rc),
+            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+            cause=cause, reproducible=True,
+        )
+        ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
+        return [f]
     for ti, top in enumerate(ctx.log.tops):
-        if top.out_keys or not top.grad_enabled:
-            continue
-    return out
+        if top.out_keys:
+            f = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
+            if f is not None:
+                return [f]
+    return []
 
 
 # ---------------------------------------------------------------- grad / optimizer
@@ -422,7 +437,7 @@ def _grad_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool], earlier: 
 
 
 def _optimizer_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Finding | None:
-    _, _, step, items, tens = meta
+    _, _, step, items, tens, fed = meta
     for (p, sk), t, b in zip(items, tens, flags):
         if not b or not _is_bad(t):
             continue
@@ -432,7 +447,7 @@ def _optimizer_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> F
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
-            value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t), cause="created",
-            hint=_hints.optimizer_hint(pname, sk, value),
+            value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+            cause="input" if fed else "created", hint=_hints.optimizer_hint(pname, sk, fed),
         )
     return None

@@ -96,8 +96,11 @@ def hint(f: Finding) -> str:
     return ""
 
 
-def optimizer_hint(param: str, state: str, value: float | None) -> str:
+def optimizer_hint(param: str, state: str, fed: bool) -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"
+    if fed:
+        return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
+                "gradients (on_find was not 'raise').")
     return (f"After the optimizer step, {what} is non-finite although the step was given finite "
             "gradients: an update that overflowed (an exploding learning rate, or a denominator like "
             "sqrt(exp_avg_sq) + eps at 0).")

@@ -122,6 +122,7 @@ class Hunt:
         self._steps_applied = 0
         self._skipped_steps = 0
         self._history = History(history)
+        self._bad_grads_step = -1
         self._stats_every = stats_every
         self._stats_on = mode == "full" and history > 0
         self._reported = False
@@ -343,9 +344,19 @@ class Hunt:
         self._stack.append(c)
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if output is _NO:
+            output, kwargs = kwargs, {}
         if self._stack and self._stack[-1].module is module:
             c = self._stack.pop()
             c.first = len(self._log.sums)
+            if torch.is_grad_enabled():  # for a backward replay: the gradients arriving at the output
+                top = self._log.tops[c.top]
+                for path, t in tensors(output):
+                    if t.requires_grad and is_checked(t):
+                        k = self._key(t)
+                        self._log.tensors[k].keep_grad = True
+                        top.out_keys.append(k)
+                        c.out_keys.append((k, path))
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -377,7 +388,8 @@ class Hunt:
                         tens.append(sv)
                         items.append((p, sk))
         if tens:
-            self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens)))
+            fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
+            self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens, fed)))
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
@@ -430,6 +442,8 @@ class Hunt:
 
     def _handle(self, found: list[Finding], raise_ok: bool) -> None:
         self.findings.extend(found)
+        if any(f.phase in ("backward", "grad") for f in found):
+            self._bad_grads_step = self.step
         if self._report_path is not None:
             self._write_report()
         if callable(self.on_find):
