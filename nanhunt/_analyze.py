@@ -141,8 +141,11 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             f = _backward_finding(ctx, i, sbad)
         if f is not None:
             out.append(f)
-    if hunt.mode == "sentinel" and not any(f.phase in ("forward", "backward") for f in out):
-        out[:0] = _sentinel_findings(ctx, bool(firsts) or any(any(v) for v in vbad))
+    compiled = [(meta, flags) for (_v, meta), flags in zip(log.vectors, vbad) if meta[0] == "compiled" and any(flags)]
+    if (hunt.mode == "sentinel" or compiled) and not any(f.phase in ("forward", "backward") for f in out):
+        out[:0] = _sentinel_findings(ctx, True)
+    if compiled and not any(f.phase == "forward" for f in out):
+        out[:0] = [_compiled_finding(ctx, *compiled[0])]
     for (vec, meta), flags in zip(log.vectors, vbad):
         if meta[0] == "grad" and any(flags):
             f = _grad_finding(ctx, meta, flags, earlier=bool(out))
@@ -188,7 +191,12 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     name, module, call = c.name, c.module, c.call
     if r is not None and r.error is None:
         first = _first_bad_forward(r)
-        reproducible = first is not None and first.ordinal == c.ordinal
+        if first is not None and rc is not None and first.ordinal != c.ordinal and _within(r, first, c.ordinal):
+            # the log saw only this call (compiled graph, or no hook inside): the replay sees deeper
+            rc, path = first, first.outputs[first.out_bad.index(True)][0]
+            name, module, call = rc.name, rc.module, _call_index(ctx, c.top, rc)
+            tensor = None
+        reproducible = first is not None and rc is not None and first.ordinal == rc.ordinal
         if reproducible and rc is not None:
             cause, rc, path = _forward_cause(r, rc, path)
             if rc.ordinal != c.ordinal:  # born in an enclosing module's own code
@@ -220,6 +228,15 @@ def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | No
         return None
     rc = r.calls[ordinal]
     return rc if rc.module is module else None
+
+
+def _within(r: Replay, rc: ReplayCall, ordinal: int) -> bool:
+    p = rc.parent
+    while p >= 0:
+        if p == ordinal:
+            return True
+        p = r.calls[p].parent
+    return False
 
 
 def _first_bad_forward(r: Replay) -> ReplayCall | None:
@@ -416,6 +433,21 @@ def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
             if f is not None:
                 return [f]
     return []
+
+
+def _compiled_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Finding:
+    """Inside a compiled graph, without a replay: the module and output, nothing finer."""
+    name, mtype, path = meta[1][flags.index(True)]
+    root = ctx.hunt._root
+    module = root.get_submodule(name) if root is not None else None
+    poisoned = module is not None and any(_is_bad(p) for _, p in _own(module))
+    return Finding(
+        phase="forward", module=name, module_type=mtype, tensor=format_path("output", path),
+        step=ctx.step, call=0, index=None, value=None, counts={}, shape=(), dtype="",
+        cause="parameter" if poisoned else "unknown",
+        hint="" if poisoned else "Found inside a compiled graph that could not be replayed eagerly "
+        "(model.compile()): only the module and output are known. Watch torch.compile(model) instead.",
+    )
 
 
 # ---------------------------------------------------------------- grad / optimizer

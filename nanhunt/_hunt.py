@@ -35,6 +35,7 @@ _ON_FIND = ("raise", "warn", "record")
 _MODES = ("full", "sentinel")
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
+_COMPILED_SLOTS = 4096  # (module, output) pairs checked inside compiled graphs
 
 
 class NonFiniteWarning(RuntimeWarning):
@@ -123,6 +124,14 @@ class Hunt:
         self._skipped_steps = 0
         self._history = History(history)
         self._bad_grads_step = -1
+        self._cbuf: torch.Tensor | None = None
+        self._slots: dict[tuple[str, Any], int] = {}
+        self._slot_meta: list[tuple[str, str, Any]] = []
+        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
+            self._build_names()
+            p = next(model.parameters(), None)
+            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=p.device if p is not None else "cpu")
+        _forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = stats_every
         self._stats_on = mode == "full" and history > 0
         self._reported = False
@@ -217,11 +226,15 @@ class Hunt:
         return names
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused:
-            return
+        if self._paused or torch.compiler.is_compiling():
+            return  # inside a compiled graph only _post_compiled runs
         name = self._name_of(module)
         if name is None:
-            return
+            module = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
+            name = self._names.get(module) if module is not None and self._names is not None else None
+            if name is None:
+                return
+            self._compiled_buffer(args)
         stack = self._stack
         log = self._log
         if not stack:
@@ -250,11 +263,15 @@ class Hunt:
         stack.append(c)
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if torch.compiler.is_compiling():
+            self._post_compiled(module, output)
+            return
         if output is _NO:  # the always-call path after an exception: (module, args, result)
             output, kwargs = kwargs, {}
         stack = self._stack
         if not stack or self._paused:
             return
+        module = getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
         if stack[-1].module is not module:
             if not any(c.module is module for c in stack):
                 return
@@ -298,6 +315,32 @@ class Hunt:
             top.out_keys = [k for k, _ in c.out_keys]
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
+
+    # torch.compile: inside a graph, a branch-free write into a device buffer, one slot per
+    # (module, output path), assigned at trace time. No list, no dict, no sync: no graph break.
+    def _post_compiled(self, module: nn.Module, output: Any) -> None:
+        names, buf = self._names, self._cbuf
+        if names is None or buf is None or self._paused:
+            return
+        name = names.get(module)
+        if name is None or module in self._ignored:
+            return
+        for path, t in tensors(output):
+            if not is_checked(t) or t.device != buf.device:
+                continue
+            slot = self._slots.get((name, path))
+            if slot is None:
+                if len(self._slots) >= buf.numel():
+                    continue
+                slot = self._slots[(name, path)] = len(self._slots)
+                self._slot_meta.append((name, type(module).__name__, path))
+            with torch.no_grad():
+                buf[slot].add_(probe(t))
+
+    def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
+        if self._cbuf is None:
+            dev = next((t.device for _, t in tensors(args)), torch.device("cpu"))
+            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=dev)
 
     def _key(self, t: torch.Tensor) -> int:
         """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
@@ -422,6 +465,9 @@ class Hunt:
         """The step's single sync; analysis and `on_find` only on a hit."""
         log, self._log = self._log, StepLog()
         self._stack.clear()
+        if self._slots and self._cbuf is not None:
+            log.vectors.append((self._cbuf[: len(self._slots)].clone(), ("compiled", list(self._slot_meta))))
+            self._cbuf.zero_()
         step = self.step
         if advance:
             self.step += 1
@@ -490,6 +536,10 @@ class Hunt:
             self._opts = []
             self._names = None
             self._ignored = set()
+            if self._slots:
+                _forget_compiled()  # compiled graphs traced our hooks in: drop them with us
+            self._cbuf = None
+            self._slots = {}
             if self._report_path is not None:
                 self._write_report()
 
@@ -519,6 +569,19 @@ def _check_report_path(report: Any) -> str | None:
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise PermissionError(f"report {path!r} is not writable")
     return path
+
+
+def _forget_compiled() -> None:
+    """Make torch.compile retrace: graphs compiled without (or with) our hooks must not run on."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    from torch._dynamo.utils import counters
+
+    if counters["stats"]["unique_graphs"]:
+        dynamo.reset()
 
 
 def _dist_rank() -> int | None:

@@ -1,0 +1,73 @@
+"""torch.compile: watching a compiled model adds no graph break and still localises to module level."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning"),
+    # dynamo itself touches .grad of non-leaf tensors while wrapping them (a torch-internal warning)
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 1))
+
+
+def _step(fn, opt, x):
+    loss = fn(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_compiled_model_no_graph_break_and_module_level_finding(how):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if how == "torch.compile":
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile(backend="aot_eager")
+        fn = model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(fn, opt, torch.randn(4, 8))  # compiled before watch(): the watch must force a retrace
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for _ in range(3):
+            _step(fn, opt, torch.randn(4, 8))
+        assert not hunt.findings
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        with torch.no_grad():
+            model[1].weight[3] = float("nan")  # a poisoned LayerNorm weight
+        _step(fn, opt, torch.randn(4, 8))
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_compiled_graphs_forget_the_hunt_after_close():
+    torch._dynamo.reset()
+    model = _model()
+    fn = torch.compile(model, backend="aot_eager")
+    with nanhunt.watch(model, on_find="record") as hunt:
+        fn(torch.randn(2, 8))
+    assert hunt._slots == {} and hunt._cbuf is None
+    with torch.no_grad():
+        model[0].weight.fill_(float("nan"))
+    fn(torch.randn(2, 8))  # runs without the hunt: nothing recorded, nothing raised
+    assert hunt.findings == []
