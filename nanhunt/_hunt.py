@@ -81,6 +81,7 @@ class Hunt:
         replay: bool = True,
         rank: int | None = None,
         stats_every: int = 10,
+        distributed: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
@@ -108,6 +109,8 @@ class Hunt:
         self.replay = replay
         self.history = history
         self.rank = rank if rank is not None else _dist_rank()
+        # all ranks stop at the same step: on by default when torch.distributed runs several ranks
+        self.distributed = (_dist_group() is not None) if distributed is None else bool(distributed)
         self.step = 0
         self.findings: list[Finding] = []
         self._root: nn.Module | None = model
@@ -243,7 +246,7 @@ class Hunt:
                     self._end_step(advance=True)
                     log = self._log
                 log.root_calls += 1
-            elif len(log) > _MAX_ENTRIES:
+            elif len(log) > _MAX_ENTRIES and not self.distributed:
                 self._end_step(advance=False)
                 log = self._log
             top = len(log.tops)
@@ -461,7 +464,7 @@ class Hunt:
         log.meta = [log.meta[i] for i in keep]
         log.vectors = [v for v in log.vectors if v[1][0] != "grad"]
 
-    def _end_step(self, *, advance: bool, raise_ok: bool = True) -> None:
+    def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = True) -> None:
         """The step's single sync; analysis and `on_find` only on a hit."""
         log, self._log = self._log, StepLog()
         self._stack.clear()
@@ -473,14 +476,28 @@ class Hunt:
             self.step += 1
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self.mode == "full" and self.history > 0 and self.step % self._stats_every == 0
+        found: list[Finding] = []
         try:
-            if not log.any_bad():
-                return
-            self._paused = True
-            try:
-                found = _analyze.analyze(log, self, step)
-            finally:
-                self._paused = False
+            flag = log.bad_flag()
+            group = _dist_group() if self.distributed and collective else None
+            if group is not None:  # one collective folded into the step's single sync
+                local = flag if flag is not None else torch.zeros((), dtype=torch.bool)
+                any_rank = _all_ranks_max(local)
+                if not any_rank:
+                    return
+                bad = flag is not None and bool(flag)
+            else:
+                bad = flag is not None and bool(flag)  # the step's one host read
+                if not bad:
+                    return
+            if bad:
+                self._paused = True
+                try:
+                    found = _analyze.analyze(log, self, step)
+                finally:
+                    self._paused = False
+            if group is not None:
+                found = _gather_findings(found, self.rank)
         finally:
             log.release()
         if found:
@@ -521,8 +538,9 @@ class Hunt:
             return
         self._closed = True
         try:
-            if self._root is not None:
-                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise")
+            if self._root is not None:  # no collective when leaving by an exception: peers may not come
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
+                               collective=raise_pending)
         finally:
             for h in self._handles:
                 h.remove()
@@ -582,6 +600,32 @@ def _forget_compiled() -> None:
 
     if counters["stats"]["unique_graphs"]:
         dynamo.reset()
+
+
+def _dist_group() -> Any:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def _all_ranks_max(flag: torch.Tensor) -> bool:
+    """OR of every rank's flag: one all_reduce, then the step's one host read."""
+    dist = torch.distributed
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = flag.to(device=dev, dtype=torch.int32).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t[0])
+
+
+def _gather_findings(found: list[Finding], rank: int | None) -> list[Finding]:
+    """After a hit on some rank: every rank gets every rank's findings of this step."""
+    dist = torch.distributed
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [f.to_dict() for f in found])
+    own = list(found)
+    others = [Finding.from_dict(d) for r, fs in enumerate(everyone) if r != rank for d in (fs or [])]
+    return own + others
 
 
 def _dist_rank() -> int | None:

@@ -101,21 +101,23 @@ class StepLog:
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
 
-    def any_bad(self) -> bool:
-        """The step's one host sync: is any recorded value non-finite?"""
+    def bad_flag(self) -> torch.Tensor | None:
+        """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
         parts = []
         if self.sums:
-            parts.append(torch.isfinite(torch.stack(self.sums)).all())
+            parts.append(torch.isfinite(_stack(self.sums)).all())
         for v, _ in self.vectors:
             parts.append(torch.isfinite(v).all())
         if not parts:
-            return False
-        ok = parts[0] if len(parts) == 1 else torch.stack([p.to(parts[0].device) for p in parts]).all()
-        return not bool(ok)
+            return None
+        if len(parts) == 1:
+            return ~parts[0]
+        dev = parts[0].device
+        return ~torch.stack([p.to(dev, non_blocking=True) for p in parts]).all()
 
     def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
         """After a hit: which entries are non-finite (more syncs, allowed now)."""
-        s = (~torch.isfinite(torch.stack(self.sums))).tolist() if self.sums else []
+        s = (~torch.isfinite(_stack(self.sums))).tolist() if self.sums else []
         v = [(~torch.isfinite(t)).tolist() for t, _ in self.vectors]
         return s, v
 
@@ -135,3 +137,12 @@ class StepLog:
         self.ignored.clear()
         self.stats.clear()
         self.stats_rows.clear()
+
+
+def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack 0-dim probes; probes on several devices (model parallel) meet on the first one."""
+    try:
+        return torch.stack(ts)
+    except RuntimeError:
+        dev = ts[0].device
+        return torch.stack([t.to(dev) for t in ts])
