@@ -1,18 +1,46 @@
-"""Op-level origin of a finding, by a second faithful replay under a TorchDispatchMode.
+"""Op-level origin of a finding, by a second faithful replay under a ``TorchDispatchMode``.
 
-(To be implemented: issue 3.)
+Runs only after a hit, on the one top-level call that failed, so host reads are allowed here.
+
+Forward: the call is replayed inside :func:`nanhunt._replay.faithful` with a dispatch mode that,
+while the reported module call is running, records every aten op: which tensor each floating input
+came from (the op that last wrote it), and where each output is non-finite (a small code per
+element: nan, +inf, -inf). From the reported element of the reported output we walk back, op by op,
+through inputs that are non-finite *at the element that matters* (exactly for pointwise ops, the
+selected branch of ``where`` / ``masked_fill``; the same row otherwise), until an op whose relevant
+inputs were all finite: that op created the value. Non-finite values that never reach the reported
+element (a ``-inf`` mask consumed by a softmax that stays finite, the untaken branch of
+``torch.where``) are never on that path, so they are never blamed.
+
+Backward: the forward is replayed with grad enabled; each autograd node is mapped to the forward
+line whose op created it; the backward is run through ``torch.autograd.grad`` (nothing touches
+``.grad``) with a hook on every node of the graph recording whether the gradients it received were
+finite and the gradients it produced were not. The creator is the node that produced a non-finite
+gradient from finite ones (``SqrtBackward0``, not the consumer that turned its ``inf`` into ``nan``).
+Inside a custom ``autograd.Function`` backward, the aten op that made the value is found the same
+way as in forward and put first in the chain.
+
+Nothing is left behind: modes, module hooks and node hooks are removed in ``finally``, the RNG and
+buffers are restored by ``faithful``, and any failure returns ``None``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ._log import Top
-from ._tree import Path
+from ._replay import faithful
+from ._tree import Path, get_path, tensors
 
 __all__ = ["OpOrigin", "locate_forward", "locate_backward"]
 
@@ -24,16 +52,696 @@ class OpOrigin:
     chain: list[str] = field(default_factory=list)  # "op @ file.py:LINE", oldest first
 
 
+# ---------------------------------------------------------------- source lines
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_NANHUNT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_USER, _SKIP, _STOP = 0, 1, 2
+_kinds: dict[str, int] = {}
+
+
+def _kind(filename: str) -> int:
+    k = _kinds.get(filename)
+    if k is None:
+        path = os.path.abspath(filename) if not filename.startswith("<") else filename
+        if path.startswith(_NANHUNT_DIR):
+            k = _USER if os.path.basename(path) == "_demo.py" else _STOP  # the demo's model is "user" code
+        elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen") or (
+            path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path[len(_STDLIB_DIR):]
+        ):
+            k = _SKIP
+        else:
+            k = _USER
+        _kinds[filename] = k
+    return k
+
+
+_FUNCTION_PY = torch.autograd.function.__file__
+
+
+def _user_frames(depth: int = 2) -> tuple[str | None, str | None]:
+    """The first frame outside torch and nanhunt (``file:line``), and, when that frame is a custom
+    ``autograd.Function`` forward, the line that called ``.apply``. ``None`` past a nanhunt frame:
+    the op was run by nanhunt itself (a built-in backward formula run from the replay)."""
+    f: Any = sys._getframe(depth)
+    while f is not None:
+        k = _kind(f.f_code.co_filename)
+        if k == _USER:
+            src = f"{f.f_code.co_filename}:{f.f_lineno}"
+            g = f.f_back
+            if g is not None and g.f_code.co_filename == _FUNCTION_PY:
+                while g is not None:
+                    kg = _kind(g.f_code.co_filename)
+                    if kg == _USER:
+                        return src, f"{g.f_code.co_filename}:{g.f_lineno}"
+                    if kg == _STOP:
+                        break
+                    g = g.f_back
+            return src, None
+        if k == _STOP:
+            return None, None
+        f = f.f_back
+    return None, None
+
+
+def _fmt(op: str, src: str | None) -> str:
+    return f"{op} @ {src}" if src else op
+
+
+# ---------------------------------------------------------------- per-element codes
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _code(t: torch.Tensor) -> torch.Tensor | None:
+    """``None`` when finite, else a uint8 tensor: 0 finite, 1 nan, 2 +inf, 3 -inf."""
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        bad = ~torch.isfinite(t)
+        return bad.to(torch.uint8) if bool(bad.any()) else None
+    if bool(torch.isfinite(t).all()):
+        return None
+    return (torch.isnan(t).to(torch.uint8) + (t == float("inf")).to(torch.uint8) * 2
+            + (t == float("-inf")).to(torch.uint8) * 3)
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except Exception:  # inference tensors have no version counter
+        return -1
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr()) or None
+    except Exception:
+        return None
+
+
+class _In:
+    __slots__ = ("pos", "shape", "code", "prod")
+
+    def __init__(self, pos: int, shape: tuple[int, ...], code: torch.Tensor | None, prod: tuple[int, int] | None):
+        self.pos = pos  # position among the op's tensor arguments
+        self.shape = shape
+        self.code = code  # None: finite
+        self.prod = prod  # (record, output slot) that last wrote it, None: made before the call
+
+
+class _Rec:
+    __slots__ = ("op", "src", "pointwise", "ins", "outs", "select", "origin", "node", "moves")
+
+    def __init__(self, op: str, src: str | None, pointwise: bool):
+        self.moves = False  # a view or a copy: never creates a value, left out of the chain
+        self.op = op
+        self.src = src
+        self.pointwise = pointwise
+        self.ins: list[_In] = []
+        self.outs: list[tuple[tuple[int, ...], torch.Tensor | None]] = []  # (shape, code)
+        self.select: tuple[str, Any] | None = None  # ("where", cond) / ("masked_fill", mask)
+        self.origin = 0  # earliest creating record on a non-finite path into it (a tie-break)
+        self.node: int = -1  # backward: the autograd node running it
+
+
+_NO_CHAIN = frozenset({"aten.clone.default", "aten.contiguous.default", "aten.detach.default",
+                       "aten.alias.default", "aten._unsafe_view.default", "aten.lift_fresh.default"})
+
+
+class _Recorder:
+    """Records ops (when ``on``): producers of tensors and where their outputs are non-finite."""
+
+    def __init__(self) -> None:
+        self.recs: list[_Rec] = []
+        self.by_id: dict[int, tuple[Any, int, torch.Tensor | None, tuple[int, int] | None]] = {}
+        self.by_storage: dict[int, tuple[int, int]] = {}
+
+    def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        """Code of ``t`` now, and the (record, slot) that last wrote it."""
+        e = self.by_id.get(id(t))
+        ver = _version(t)
+        if e is not None and e[0]() is t:
+            if e[1] == ver and ver >= 0:
+                return e[2], e[3]
+            prod = e[3]
+            st = _storage(t)
+            w = self.by_storage.get(st) if st is not None else None
+            if w is not None and (prod is None or w[0] > prod[0]):
+                prod = w
+            code = _code(t)
+            self.by_id[id(t)] = (weakref.ref(t), ver, code, prod)
+            return code, prod
+        st = _storage(t)
+        prod = self.by_storage.get(st) if st is not None else None
+        code = _code(t)
+        try:
+            self.by_id[id(t)] = (weakref.ref(t), ver, code, prod)
+        except TypeError:
+            pass
+        return code, prod
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], src: str | None) -> Any:
+        op = str(func)
+        try:
+            pointwise = torch.Tag.pointwise in func.tags
+        except Exception:
+            pointwise = False
+        rec = _Rec(op, src, pointwise)
+        rec.moves = op in _NO_CHAIN or bool(getattr(func, "is_view", False))
+        leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        origin = len(self.recs)
+        any_bad = False
+        for pos, t in enumerate(leaves):
+            if not _floating(t):
+                continue
+            code, prod = self.lookup(t)
+            if code is not None and prod is None and t.dim() == 0 and not t.requires_grad \
+                    and not isinstance(t, nn.Parameter):
+                code = None  # a literal (``h[m] = -inf``): this op is where it enters
+            rec.ins.append(_In(pos, tuple(t.shape), code, prod))
+            if code is not None:
+                any_bad = True
+        name = getattr(func, "__name__", "")
+        if name.startswith("where") and leaves and leaves[0].dtype == torch.bool:
+            rec.select = ("where", leaves[0])
+        elif name.startswith("masked_fill") and len(leaves) >= 2 and leaves[1].dtype == torch.bool:
+            rec.select = ("masked_fill", leaves[1])
+
+        out = func(*args, **kwargs)
+
+        outs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        seen = {id(x) for x in outs}
+        try:
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    v = args[i] if i < len(args) else kwargs.get(a.name)
+                    for x in tree_leaves(v):
+                        if isinstance(x, torch.Tensor) and id(x) not in seen:
+                            outs.append(x)
+                            seen.add(id(x))
+        except Exception:
+            pass
+        ri = len(self.recs)
+        if any_bad:
+            origins = [self.recs[i.prod[0]].origin for i in rec.ins if i.code is not None and i.prod is not None]
+            origin = min(origins) if origins else -1
+        rec.origin = origin
+        inplace = name.endswith("_") or "out" in kwargs
+        for slot, t in enumerate(outs):
+            code = _code(t) if _floating(t) else None
+            if code is not None and t.dim() == 0 and op == "aten.lift_fresh.default":
+                code = None  # a literal: blamed where it is used
+            rec.outs.append((tuple(t.shape), code))
+            try:
+                self.by_id[id(t)] = (weakref.ref(t), _version(t), code, (ri, slot))
+            except TypeError:
+                continue
+            if inplace or any(id(t) == id(x) for x in leaves):
+                st = _storage(t)
+                if st is not None:
+                    self.by_storage[st] = (ri, slot)
+        self.recs.append(rec)
+        return out
+
+    # ---------------------------------------------------------------- the walk back
+    def walk(self, start: tuple[int, int], idx: tuple[int, ...] | None) -> list[int] | None:
+        """Records from the creator to ``start`` (oldest first), following the reported element."""
+        path: list[int] = []
+        ri, slot = start
+        seen: set[tuple[int, int]] = set()
+        while True:
+            if (ri, slot) in seen or ri >= len(self.recs):
+                return None
+            seen.add((ri, slot))
+            rec = self.recs[ri]
+            shape, code = rec.outs[slot]
+            if code is None:
+                return None  # that output is finite: not on a non-finite path
+            if idx is None or len(idx) != code.dim() or int(code[idx]) == 0:
+                idx = _first(code)
+            path.append(ri)
+            cands = self._candidates(rec, shape, idx)
+            if not cands:
+                path.reverse()
+                return path  # every input that matters was finite: created here
+            key, inp, in_idx = min(cands, key=lambda c: c[0])
+            if inp.prod is None:
+                return None  # fed from before the call: not localised here
+            ri, slot = inp.prod
+            idx = in_idx
+
+    def _candidates(self, rec: _Rec, shape: tuple[int, ...], idx: tuple[int, ...]) -> list[tuple[Any, _In, Any]]:
+        sel_pos: int | None = None
+        if rec.select is not None:
+            kind, cond = rec.select
+            ci = _bmap(idx, shape, tuple(cond.shape))
+            if ci is not None:
+                c = bool(cond[ci])
+                if kind == "where":
+                    sel_pos = 1 if c else 2
+                else:
+                    sel_pos = 2 if c else 0  # masked_fill: the (tensor) value where the mask holds
+        out = []
+        for inp in rec.ins:
+            if inp.code is None:
+                continue
+            if sel_pos is not None and inp.pos != sel_pos:
+                continue
+            if rec.pointwise or sel_pos is not None:
+                in_idx = _bmap(idx, shape, inp.shape)
+                if in_idx is None:
+                    in_idx = _first(inp.code)
+                elif int(inp.code[in_idx]) == 0:
+                    continue  # finite where it matters
+            elif inp.shape == shape and int(inp.code[idx]) != 0:
+                in_idx = idx
+            elif inp.shape[:-1] == shape[:-1] and len(shape) >= 1 and bool(inp.code[idx[:-1]].any()):
+                row = inp.code[idx[:-1]]
+                in_idx = (*idx[:-1], int(row.nonzero()[0, 0]))
+            else:
+                in_idx = _first(inp.code)
+            v = int(inp.code[in_idx])
+            origin = self.recs[inp.prod[0]].origin if inp.prod is not None else sys.maxsize
+            # a -inf is most often an intended mask: follow anything else first
+            out.append(((v == 3, inp.prod is None, origin), inp, in_idx))
+        return out
+
+
+def _first(code: torch.Tensor) -> tuple[int, ...]:
+    if code.dim() == 0:
+        return ()
+    nz = code.reshape(-1).nonzero()
+    i = int(nz[0, 0]) if nz.numel() else 0
+    return tuple(int(x) for x in torch.unravel_index(torch.tensor(i), code.shape))
+
+
+def _bmap(idx: tuple[int, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The element of a broadcast input that feeds output element ``idx``."""
+    if len(in_shape) > len(out_shape) or len(idx) != len(out_shape):
+        return None
+    off = len(out_shape) - len(in_shape)
+    res = []
+    for d, s in enumerate(in_shape):
+        o = out_shape[off + d]
+        if s == o:
+            res.append(idx[off + d])
+        elif s == 1:
+            res.append(0)
+        else:
+            return None
+    return tuple(res)
+
+
+# ---------------------------------------------------------------- the dispatch mode
+class _Mode(TorchDispatchMode):
+    """Forward: records ops while ``on``. Also maps autograd nodes to the line of the op that
+    made them (``track_nodes``), and in backward, records ops run by a node with a user frame."""
+
+    def __init__(self, rec: _Recorder, track_nodes: bool = False) -> None:
+        super().__init__()
+        self.rec = rec
+        self.on = False
+        self.track_nodes = track_nodes
+        self.pending: list[tuple[Any, str | None, str | None, bool]] = []
+        self.node_src: dict[Any, tuple[str | None, bool]] = {}
+        self.node: list[int] = []  # backward: the running node (stack)
+        self.backward = False
+        self.quiet = 0
+
+    def flush(self) -> None:
+        """Outputs of earlier ops now carry their grad_fn: map each new node to its line."""
+        for ref, src, apply_src, inside in self.pending:
+            t = ref()
+            if t is None:
+                continue
+            fn = t.grad_fn
+            if fn is None or fn in self.node_src:
+                continue
+            if apply_src is not None and isinstance(fn, torch.autograd.function.BackwardCFunction):
+                src = apply_src
+            self.node_src[fn] = (src, inside)
+        self.pending.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.quiet:
+            return func(*args, **kwargs)
+        if self.backward:
+            if not self.node:
+                return func(*args, **kwargs)
+            src, _ = _user_frames()
+            if src is None:
+                return func(*args, **kwargs)
+            n0 = len(self.rec.recs)
+            out = self.rec.record(func, args, kwargs, src)
+            if len(self.rec.recs) > n0:
+                self.rec.recs[-1].node = self.node[-1]
+            return out
+        if not (self.on or self.track_nodes):
+            return func(*args, **kwargs)
+        if self.track_nodes and self.pending:
+            self.flush()
+        src, apply_src = _user_frames()
+        if self.on and not self.track_nodes:
+            return self.rec.record(func, args, kwargs, src)
+        out = func(*args, **kwargs)
+        if self.track_nodes:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.pending.append((weakref.ref(t), src, apply_src, self.on))
+                    if func.__name__.endswith("_") and t._is_view() and t._base is not None:
+                        self.pending.append((weakref.ref(t._base), src, apply_src, self.on))
+        return out
+
+
+class _Calls:
+    """Global module hooks, during the replay only: switch ``mode.on`` inside the target call."""
+
+    def __init__(self, names: dict[nn.Module, str], ordinal: int, mode: _Mode, path: Path | None = None):
+        self.names = names
+        self.ordinal = ordinal
+        self.mode = mode
+        self.count = 0
+        self.stack: list[tuple[nn.Module, bool]] = []
+        self.output: Any = None
+        self.done = False
+        self.in_path = path  # backward: the input whose gradient is reported
+        self.edge: Any = None
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _Calls:
+        self.handles.append(_module_mod.register_module_forward_pre_hook(self.pre))
+        self.handles.append(_module_mod.register_module_forward_hook(self.post, with_kwargs=True, always_call=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+            # torch (<= 2.13) leaves the id of a removed with_kwargs global hook behind
+            _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
+        self.handles.clear()
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module not in self.names:
+            return
+        target = self.count == self.ordinal and not self.done
+        self.count += 1
+        self.stack.append((module, target))
+        if target:
+            if self.in_path is not None and self.in_path[:1] == (0,):
+                self._edge((args, {}))
+            self.mode.on = True
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = None) -> None:
+        if not self.stack or self.stack[-1][0] is not module:
+            return
+        _, target = self.stack.pop()
+        if target:
+            self.mode.on = False
+            self.done = True
+            self.output = output
+            if self.in_path is not None and self.in_path[:1] != (0,):
+                self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
+
+    def _edge(self, inputs: Any) -> None:
+        try:
+            t = get_path(inputs, self.in_path)
+        except Exception:
+            return
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            self.edge = (t, torch.autograd.graph.get_gradient_edge(t))
+
+
+def _call(top: Top) -> Any:
+    return top.module(*top.args, **(top.kwargs or {}))
+
+
+# ---------------------------------------------------------------- forward
 def locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path) -> OpOrigin | None:
     """The op that created the first non-finite value on the path to the reported element of
     output ``path`` of the ``ordinal``-th watched call within ``top``."""
-    return None
+    try:
+        return _locate_forward(top, names, ordinal, path)
+    except Exception:
+        return None
 
 
+def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path) -> OpOrigin | None:
+    rec = _Recorder()
+    mode = _Mode(rec)
+    calls = _Calls(names, ordinal, mode)
+    with faithful(top), calls, mode:
+        _call(top)
+    if not calls.done:
+        return None
+    t = dict(tensors(calls.output)).get(tuple(path))
+    if not _floating(t):
+        return None
+    code, prod = rec.lookup(t)
+    if code is None or prod is None:
+        return None
+    got = rec.walk(prod, _first(code))
+    calls.output = None
+    if not got:
+        return None
+    chain = _chain(rec, got)
+    first = rec.recs[got[0]]
+    return OpOrigin(first.op, first.src, chain)
+
+
+def _chain(rec: _Recorder, path: list[int]) -> list[str]:
+    out = []
+    for n, ri in enumerate(path):
+        r = rec.recs[ri]
+        if n and r.moves:
+            continue
+        out.append(_fmt(r.op, r.src))
+    return out
+
+
+# ---------------------------------------------------------------- backward
 def locate_backward(
     top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None], params: list[Any],
     ordinal: int, path: Path,
 ) -> OpOrigin | None:
     """The autograd node that created the first non-finite gradient reported at input ``path`` of
     the ``ordinal``-th watched call, and the forward line that created that node."""
-    return None
+    try:
+        return _locate_backward(top, names, grads, params, ordinal, path)
+    except Exception:
+        return None
+
+
+class _Node:
+    __slots__ = ("fn", "name", "done", "in_bad", "out_bad", "inner", "flags", "keep", "mark")
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self.name = fn.name()
+        self.done = -1  # execution order
+        self.in_bad: list[bool] = []  # gradients received (w.r.t. the forward outputs)
+        self.out_bad: list[bool] = []  # gradients produced (aligned with next_functions)
+        self.inner: list[str] = []  # ops inside a Python backward that made the value
+        self.flags: tuple[list[Any], list[Any]] = ([], [])  # device-side "all finite?" checks
+        self.keep: Any = None  # the gradients a Python backward produced (its ops were recorded)
+        self.mark = 0  # records before it ran
+
+
+def _finite(g: Any) -> torch.Tensor | None:
+    """A device-side "all finite?" (no sync), ``None`` for no gradient or a non-float one."""
+    if not (isinstance(g, torch.Tensor) and _floating(g)):
+        return None
+    if g.layout != torch.strided:
+        g = g.to_dense()
+    return torch.isfinite(g).all()
+
+
+def _is_bad(g: Any) -> bool:
+    f = _finite(g)
+    return f is not None and not bool(f)
+
+
+def _settle(nodes: list[_Node]) -> None:
+    """One host read for every node's checks."""
+    flat = [f for n in nodes for side in n.flags for f in side if f is not None]
+    values = iter(torch.stack([f.cpu() for f in flat]).tolist() if flat else [])
+    for n in nodes:
+        ins, outs = n.flags
+        n.in_bad = [f is not None and not next(values) for f in ins]
+        n.out_bad = [f is not None and not next(values) for f in outs]
+
+
+def _locate_backward(
+    top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None], params: list[Any],
+    ordinal: int, path: Path,
+) -> OpOrigin | None:
+    rec = _Recorder()
+    mode = _Mode(rec, track_nodes=True)
+    calls = _Calls(names, ordinal, mode, path=tuple(path))
+    handles: list[Any] = []
+    try:
+        with faithful(top), torch.enable_grad(), mode:
+            with calls:
+                out = _call(top)
+            mode.flush()
+            if calls.edge is None:
+                return None
+            x, edge = calls.edge
+            outs = [t for _, t in tensors(out) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            if not pairs:
+                return None
+            # the graph: every node reachable from the outputs, and who consumes each (node, slot)
+            nodes: list[_Node] = []
+            index: dict[Any, int] = {}
+            consumers: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+            def visit(fn: Any) -> int:
+                i = index.get(fn)
+                if i is None:
+                    i = index[fn] = len(nodes)
+                    nodes.append(_Node(fn))
+                    todo.append(fn)
+                return i
+
+            todo: list[Any] = []
+            for o, _ in pairs:
+                if o.grad_fn is not None:
+                    visit(o.grad_fn)
+            while todo:
+                fn = todo.pop()
+                i = index[fn]
+                for j, (nxt, nr) in enumerate(fn.next_functions):
+                    if nxt is not None:
+                        consumers.setdefault((visit(nxt), nr), []).append((i, j))
+            ran: list[int] = []
+            target = index.get(edge.node)
+            if target is None:
+                return None
+            for i, n in enumerate(nodes):
+                if n.name == "AccumulateGrad":
+                    continue
+                handles.append(n.fn.register_prehook(_pre_hook(mode, nodes, i)))
+                handles.append(n.fn.register_hook(_post_hook(mode, rec, nodes, i, ran)))
+            leaves = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+            leaves.append(x)
+            mode.backward = True
+            torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+            mode.backward = False
+            _settle(nodes)
+            for i, n in enumerate(nodes):
+                if n.keep is not None and any(n.out_bad) and not any(n.in_bad):
+                    n.inner = _inner(rec, i, n.keep)
+                n.keep = None
+    finally:
+        for h in handles:
+            h.remove()
+        mode.backward = False
+        mode.node.clear()
+    return _blame(nodes, consumers, mode.node_src, (target, edge.output_nr))
+
+
+def _pre_hook(mode: _Mode, nodes: list[_Node], i: int) -> Any:
+    def hook(grad_outputs: Any) -> None:
+        nodes[i].mark = len(mode.rec.recs)
+        mode.node.append(i)
+
+    return hook
+
+
+def _post_hook(mode: _Mode, rec: _Recorder, nodes: list[_Node], i: int, ran: list[int]) -> Any:
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        if mode.node and mode.node[-1] == i:
+            mode.node.pop()
+        n = nodes[i]
+        n.done = len(ran)
+        ran.append(i)
+        mode.quiet += 1  # our own checks are not the user's ops
+        try:
+            n.flags = ([_finite(g) for g in grad_outputs], [_finite(g) for g in grad_inputs])
+            if len(rec.recs) > n.mark:
+                n.keep = tuple(grad_inputs)
+        finally:
+            mode.quiet -= 1
+
+    return hook
+
+
+def _inner(rec: _Recorder, i: int, grad_inputs: Any) -> list[str]:
+    """Inside a Python backward: the aten ops from the one that made the value to the result."""
+    for g in grad_inputs:
+        if not _is_bad(g):
+            continue
+        code, prod = rec.lookup(g)
+        if code is None or prod is None or rec.recs[prod[0]].node != i:
+            continue
+        got = rec.walk(prod, _first(code))
+        if got:
+            return _chain(rec, got)
+    return []
+
+
+def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, int]]], node_src: dict[Any, tuple[str | None, bool]],
+           start: tuple[int, int]) -> OpOrigin | None:
+    """From the consumer that produced the reported gradient, back through nodes whose incoming
+    gradients were non-finite, to the node that made one from finite gradients (the earliest, when
+    several paths lead there)."""
+    best: dict[int, tuple[int, list[int]] | None] = {}
+
+    def deps(j: int) -> list[int]:
+        n = nodes[j]
+        out = []
+        for s, bad in enumerate(n.in_bad):
+            if bad:
+                for m, slot in consumers.get((j, s), []):
+                    ob = nodes[m].out_bad
+                    if slot < len(ob) and ob[slot]:
+                        out.append(m)
+        return out
+
+    def solve(i: int) -> tuple[int, list[int]] | None:
+        stack = [(i, False)]
+        while stack:  # iterative post-order: graphs can be deeper than Python's recursion limit
+            j, expanded = stack.pop()
+            if j in best:
+                continue
+            ds = deps(j)
+            if not expanded:
+                stack.append((j, True))
+                stack.extend((m, False) for m in ds if m not in best)
+                continue
+            n = nodes[j]
+            if not any(n.out_bad):
+                best[j] = None
+            elif not any(n.in_bad):
+                best[j] = (n.done, [j])
+            else:
+                cands = [b for b in (best.get(m) for m in ds) if b is not None]
+                if cands:
+                    b = min(cands, key=lambda c: c[0])
+                    best[j] = (b[0], [*b[1], j])
+                else:
+                    best[j] = None  # fed from outside the graph, or a sum that overflowed
+        return best.get(i)
+
+    target, nr = start
+    cands = []
+    for m, slot in consumers.get((target, nr), []):
+        n = nodes[m]
+        if slot < len(n.out_bad) and n.out_bad[slot]:
+            got = solve(m)
+            if got is not None:
+                inside = node_src.get(n.fn, (None, False))[1]
+                cands.append(((not inside, got[0]), got))
+    if not cands:
+        return None
+    _, (_, chain_nodes) = min(cands, key=lambda c: c[0])
+    creator = nodes[chain_nodes[0]]
+    src = node_src.get(creator.fn, (None, False))[0]
+    chain = list(creator.inner)
+    for j in chain_nodes:
+        n = nodes[j]
+        chain.append(_fmt(n.name, node_src.get(n.fn, (None, False))[0]))
+    return OpOrigin(creator.name, src, chain)

@@ -1,0 +1,365 @@
+"""Op-level origin (issue 3): the aten op / autograd node and the user's line that made the value.
+
+Every scenario runs through the public API (``nanhunt.watch`` + a training step) and checks
+``finding.op``, ``finding.source`` (computed from marker comments, never hard-coded) and the order
+of ``finding.chain``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+from nanhunt import _oplevel
+
+HERE = os.path.abspath(__file__)
+with open(HERE) as _f:
+    _LINES = _f.read().splitlines()
+
+
+def line(marker: str) -> str:
+    """``file:LINE`` of the line carrying ``# @marker``."""
+    hits = [i + 1 for i, s in enumerate(_LINES) if s.rstrip().endswith(f"# @{marker}")]
+    assert len(hits) == 1, marker
+    return f"{HERE}:{hits[0]}"
+
+
+def same_source(got: str | None, want: str) -> bool:
+    if got is None:
+        return False
+    gf, gl = got.rsplit(":", 1)
+    wf, wl = want.rsplit(":", 1)
+    return gl == wl and os.path.realpath(gf) == os.path.realpath(wf)
+
+
+def chain_ops(chain: tuple[str, ...]) -> list[str]:
+    return [c.split(" @ ")[0] for c in chain]
+
+
+def train_step(model: nn.Module, x: torch.Tensor, **watch: object) -> nanhunt.Finding:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, optimizer=opt, **watch):
+            loss = model(x).float().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return ei.value.finding
+
+
+# ---------------------------------------------------------------- forward scenarios
+class ExpBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 100.0
+        return torch.exp(h)  # @exp
+
+
+def test_exp_overflow() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), ExpBlock(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].lin.bias.fill_(1.0)
+    f = train_step(model, torch.ones(3, 4))
+    assert f.phase == "forward" and f.module == "1" and f.reproducible is True
+    assert f.op == "aten.exp.default"
+    assert same_source(f.source, line("exp"))
+    assert chain_ops(f.chain) == ["aten.exp.default"]
+    assert same_source(f.chain[0].split(" @ ")[1], line("exp"))
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(x * 1000.0, dim=-1)  # @softmax-underflow
+        return torch.log(p)  # @log
+
+
+def test_log_of_underflowed_softmax() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), LogSoftmax())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    f = train_step(model, torch.tensor([[0.0, 1.0, 2.0, 3.0]]))
+    assert f.module == "1" and f.value == -math.inf
+    assert f.op == "aten.log.default"
+    assert same_source(f.source, line("log"))
+    assert chain_ops(f.chain) == ["aten.log.default"]
+
+
+class MaskedAttention(nn.Module):
+    def forward(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s = scores.masked_fill(~mask, float("-inf"))  # @masked-fill
+        return torch.softmax(s, dim=-1)  # @masked-softmax
+
+
+class AttnModel(nn.Module):
+    def __init__(self, fully_masked_row: bool) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.attn = MaskedAttention()
+        self.out = nn.Linear(3, 2)
+        self.fully = fully_masked_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        scores = q @ q.transpose(-1, -2)
+        mask = torch.ones(3, 3, dtype=torch.bool).tril()
+        if self.fully:
+            mask[1] = False
+        return self.out(self.attn(scores, mask))
+
+
+def test_fully_masked_softmax() -> None:
+    torch.manual_seed(0)
+    f = train_step(AttnModel(fully_masked_row=True), torch.randn(3, 4))
+    assert f.module == "attn" and math.isnan(f.value) and f.index[0] == 1
+    assert f.op == "aten.masked_fill.Scalar"
+    assert same_source(f.source, line("masked-fill"))
+    ops = chain_ops(f.chain)
+    assert ops == ["aten.masked_fill.Scalar", "aten._softmax.default"]
+    assert same_source(f.chain[1].split(" @ ")[1], line("masked-softmax"))
+
+
+class InPlaceMask(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        if self.how == "index_put":
+            h[torch.tensor([False, True, False])] = float("-inf")  # @inplace-index_put
+        else:
+            h[1].fill_(float("-inf"))  # @inplace-view
+        return torch.softmax(h, dim=-1)  # @inplace-softmax
+
+
+@pytest.mark.parametrize("how", ["index_put", "view"])
+def test_in_place_writes_are_followed(how: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), InPlaceMask(how))
+    f = train_step(model, torch.randn(3, 3))
+    assert f.module == "1" and f.index == (1, 0)
+    assert f.op == ("aten.index_put_.default" if how == "index_put" else "aten.fill_.Scalar")
+    assert same_source(f.source, line(f"inplace-{how}"))
+    assert chain_ops(f.chain) == [f.op, "aten._softmax.default"]
+
+
+class MaskThenExp(nn.Module):
+    """An intended -inf mask, consumed by a softmax that stays finite; then a real overflow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x @ x.transpose(-1, -2)
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1)
+        y = torch.where(x > 0, x, torch.log(x))  # the untaken branch is NaN
+        return p @ torch.exp(y * 1000.0)  # @real-overflow
+
+
+def test_intended_mask_and_untaken_where_are_not_blamed() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), MaskThenExp())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    f = train_step(model, torch.tensor([[1.0, -1.0, 0.5, 2.0], [0.1, 0.2, -0.3, 0.4], [1.0, 1.0, 1.0, 1.0]]))
+    assert f.module == "1"
+    assert f.op == "aten.exp.default"
+    assert same_source(f.source, line("real-overflow"))
+    assert not any("masked_fill" in c or "log" in c for c in f.chain)
+    assert chain_ops(f.chain)[0] == "aten.exp.default"
+
+
+class WhereTie(nn.Module):
+    """At the reported element both branches are non-finite; only the taken one is to blame."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.log(x)  # NaN where x < 0 (untaken there)
+        b = torch.exp(-x * 100.0)  # @taken-branch
+        return torch.where(x > 0, a, b)  # @where
+
+
+def test_where_follows_the_taken_branch() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), WhereTie())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+        model[0].bias.zero_()
+    f = train_step(model, torch.tensor([[1.0, -1.0]]))
+    assert f.module == "1" and f.value == math.inf and f.index == (0, 1)
+    assert f.op == "aten.exp.default"
+    assert same_source(f.source, line("taken-branch"))
+    assert chain_ops(f.chain) == ["aten.exp.default", "aten.where.self"]
+    assert same_source(f.chain[1].split(" @ ")[1], line("where"))
+
+
+def test_intended_mask_alone_is_no_finding() -> None:
+    torch.manual_seed(0)
+    model = AttnModel(fully_masked_row=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, optimizer=opt) as hunt:
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    assert hunt.findings == []
+
+
+class Half(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.half())  # @fp16
+
+
+def test_fp16_matmul_overflow() -> None:
+    model = nn.Sequential(Half())
+    model[0].fc.half()
+    with torch.no_grad():
+        model[0].fc.weight.fill_(1.0)
+        model[0].fc.bias.zero_()
+    f = train_step(model, torch.full((2, 128), 1000.0))
+    assert f.module == "0.fc" and f.dtype == "float16" and f.value == math.inf
+    assert f.op == "aten.addmm.default"
+    assert same_source(f.source, line("fp16"))
+    assert chain_ops(f.chain) == ["aten.addmm.default"]
+
+
+class DropExp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.drop(x) * 100.0)  # @drop-exp
+
+
+def test_dropout_replay_is_faithful() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), DropExp())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(8))
+        model[0].bias.zero_()
+    x = torch.ones(4, 8)
+    torch.manual_seed(123)
+    want = F.dropout(x, 0.5, training=True)  # the mask the run will draw
+    first = tuple(int(i) for i in (want.reshape(-1) != 0).nonzero()[0])
+    expected_index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first[0]), x.shape))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(123)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, optimizer=opt):
+            model(x).sum().backward()
+            after = torch.get_rng_state()
+            opt.step()
+    assert torch.equal(torch.get_rng_state(), after)  # the replays restored the user's stream
+    f = ei.value.finding
+    assert f.reproducible is True and f.module == "1" and f.index == expected_index
+    assert f.op == "aten.exp.default"
+    assert same_source(f.source, line("drop-exp"))
+
+
+# ---------------------------------------------------------------- backward scenarios
+class SqrtSq(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sq = x * x  # @square
+        return torch.sqrt(sq)  # @sqrt
+
+
+class SqrtModel(nn.Module):
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.block = SqrtSq()
+        self.head = nn.Linear(3, 1)
+        self.keyword = keyword
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return self.head(self.block(x=h) if self.keyword else self.block(h))
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_sqrt_at_zero_blames_sqrt_not_consumer(keyword: bool) -> None:
+    f = train_step(SqrtModel(keyword), torch.ones(2, 3))
+    assert f.phase == "backward" and f.module == "block"
+    assert f.tensor == ("grad_input['x']" if keyword else "grad_input[0]")
+    assert f.op == "SqrtBackward0"
+    assert same_source(f.source, line("sqrt"))
+    assert chain_ops(f.chain) == ["SqrtBackward0", "MulBackward0"]
+    assert same_source(f.chain[1].split(" @ ")[1], line("square"))
+
+
+class Bad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)  # type: ignore[attr-defined]
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        zero = x - x
+        return g * 0.0 / zero  # @bad-backward
+
+
+class BadMod(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Bad.apply(x) + 1.0  # @bad-apply
+
+
+def test_custom_function_bad_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), BadMod(), nn.Linear(3, 1))
+    f = train_step(model, torch.randn(2, 3))
+    assert f.phase == "backward" and f.module == "1"
+    assert f.op == "BadBackward"
+    assert same_source(f.source, line("bad-apply"))
+    ops = chain_ops(f.chain)
+    assert ops == ["aten.div.Tensor", "BadBackward"]
+    assert same_source(f.chain[0].split(" @ ")[1], line("bad-backward"))
+
+
+class BadForwardFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x / (x - x)  # @fn-forward
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class BadForwardMod(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return BadForwardFn.apply(x)
+
+
+def test_custom_function_forward_is_seen_op_by_op() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), BadForwardMod())
+    f = train_step(model, torch.ones(2, 3))
+    assert f.phase == "forward" and f.module == "1"
+    assert f.op == "aten.div.Tensor"
+    assert same_source(f.source, line("fn-forward"))
+
+
+# ---------------------------------------------------------------- no state left behind
+def test_locate_never_raises_and_leaves_no_hooks() -> None:
+    from torch.nn.modules import module as m
+
+    before = (len(m._global_forward_pre_hooks), len(m._global_forward_hooks))
+    assert _oplevel.locate_forward(object(), {}, 0, (0,)) is None  # type: ignore[arg-type]
+    assert _oplevel.locate_backward(object(), {}, [], [], 0, (0, 0)) is None  # type: ignore[arg-type]
+    assert (len(m._global_forward_pre_hooks), len(m._global_forward_hooks)) == before
+    assert not torch._C._is_any_autocast_enabled() if hasattr(torch._C, "_is_any_autocast_enabled") else True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
