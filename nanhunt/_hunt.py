@@ -405,9 +405,27 @@ class Hunt:
                         c.out_keys.append((k, path))
 
     # ------------------------------------------------------------------ steps
-    def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._paused:
-            return
+            return None
+        # args are (optimizer, *step_args)
+        closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
+        if callable(closure):
+            # step(closure) (LBFGS, Lightning): forward and backward run inside step(), so the
+            # check runs right after the closure, still before the optimizer applies anything.
+            wrapped = partial(self._closure, i, opt, closure)
+            if kwargs and "closure" in kwargs:
+                return args, {**kwargs, "closure": wrapped}
+            return (args[0], wrapped, *args[2:]), kwargs
+        self._check_step(i, opt)
+        return None
+
+    def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
+        loss = closure()
+        self._check_step(i, opt)
+        return loss
+
+    def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         log = self._log
