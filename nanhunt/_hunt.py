@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
 
 from . import _analyze
 from ._finding import Finding, NonFiniteError
 from ._history import History, stats
+from ._hooks import GlobalHooks
 from ._log import Call, StepLog, TensorInfo, Top
 from ._probe import fused_probe, is_checked, probe
 from ._report import Report
@@ -141,10 +141,7 @@ class Hunt:
         self._handles: list[Any] = []
 
         if mode == "full":
-            self._handles.append(_module_mod.register_module_forward_pre_hook(self._pre))
-            self._handles.append(
-                _module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)
-            )
+            self._handles.append(GlobalHooks(self._pre, self._post))
         else:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._hooks import GlobalHooks
 from ._log import Top
 from ._replay import faithful
 from ._tree import Path, get_path, tensors
@@ -431,15 +431,12 @@ class _Calls:
         self.handles: list[Any] = []
 
     def __enter__(self) -> _Calls:
-        self.handles.append(_module_mod.register_module_forward_pre_hook(self.pre))
-        self.handles.append(_module_mod.register_module_forward_hook(self.post, with_kwargs=True, always_call=True))
+        self.handles.append(GlobalHooks(self.pre, self.post))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
-            # torch (<= 2.13) leaves the id of a removed with_kwargs global hook behind
-            _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
         self.handles.clear()
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:

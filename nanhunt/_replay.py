@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
 
+from ._hooks import GlobalHooks
 from ._log import Top
 from ._tree import Path, tensors
 
@@ -145,8 +145,7 @@ def replay_top(
                 if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                     c.in_keys.append((key(t), p))
 
-    h1 = _module_mod.register_module_forward_pre_hook(pre)
-    h2 = _module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True)
+    hooks = GlobalHooks(pre, post)
     result = Replay(calls, order, None)
     try:
         with faithful(top):
@@ -156,11 +155,10 @@ def replay_top(
             else:
                 out = top.module(*top.args, **(top.kwargs or {}))
         result.output = out
-        h1.remove()
-        h2.remove()
+        hooks.remove()
         if want_grad:
             outs = [t for _, t in tensors(out) if t.requires_grad]
-            pairs = [(o, g) for o, g in zip(outs, backward or []) if g is not None]
+            pairs = _roots([(o, g) for o, g in zip(outs, backward or []) if g is not None])
             leaves = [p for p in (params or []) if p.requires_grad]
             leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
             if pairs and leaves:
@@ -172,11 +170,32 @@ def replay_top(
     except Exception as e:  # a replay must never break the user's run
         result.error = f"{type(e).__name__}: {e}"
     finally:
-        h1.remove()
-        h2.remove()
+        hooks.remove()
         for h in handles:
             h.remove()
     return result
+
+
+def _roots(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Drop outputs computed from other outputs inside the model (logits under an in-model loss):
+    their captured gradient already includes what flowed from the other output."""
+    if len(pairs) < 2:
+        return pairs
+    reach: list[set[Any]] = []
+    for o, _ in pairs:
+        seen: set[Any] = set()
+        todo = [fn for fn, _ in (o.grad_fn.next_functions if o.grad_fn is not None else ())]
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            todo.extend(n for n, _ in fn.next_functions)
+        reach.append(seen)
+    return [
+        (o, g) for i, (o, g) in enumerate(pairs)
+        if not any(o.grad_fn is not None and o.grad_fn in reach[j] for j in range(len(pairs)) if j != i)
+    ]
 
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
