@@ -1,0 +1,215 @@
+"""Watch every model a script calls and every optimizer it steps, without editing the script.
+
+`AutoWatch` is what ``nanhunt run`` uses. While it is open:
+
+- **Roots.** A global forward pre-hook notices each module called at the top level (no module is
+  running) that is not already inside a watched tree, and starts ``nanhunt.watch(module)`` for it;
+  finding names are relative to that root. If a later top-level module *contains* a watched root
+  (``model.encoder(x)`` was called before ``model(x)``), the inner hunt is closed (its findings are
+  kept) and the outer module is watched instead. Modules added to a tree after its hunt started
+  are not watched.
+- **Optimizers.** ``torch.optim.Optimizer.__init__`` is wrapped for as long as the watch is open
+  so that each optimizer is known from its construction: it is attached (``Hunt.add_optimizer``)
+  to the hunt whose root owns most of its parameters as soon as that hunt exists, so ``step()``
+  counts the training step from the first one. A global optimizer step pre-hook attaches any
+  optimizer seen only at its first ``step()`` (one built before the watch opened); its own hooks,
+  registered from inside that pre-hook, still run for that first step.
+
+`close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.optim import optimizer as _optim_mod
+
+from ._finding import Finding, NonFiniteError
+from ._hunt import Hunt, NonFiniteWarning, watch
+from ._report import Report
+
+__all__ = ["AutoWatch"]
+
+
+class _OnFind:
+    """The hunts' ``on_find``: records the order of findings across hunts, then acts like the mode."""
+
+    def __init__(self, owner: AutoWatch, mode: str) -> None:
+        self.owner = owner
+        self.mode = mode
+        self.hunt: Hunt | None = None
+
+    def __call__(self, f: Finding) -> None:
+        self.owner.order.append((self.hunt, f))
+        if self.mode == "warn":
+            warnings.warn(f.summary(), NonFiniteWarning, stacklevel=2)
+        elif self.mode == "raise" and self.hunt is not None:
+            raise NonFiniteError(f, self.owner.report())
+
+
+class AutoWatch:
+    """Discover and watch the script's root modules and optimizers; see the module docstring."""
+
+    def __init__(self, on_find: str = "raise", **options: Any) -> None:
+        if on_find not in ("raise", "warn", "record"):
+            raise ValueError(f"on_find must be 'raise', 'warn' or 'record'; got {on_find!r}")
+        self.on_find = on_find
+        self.options = options
+        self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
+        self.order: list[tuple[Hunt | None, Finding]] = []
+        self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
+        self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
+        self._pending: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._running: list[nn.Module] = []
+        self._busy = False
+        self._closed = False
+        self._handles = [
+            _module_mod.register_module_forward_pre_hook(self._pre),
+            _module_mod.register_module_forward_hook(self._post, always_call=True),
+            _optim_mod.register_optimizer_step_pre_hook(self._pre_step),
+        ]
+        self._orig_init: Callable[..., None] | None = torch.optim.Optimizer.__init__
+        orig = self._orig_init
+        me = weakref.ref(self)
+
+        @functools.wraps(orig)
+        def __init__(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            orig(opt, *args, **kwargs)
+            w = me()
+            if w is not None and not w._closed:
+                w._on_optimizer(opt)
+
+        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+
+    # ---------------------------------------------------------------- discovery
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        running = self._running
+        running.append(module)
+        if len(running) > 1 or self._busy or module in self._owned:
+            return
+        self._busy = True
+        try:
+            self._start(module, args)
+        except NonFiniteError:
+            raise
+        except Exception as e:  # never break the user's run over discovery
+            warnings.warn(f"nanhunt could not watch {type(module).__name__}: {type(e).__name__}: {e}", stacklevel=2)
+        finally:
+            self._busy = False
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        running = self._running
+        if module in running:
+            while running and running.pop() is not module:  # a child raised and was not unwound
+                pass
+
+    def _start(self, module: nn.Module, args: Any) -> None:
+        inner = [m for m in module.modules() if m in self._roots]
+        for m in inner:  # a bigger tree that holds watched roots: watch it instead
+            h = self._roots.pop(m)
+            for sub in m.modules():
+                self._owned.pop(sub, None)
+            h.close()
+        cb = _OnFind(self, self.on_find)
+        hunt = watch(module, on_find=cb, **self.options)
+        cb.hunt = hunt
+        self.hunts.append((type(module).__name__, hunt))
+        self._roots[module] = hunt
+        for sub in module.modules():
+            self._owned[sub] = module
+        for opt in list(self._pending):
+            self._attach(opt)
+        # the hunt's own hooks were registered during this call: let it see this call too
+        if hunt.mode == "full":
+            hunt._pre(module, args)
+        else:
+            hunt._root_pre(module, args, {})
+
+    # ---------------------------------------------------------------- optimizers
+    def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        if not self._attach(opt):
+            self._pending.add(opt)
+
+    def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if opt not in self._attached and not self._busy:
+            self._busy = True
+            try:
+                self._attach(opt)
+            finally:
+                self._busy = False
+
+    def _attach(self, opt: torch.optim.Optimizer) -> bool:
+        """Attach ``opt`` to the hunt owning most of its parameters; False if none owns any."""
+        if opt in self._attached:
+            return True
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        best, most = None, 0
+        for root, hunt in list(self._roots.items()):
+            n = sum(1 for p in root.parameters() if id(p) in ids)
+            if n > most:
+                best, most = hunt, n
+        if best is None or best.closed:
+            return False
+        best.add_optimizer(opt)
+        self._attached.add(opt)
+        self._pending.discard(opt)
+        return True
+
+    # ---------------------------------------------------------------- results
+    def findings(self) -> list[Finding]:
+        """Every finding of every hunt, in the order they were made."""
+        seen = {id(f) for _, f in self.order}
+        extra = [f for _, h in self.hunts for f in h.findings if id(f) not in seen]
+        return [f for _, f in self.order] + extra
+
+    def report(self) -> Report:
+        """The report of the hunt that made the first finding, with every hunt's findings."""
+        hunt = self.order[0][0] if self.order else next((h for _, h in self.hunts if h.findings), None)
+        if hunt is None and self.hunts:
+            hunt = self.hunts[0][1]
+        base = hunt.report if hunt is not None else Report()
+        meta = dict(base.meta)
+        names = [n for n, _ in self.hunts]
+        meta["roots"] = names
+        if hunt is not None:
+            meta["root"] = next((n for n, h in self.hunts if h is hunt), None)
+        return Report(self.findings(), history=base.history, warnings=base.warnings, meta=meta)
+
+    def close(self) -> None:
+        """Close every hunt (a pending finding is recorded, never raised), remove every hook."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self._orig_init is not None:
+                torch.optim.Optimizer.__init__ = self._orig_init  # type: ignore[method-assign]
+                self._orig_init = None
+            for _, hunt in self.hunts:
+                for cb in (hunt.on_find,):
+                    if isinstance(cb, _OnFind):
+                        cb.mode = "record"
+                try:
+                    hunt.close()
+                except NonFiniteError:
+                    pass
+        finally:
+            self._roots = weakref.WeakKeyDictionary()
+            self._owned = weakref.WeakKeyDictionary()
+            self._running.clear()
+
+    def __enter__(self) -> AutoWatch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

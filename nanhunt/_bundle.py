@@ -1,0 +1,406 @@
+"""Repro bundles: one failing module call, saved so that it can be re-run in isolation.
+
+A bundle is a file written with ``torch.save`` holding plain containers only (dicts, lists, tuples,
+str, numbers, tensors), so that ``torch.load(weights_only=True)`` reads it. It holds:
+
+- the module's class (``module_path`` + ``module_type``) and its structure as a tree of
+  ``(class, plain attributes, parameters, buffers, children)`` — no constructor call is recorded;
+- its ``state_dict``;
+- the call's inputs (``args``, ``kwargs``), the CPU/CUDA RNG state, the autocast and grad mode;
+- the finding (``Finding.to_dict()``).
+
+:func:`load` uses ``weights_only=True`` only: a crafted file (a pickle whose ``__reduce__`` would
+run code) is refused with :class:`BundleError` and nothing in it runs. :func:`replay` rebuilds a
+module only from classes of ``torch.nn`` that are already imported (it never imports a name read
+from the file); a user's own class must be passed in as ``module=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._finding import Finding
+from ._tree import format_path, tensors
+
+__all__ = ["save", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
+
+FORMAT = "nanhunt.bundle/1"
+_UNSUPPORTED = "__nanhunt_unsupported__"
+_FN = "__nanhunt_fn__"
+_MODULE_KEYS = frozenset(nn.Module().__dict__)
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be read or replayed (not a bundle, unsafe, or not rebuildable)."""
+
+
+# ------------------------------------------------------------------ encoding
+def _scalar(v: Any) -> tuple[bool, Any]:
+    """A plain scalar of an exact builtin type (a str or int subclass would pickle as its class)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return True, v
+    if isinstance(v, bool):
+        return True, bool(v)
+    for t in (int, float, str):  # IntEnum, TorchVersion, ...
+        if isinstance(v, t):
+            return True, t(v)
+    return False, None
+
+
+def _plain(v: Any, depth: int = 0) -> tuple[bool, Any]:
+    """``(True, copy made of exact builtin types)`` for plain data, else ``(False, None)``."""
+    ok, s = _scalar(v)
+    if ok:
+        return True, s
+    if depth > 4:
+        return False, None
+    if isinstance(v, (tuple, list)):
+        items = [_plain(x, depth + 1) for x in v]
+        if not all(ok for ok, _ in items):
+            return False, None
+        vals = [x for _, x in items]
+        return True, (tuple(vals) if isinstance(v, tuple) else vals)
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        got = {str(k): _plain(x, depth + 1) for k, x in v.items()}
+        if not all(ok for ok, _ in got.values()):
+            return False, None
+        return True, {k: x for k, (_, x) in got.items()}
+    return False, None
+
+
+def _encode(v: Any, depth: int = 0) -> Any:
+    """Inputs as plain containers; tensors detached onto the CPU; anything else marked unsupported."""
+    if isinstance(v, torch.Tensor):
+        t = v.detach().to("cpu", copy=True)
+        return t.requires_grad_(v.requires_grad) if t.is_floating_point() or t.is_complex() else t
+    ok, scalar = _scalar(v)
+    if ok:
+        return scalar
+    if isinstance(v, torch.dtype):
+        return {_UNSUPPORTED: "dtype", "value": str(v)}
+    if depth < 6 and isinstance(v, (tuple, list)) and not hasattr(v, "_fields"):
+        seq = [_encode(x, depth + 1) for x in v]
+        return tuple(seq) if isinstance(v, tuple) else seq
+    if depth < 6 and isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return {k: _encode(x, depth + 1) for k, x in v.items()}
+    return {_UNSUPPORTED: type(v).__qualname__}
+
+
+def _unsupported(v: Any) -> list[str]:
+    if isinstance(v, dict):
+        if _UNSUPPORTED in v:
+            return [str(v[_UNSUPPORTED])]
+        return [u for x in v.values() for u in _unsupported(x)]
+    if isinstance(v, (tuple, list)):
+        return [u for x in v for u in _unsupported(x)]
+    return []
+
+
+def _attr(v: Any) -> tuple[bool, Any]:
+    ok, plain = _plain(v)
+    if ok:
+        return True, plain
+    if callable(v) and getattr(F, getattr(v, "__name__", ""), None) is v:
+        return True, {_FN: v.__name__}  # e.g. TransformerEncoderLayer.activation = F.relu
+    return False, None
+
+
+def _tree(m: nn.Module) -> dict[str, Any]:
+    cls = type(m)
+    attrs: dict[str, Any] = {}
+    skipped: list[str] = []
+    for k, v in m.__dict__.items():
+        if k in _MODULE_KEYS and k != "training":
+            continue
+        ok, enc = _attr(v)
+        if ok:
+            attrs[k] = enc
+        else:
+            skipped.append(k)
+    nonpersistent = sorted(m._non_persistent_buffers_set)
+    return {
+        "module_path": cls.__module__,
+        "module_type": cls.__qualname__,
+        "attrs": attrs,
+        "skipped": skipped,
+        "params": {k: None if p is None else p.detach().to("cpu", copy=True) for k, p in m._parameters.items()},
+        "requires_grad": {k: bool(p is not None and p.requires_grad) for k, p in m._parameters.items()},
+        "buffers": {k: None if b is None else b.detach().to("cpu", copy=True) for k, b in m._buffers.items()},
+        "nonpersistent": nonpersistent,
+        "children": {k: None if c is None else _tree(c) for k, c in m._modules.items()},
+    }
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    module: nn.Module,
+    module_name: str,
+    args: Any,
+    kwargs: dict[str, Any] | None,
+    rng_state: torch.Tensor | None,
+    cuda_rng: list[torch.Tensor] | None,
+    finding: Finding | dict[str, Any] | None,
+    autocast: Any = (),
+    grad_enabled: bool = True,
+) -> str:
+    """Write a repro bundle for one call of ``module`` (atomically); returns the path.
+
+    ``autocast`` is ``[(device, enabled, dtype), ...]`` as the call saw it.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"save() needs the failing nn.Module, got {type(module).__name__}")
+    try:
+        device = str(next(iter(module.parameters())).device)
+    except StopIteration:
+        device = next((str(t.device) for _, t in tensors(args)), "cpu")
+    fd = finding.to_dict() if isinstance(finding, Finding) else (dict(finding) if finding else None)
+    bundle = {
+        "format": FORMAT,
+        "torch": str(torch.__version__),
+        "module_name": str(module_name),
+        "module_path": type(module).__module__,
+        "module_type": type(module).__qualname__,
+        "tree": _tree(module),
+        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()},
+        "training": module.training,
+        "device": device,
+        "args": _encode(tuple(args) if isinstance(args, (tuple, list)) else (args,)),
+        "kwargs": _encode(dict(kwargs or {})),
+        "rng_state": None if rng_state is None else rng_state.detach().to("cpu", copy=True),
+        "cuda_rng": None if cuda_rng is None else [t.detach().to("cpu", copy=True) for t in cuda_rng],
+        "autocast": [(str(d), bool(e), str(t).removeprefix("torch.")) for d, e, t in autocast],
+        "grad_enabled": bool(grad_enabled),
+        "finding": _json_plain(fd),
+    }
+    p = os.fspath(path)
+    fdesc, tmp = tempfile.mkstemp(prefix=".nanhunt-", suffix=".pt", dir=os.path.dirname(os.path.abspath(p)))
+    os.close(fdesc)
+    try:
+        torch.save(bundle, tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+def _json_plain(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    ok, scalar = _scalar(v)
+    if ok:
+        return scalar
+    if isinstance(v, dict):
+        return {str(k): _json_plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_plain(x) for x in v]
+    return v
+
+
+# ------------------------------------------------------------------ loading
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a bundle with ``torch.load(weights_only=True)``; anything else is refused."""
+    p = os.fspath(path)
+    try:
+        with warnings.catch_warnings():  # the loader's own remarks on odd files: the error says it all
+            warnings.simplefilter("ignore")
+            data = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise BundleError(f"{p}: no such bundle file") from None
+    except Exception as e:  # any failure of the safe loader is a refusal (pickle.UnpicklingError mostly)
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        first = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln),
+                     lines[0] if lines else type(e).__name__)
+        raise BundleError(
+            f"{p} was refused: it is not a nanhunt bundle that loads safely with weights_only=True "
+            f"(it may hold code or arbitrary objects; nothing in it was run). Loader said: {first}"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise BundleError(f"{p} is not a nanhunt bundle (format {FORMAT!r} expected)")
+    return data
+
+
+# ------------------------------------------------------------------ rebuilding
+def _nn_class(module_path: Any, name: Any) -> type[nn.Module]:
+    """A class of torch.nn that is already imported; never imports anything named by the file."""
+    if not (isinstance(module_path, str) and isinstance(name, str)) or "." in name:
+        raise BundleError(f"bundle names an invalid class {module_path!r}.{name!r}")
+    ok_path = module_path == "torch.nn" or module_path.startswith("torch.nn.modules.")
+    mod = sys.modules.get(module_path) if ok_path else None
+    cls = getattr(mod, name, None) if mod is not None else None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise BundleError(
+            f"the failing module is a {module_path}.{name}, not a standard torch.nn layer: "
+            f"pass your own instance, e.g. nanhunt.replay(bundle, module={name}(...))"
+        )
+    return cls
+
+
+def _attr_value(v: Any) -> Any:
+    if isinstance(v, dict) and _FN in v:
+        fn = getattr(F, str(v[_FN]), None)
+        if not callable(fn):
+            raise BundleError(f"bundle names an unknown torch.nn.functional function {v[_FN]!r}")
+        return fn
+    return v
+
+
+def rebuild(tree: dict[str, Any]) -> nn.Module:
+    """A module from its saved tree: standard torch.nn classes only, no constructor called."""
+    cls = _nn_class(tree.get("module_path"), tree.get("module_type"))
+    if tree.get("skipped"):
+        raise BundleError(
+            f"{cls.__name__} has attributes that a bundle cannot hold ({', '.join(tree['skipped'])}); "
+            f"pass your own instance as module="
+        )
+    m = cls.__new__(cls)
+    nn.Module.__init__(m)
+    for k, v in (tree.get("attrs") or {}).items():
+        m.__dict__[str(k)] = _attr_value(v)
+    grads = tree.get("requires_grad") or {}
+    for k, t in (tree.get("params") or {}).items():
+        m.register_parameter(k, None if t is None else nn.Parameter(t, requires_grad=bool(grads.get(k, True))))
+    nonpersistent = set(tree.get("nonpersistent") or ())
+    for k, t in (tree.get("buffers") or {}).items():
+        m.register_buffer(k, t, persistent=k not in nonpersistent)
+    for k, c in (tree.get("children") or {}).items():
+        m.add_module(k, None if c is None else rebuild(c))
+    return m
+
+
+# ------------------------------------------------------------------ replay
+@dataclasses.dataclass
+class ReplayResult:
+    """What a replay gave: ``outputs``, ``reproduced`` and, when non-finite, the ``finding``."""
+
+    outputs: Any
+    reproduced: bool
+    finding: Finding | None
+    expected: Finding | None
+    module: nn.Module
+    error: str | None = None
+
+    def summary(self) -> str:
+        exp = self.expected
+        where = f"`{exp.module or '<model>'}` ({exp.module_type})" if exp else "the saved module"
+        if self.error is not None:
+            return f"Replaying {where} failed: {self.error}"
+        if self.reproduced and self.finding is not None:
+            f = self.finding
+            idx = "" if f.index is None else "[" + ", ".join(map(str, f.index)) + "]"
+            return (f"Reproduced: {where} gives {f.tensor}{idx} = {f.value} again on the saved inputs "
+                    f"({f.counts.get('nan', 0)} nan, {f.counts.get('+inf', 0)} +inf, {f.counts.get('-inf', 0)} -inf).")
+        if self.finding is not None:
+            return f"Non-finite output, but not the saved one: {self.finding.tensor} (expected {exp.tensor if exp else '?'})."
+        return f"Not reproduced: {where} gives finite outputs on the saved inputs."
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _to(v: Any, device: torch.device) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.to(device)
+    if isinstance(v, tuple):
+        return tuple(_to(x, device) for x in v)
+    if isinstance(v, list):
+        return [_to(x, device) for x in v]
+    if isinstance(v, dict):
+        return {k: _to(x, device) for k, x in v.items()}
+    return v
+
+
+def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | None = None,
+           *, device: str | torch.device | None = None) -> ReplayResult:
+    """Re-run the saved call: rebuild the module (standard torch.nn layers) or use ``module``.
+
+    ``module`` is your own instance of the failing class; the saved ``state_dict`` is loaded into it.
+    The saved RNG state, autocast and grad mode are restored around the call and put back after.
+    """
+    from ._analyze import element
+
+    data = bundle if isinstance(bundle, dict) else load(bundle)
+    if isinstance(bundle, dict) and data.get("format") != FORMAT:
+        raise BundleError(f"not a nanhunt bundle (format {FORMAT!r} expected)")
+    bad = _unsupported(data.get("args")) + _unsupported(data.get("kwargs"))
+    if bad:
+        raise BundleError(f"the saved call had inputs a bundle cannot hold ({', '.join(bad)}); it cannot be replayed")
+    if module is None:
+        m = rebuild(data["tree"])
+    else:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        m = module
+        try:
+            m.load_state_dict(data["state_dict"])
+        except RuntimeError as e:
+            raise BundleError(f"the saved state does not fit your {type(m).__name__}: {e}") from None
+    m.train(bool(data.get("training", False)))
+    saved = str(data.get("device") or "cpu")
+    dev = torch.device(device) if device is not None else torch.device(saved if _available(saved) else "cpu")
+    m.to(dev)
+    args, kwargs = _to(data.get("args") or (), dev), _to(data.get("kwargs") or {}, dev)
+    expected = Finding.from_dict(data["finding"]) if isinstance(data.get("finding"), dict) else None
+    cpu_rng = torch.get_rng_state()
+    try:
+        if isinstance(data.get("rng_state"), torch.Tensor):
+            torch.set_rng_state(data["rng_state"])
+        if data.get("cuda_rng") is not None and dev.type == "cuda":
+            torch.cuda.set_rng_state_all(data["cuda_rng"])
+        with torch.set_grad_enabled(bool(data.get("grad_enabled", True))), _autocast(data.get("autocast"), dev):
+            out = m(*args, **kwargs)
+    except Exception as e:
+        return ReplayResult(None, False, None, expected, m, error=f"{type(e).__name__}: {e}")
+    finally:
+        torch.set_rng_state(cpu_rng)
+    found = None
+    for path, t in tensors(out):
+        if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            index, value, counts = element(t)
+            found = Finding(
+                phase="forward", module=data.get("module_name", ""), module_type=type(m).__name__,
+                tensor=format_path("output", path), step=expected.step if expected else 0,
+                call=expected.call if expected else 0, index=index, value=value, counts=counts,
+                shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."), cause="created",
+                reproducible=True,
+            )
+            break
+    same = found is not None and (expected is None or expected.phase != "forward" or found.tensor == expected.tensor)
+    return ReplayResult(out, same, found, expected, m)
+
+
+def _available(device: str) -> bool:
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        return False
+    return d.type == "cpu" or (d.type == "cuda" and torch.cuda.is_available())
+
+
+class _autocast:
+    def __init__(self, spec: Any, dev: torch.device) -> None:
+        self.ctx: Any = None
+        for item in spec or ():
+            d, enabled, dtype = item
+            if enabled and d == dev.type and isinstance(getattr(torch, str(dtype), None), torch.dtype):
+                self.ctx = torch.autocast(d, dtype=getattr(torch, str(dtype)))
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

@@ -1,0 +1,159 @@
+"""Repro bundles: round trip, replay of standard layers and of the user's own class, and refusal of
+crafted files (they never run code)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from nanhunt import Finding
+from nanhunt._bundle import BundleError, load, replay, save
+from nanhunt._cli import main
+
+
+def overflow_stack() -> nn.Module:
+    """Linear overflows float32 (inf), LayerNorm turns it into nan (inf - inf)."""
+    m = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3, eps=1e-3), nn.Dropout(0.25))
+    with torch.no_grad():
+        m[0].weight.fill_(1e30)
+    return m.eval()
+
+
+def finding(**kw) -> Finding:
+    base = dict(phase="forward", module="enc", module_type="Sequential", tensor="output", step=7, call=0,
+                index=(0, 0), value=float("nan"), counts={"nan": 6, "+inf": 0, "-inf": 0}, shape=(2, 3),
+                dtype="float32", cause="created")
+    base.update(kw)
+    return Finding(**base)
+
+
+def save_bundle(path, module, args, kwargs=None, f=None):
+    return save(path, module=module, module_name="enc", args=args, kwargs=kwargs or {},
+                rng_state=torch.get_rng_state(), cuda_rng=None, finding=f or finding())
+
+
+def test_round_trip_rebuilds_standard_layers_and_reproduces(tmp_path):
+    m = overflow_stack()
+    x = torch.full((2, 4), 1e10)
+    assert torch.isnan(m(x)).all()
+    path = save_bundle(tmp_path / "b.pt", m, (x,))
+    data = torch.load(path, weights_only=True)  # plain containers only
+    assert data["module_type"] == "Sequential" and data["finding"]["value"] == "nan"
+    r = replay(path)
+    assert r.reproduced, r.summary()
+    assert r.summary().startswith("Reproduced: `enc` (Sequential) gives output[0, 0] = nan")
+    rebuilt = r.module
+    assert rebuilt is not m and isinstance(rebuilt[0], nn.Linear) and isinstance(rebuilt[1], nn.LayerNorm)
+    assert rebuilt[0].in_features == 4 and rebuilt[1].eps == 1e-3 and rebuilt[2].p == 0.25
+    assert not rebuilt.training
+    assert torch.equal(rebuilt[0].weight, m[0].weight)
+
+
+def test_replay_restores_the_rng_state_for_dropout(tmp_path):
+    m = nn.Dropout(0.5).train()
+    x = torch.ones(64)
+    state = torch.get_rng_state()
+    expected = m(x)
+    path = save(tmp_path / "d.pt", module=m, module_name="drop", args=(x,), kwargs={}, rng_state=state,
+                cuda_rng=None, finding=None)
+    torch.manual_seed(123)
+    after = torch.get_rng_state()
+    r = replay(path)
+    assert torch.equal(r.outputs, expected)
+    assert torch.equal(torch.get_rng_state(), after)  # the caller's RNG is put back
+    assert not r.reproduced and "Not reproduced" in r.summary()
+
+
+class MyLog(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x, *, shift=0.0):
+        return torch.log(x * self.scale + shift)
+
+
+def test_user_module_is_passed_in(tmp_path):
+    m = MyLog()
+    path = save_bundle(tmp_path / "u.pt", m, (torch.ones(2, 3),), {"shift": 0.0},
+                       finding(module_type="MyLog", value=float("-inf")))
+    with pytest.raises(BundleError, match=r"MyLog.*not a standard torch.nn layer.*module="):
+        replay(path)
+    fresh = MyLog()
+    with torch.no_grad():
+        fresh.scale.fill_(1.0)  # replaced by the saved state
+    r = replay(path, module=fresh)
+    assert r.reproduced and r.finding is not None and r.finding.value == float("-inf")
+    with pytest.raises(BundleError, match="does not fit"):
+        replay(path, module=nn.Linear(2, 2))
+
+
+def test_unsupported_inputs_are_named(tmp_path):
+    path = save_bundle(tmp_path / "o.pt", nn.Identity(), (object(),))
+    with pytest.raises(BundleError, match="object"):
+        replay(path)
+
+
+class Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_crafted_bundle_is_refused_and_runs_nothing(tmp_path, how):
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "evil.pt"
+    payload = {"format": "nanhunt.bundle/1", "tree": Evil(str(marker))}
+    if how == "pickle":
+        with open(path, "wb") as fh:
+            pickle.dump(payload, fh)
+    else:
+        torch.save(payload, path)
+    with pytest.raises(BundleError, match="refused.*weights_only=True"):
+        load(path)
+    with pytest.raises(BundleError):
+        replay(path)
+    p = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "refused" in p.stderr and "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+def test_not_a_bundle(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    with pytest.raises(BundleError, match="not a nanhunt bundle"):
+        load(path)
+    (tmp_path / "text.pt").write_text("hello")
+    with pytest.raises(BundleError):
+        load(tmp_path / "text.pt")
+    with pytest.raises(BundleError, match="no such"):
+        load(tmp_path / "missing.pt")
+
+
+def test_bundle_cannot_name_classes_outside_torch_nn(tmp_path):
+    path = save_bundle(tmp_path / "b.pt", nn.Linear(2, 2), (torch.ones(2),))
+    data = load(path)
+    data["tree"]["module_path"] = "os"
+    data["tree"]["module_type"] = "system"
+    with pytest.raises(BundleError, match="not a standard torch.nn layer"):
+        replay(data)
+    data["tree"]["module_path"] = "torch.nn.modules.linear"
+    data["tree"]["module_type"] = "Linear.__init__.__globals__"
+    with pytest.raises(BundleError, match="invalid class"):
+        replay(data)
+
+
+def test_cli_replay(tmp_path, capsys):
+    path = save_bundle(tmp_path / "b.pt", overflow_stack(), (torch.full((2, 4), 1e10),))
+    assert main(["replay", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("Reproduced: `enc` (Sequential)")

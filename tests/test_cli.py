@@ -1,0 +1,251 @@
+"""`nanhunt run` on untouched scripts, `show`, and `python -m nanhunt`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+from torch.optim import optimizer as optim_mod
+
+from nanhunt import Report
+from nanhunt._auto import AutoWatch
+from nanhunt._cli import main, rank_path
+
+LOG_OF_ZERO = '''
+import sys
+import torch
+from torch import nn
+
+from helper import GATE_STEP  # a sibling module: sys.path[0] is the script's folder
+
+
+class Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class LogHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = 1.0
+
+    def forward(self, x):
+        return torch.log(x.abs().sum(-1) * self.gate)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = Body()
+        self.head = LogHead()
+
+    def forward(self, x):
+        return self.head(self.body(x)).mean()
+
+
+assert __name__ == "__main__"
+torch.manual_seed(0)
+net = Net()
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+for step in range(8):
+    if step == GATE_STEP:
+        net.head.gate = 0.0  # log(0) from here on
+    loss = net(torch.randn(8, 4))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("finished", sys.argv[1:])
+'''
+
+CLEAN = '''
+import sys
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+loss_fn = nn.MSELoss()
+for _ in range(4):
+    loss = loss_fn(model(torch.randn(5, 3)), torch.zeros(5, 1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("argv", sys.argv)
+sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+'''
+
+
+def nanhunt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real command, in a fresh process (`python -m nanhunt`)."""
+    return subprocess.run([sys.executable, "-m", "nanhunt", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """The same command in this process (faster): returns (status, stdout, stderr)."""
+    monkeypatch.delitem(sys.modules, "helper", raising=False)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        rc = main(list(args))
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    yield run
+    sys.modules.pop("helper", None)
+
+
+@pytest.fixture
+def fault_script(tmp_path):
+    (tmp_path / "helper.py").write_text("GATE_STEP = 5\n")
+    path = tmp_path / "train.py"
+    path.write_text(textwrap.dedent(LOG_OF_ZERO))
+    return path
+
+
+def test_run_finds_a_planted_log_of_zero(fault_script, tmp_path, cli):
+    report = tmp_path / "out" / "report.json"
+    report.parent.mkdir()
+    p = nanhunt("run", "--report", str(report), str(fault_script), "--lr", "1")
+    assert p.returncode == 3, p.stderr
+    assert "finished" not in p.stdout  # raise mode stops the script
+    first = next(line for line in p.stderr.splitlines() if line.startswith("First"))
+    assert first.startswith("First -Inf: forward of `head` (LogHead) at step 5"), p.stderr
+    assert "train.py:24" in first  # the line of torch.log in the script
+    r = Report.load(report)
+    assert r.first is not None and r.first.module == "head" and r.first.step == 5
+    rc, out, _ = cli("show", str(report))
+    assert rc == 0
+    assert out.splitlines()[0] == first
+
+
+def test_run_record_lets_the_script_finish_and_still_exits_3(fault_script, cli):
+    rc, out, err = cli("run", "--on-find", "record", "--mode", "full", str(fault_script), "a", "b")
+    assert rc == 3, err
+    assert "finished ['a', 'b']" in out
+    assert "forward of `head` (LogHead) at step 5" in err
+
+
+def test_run_clean_script_passes_its_status_and_argv(tmp_path, cli):
+    script = tmp_path / "clean.py"
+    script.write_text(CLEAN)
+    rc, out, err = cli("run", str(script))
+    assert rc == 0, err
+    assert f"argv ['{script}']" in out
+    seven = nanhunt("run", "--report", str(tmp_path / "r.json"), str(script), "7")
+    assert seven.returncode == 7, seven.stderr
+    assert f"argv ['{script}', '7']" in seven.stdout
+    assert Report.load(tmp_path / "r.json").first is None  # a clean report is written too
+
+
+def test_run_script_that_crashes(tmp_path, cli):
+    script = tmp_path / "boom.py"
+    script.write_text("raise RuntimeError('the script broke')\n")
+    rc, _, err = cli("run", str(script))
+    assert rc == 1
+    assert "the script broke" in err
+
+
+def test_run_usage_errors(tmp_path, cli):
+    assert cli("run", str(tmp_path / "missing.py"))[0] == 2
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    rc, _, err = cli("run", "--report", str(tmp_path / "r.csv"), str(script))
+    assert rc == 2 and ".json, .html or .txt" in err
+    assert cli()[0] == 2
+
+
+def test_show_refuses_bad_files(tmp_path, cli):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc, _, err = cli("show", str(bad))
+    assert rc == 2 and "cannot read report" in err and "Traceback" not in err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}))
+    assert cli("show", str(other))[0] == 2
+    assert cli("show", str(tmp_path / "nope.json"))[0] == 2
+
+
+def test_rank_suffix():
+    assert rank_path("out/r.json", "3") == "out/r.rank3.json"
+    assert rank_path("r.html", "") == "r.html"
+
+
+def test_rank_suffix_under_torchrun_env(fault_script, tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    rc, _, err = cli("run", "--report", str(tmp_path / "r.json"), str(fault_script))
+    assert rc == 3, err
+    assert (tmp_path / "r.rank1.json").exists()
+
+
+# ---------------------------------------------------------------- AutoWatch in-process
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def train(model, opt, steps=3):
+    for _ in range(steps):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def hooks_now():
+    return (len(module_mod._global_forward_pre_hooks), len(module_mod._global_forward_hooks),
+            len(optim_mod._global_optimizer_pre_hooks), torch.optim.Optimizer.__init__)
+
+
+@pytest.mark.parametrize("opt_first", [True, False])
+def test_autowatch_counts_steps_from_the_first_optimizer_step(opt_first):
+    before = hooks_now()
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if opt_first else None
+    with AutoWatch(on_find="raise") as auto:
+        if opt is None:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        train(model, opt)
+        ((name, hunt),) = auto.hunts
+        assert name == "Net"
+        assert hunt.step == 3
+    assert hooks_now() == before
+    assert hunt.closed
+
+
+def test_autowatch_prefers_the_outer_tree():
+    model = Net()
+    with AutoWatch(on_find="record") as auto:
+        model.a(torch.randn(2, 3))  # a part first
+        model(torch.randn(2, 3))  # then the whole
+        model(torch.randn(2, 3))
+        assert [n for n, _ in auto.hunts] == ["Linear", "Net"]
+        assert auto.hunts[0][1].closed and not auto.hunts[1][1].closed
+
+
+def test_autowatch_finding_names_are_relative_to_the_root():
+    model = Net()
+    with torch.no_grad():
+        model.b.weight.fill_(float("inf"))
+        model.b.bias.fill_(float("-inf"))
+    with AutoWatch(on_find="record") as auto:
+        model(torch.ones(2, 3))
+        model(torch.ones(2, 3))
+    f = auto.report().first
+    assert f is not None and f.module == "b" and f.phase == "forward"
+    assert auto.report().meta["roots"] == ["Net"]
