@@ -130,6 +130,12 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
     for i, bad in enumerate(sbad):
         if bad and log.meta[i][0] not in firsts:
             firsts[log.meta[i][0]] = i
+    if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
+        ci = log.meta[firsts.pop("op")][3]
+        own = next((i for i, m in enumerate(log.meta) if m[0] == "fwd" and m[1] == ci and sbad[i]), None)
+        if own is not None and own > firsts["fwd"]:
+            firsts["fwd"] = own
+    firsts.pop("op", None)
     for kind in sorted(firsts, key=firsts.__getitem__):
         i = firsts[kind]
         f = None
@@ -152,7 +158,18 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             if f is not None:
                 out.append(f)
                 break
-    return [_finish(ctx, f) for f in out]
+    ops = [log.meta[i] for i, b in enumerate(sbad) if b and log.meta[i][0] == "op"]
+    return [_with_op(_finish(ctx, f), ops) for f in out]
+
+
+def _with_op(f: Finding, ops: list[tuple[Any, ...]]) -> Finding:
+    """mode="ops": the first non-finite op of the finding's phase, known without any replay."""
+    import dataclasses
+
+    first = next((m for m in ops if (m[2] is not None) == (f.phase == "backward")), None)
+    if first is None or f.phase not in ("forward", "backward") or f.op is not None:
+        return f
+    return dataclasses.replace(f, op=first[2] or first[1])
 
 
 def _finish(ctx: _Ctx, f: Finding) -> Finding:
@@ -191,12 +208,15 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     name, module, call = c.name, c.module, c.call
     if r is not None and r.error is None:
         first = _first_bad_forward(r)
-        if first is not None and rc is not None and first.ordinal != c.ordinal and _within(r, first, c.ordinal):
+        seen = {x.ordinal for x in log.calls if x.top == c.top}
+        if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in seen
+                and _within(r, first, c.ordinal)):
             # the log saw only this call (compiled graph, or no hook inside): the replay sees deeper
             rc, path = first, first.outputs[first.out_bad.index(True)][0]
             name, module, call = rc.name, rc.module, _call_index(ctx, c.top, rc)
             tensor = None
-        reproducible = first is not None and rc is not None and first.ordinal == rc.ordinal
+        reproducible = (first is not None and rc is not None and any(rc.out_bad)
+                        and (first.ordinal == rc.ordinal or _within(r, first, rc.ordinal)))
         if reproducible and rc is not None:
             cause, rc, path = _forward_cause(r, rc, path)
             if rc.ordinal != c.ordinal:  # born in an enclosing module's own code

@@ -32,7 +32,7 @@ from ._tree import tensors
 __all__ = ["watch", "Hunt", "NonFiniteWarning"]
 
 _ON_FIND = ("raise", "warn", "record")
-_MODES = ("full", "sentinel")
+_MODES = ("full", "sentinel", "ops")
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _COMPILED_SLOTS = 4096  # (module, output) pairs checked inside compiled graphs
@@ -136,11 +136,19 @@ class Hunt:
             self._cbuf = torch.zeros(_COMPILED_SLOTS, device=p.device if p is not None else "cpu")
         _forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = stats_every
-        self._stats_on = mode == "full" and history > 0
+        self._per_module = mode != "sentinel"
+        self._stats_on = self._per_module and history > 0
+        self._quiet = 0
+        self._ops_mode: Any = None
+        if mode == "ops":
+            from ._ops import OpsMode, quietly
+
+            for name in ("_pre", "_post", "_on_grad", "_pre_step", "_post_step", "check", "_end_step", "_closure"):
+                setattr(self, name, quietly(self, getattr(self, name)))
         self._reported = False
         self._handles: list[Any] = []
 
-        if mode == "full":
+        if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
         else:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
@@ -150,6 +158,9 @@ class Hunt:
             self.add_optimizer(opt)
         if scaler is not None:
             self._wrap_scaler(scaler)
+        if mode == "ops":
+            self._ops_mode = OpsMode(self)
+            self._ops_mode.__enter__()
 
     # ------------------------------------------------------------------ public
     @property
@@ -189,7 +200,7 @@ class Hunt:
         with torch.no_grad():
             log.sums.append(probe(tensor))
         log.meta.append(("chk", name, tensor.detach()))
-        if self.mode == "full" and tensor.requires_grad and torch.is_grad_enabled():
+        if self._per_module and tensor.requires_grad and torch.is_grad_enabled():
             k = self._key(tensor)
             log.tensors[k].consumers.append((-1, (name,)))
         return tensor
@@ -436,7 +447,7 @@ class Hunt:
         self._steps_applied += 1
         step = self.step
         self.step += 1
-        self._stats_on = self.mode == "full" and self.history > 0 and self.step % self._stats_every == 0
+        self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         items: list[tuple[torch.Tensor, str]] = []
         tens: list[torch.Tensor] = []
         for g in opt.param_groups:
@@ -490,7 +501,7 @@ class Hunt:
         if advance:
             self.step += 1
         self._history.add(step, list(log.stats_rows), log.stats)
-        self._stats_on = self.mode == "full" and self.history > 0 and self.step % self._stats_every == 0
+        self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         found: list[Finding] = []
         try:
             flag = log.bad_flag()
@@ -557,6 +568,9 @@ class Hunt:
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
                                collective=raise_pending)
         finally:
+            if self._ops_mode is not None:
+                self._ops_mode.__exit__(None, None, None)
+                self._ops_mode = None
             for h in self._handles:
                 h.remove()
             self._handles.clear()
