@@ -1,0 +1,328 @@
+"""The public surface: arguments, on_find modes, close(), what is left behind, plain-data findings
+and reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+import nanhunt
+
+from . import zoo
+
+
+def _zero_batch() -> torch.Tensor:
+    return torch.zeros(2, 4)
+
+
+def _log_model() -> nn.Module:
+    """Linear -> Log with zero weights and bias: log(0) = -inf on every call."""
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.weight.zero_()
+        m.lin.bias.zero_()
+    return m
+
+
+# ---------------------------------------------------------------------------- arguments
+def test_public_names() -> None:
+    for name in ("watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning"):
+        assert name in nanhunt.__all__ and hasattr(nanhunt, name)
+    assert issubclass(nanhunt.NonFiniteError, FloatingPointError)
+    assert issubclass(nanhunt.NonFiniteWarning, Warning)
+
+
+@pytest.mark.parametrize("bad", [lambda x: x, "model", torch.zeros(3), None])
+def test_model_must_be_a_module(bad: Any) -> None:
+    with pytest.raises(TypeError) as ei:
+        nanhunt.watch(bad)
+    assert type(bad).__name__ in str(ei.value)
+
+
+@pytest.mark.parametrize("bad", ["loud", "", None, 3])
+def test_bad_on_find(bad: Any) -> None:
+    with pytest.raises(ValueError, match="on_find"):
+        nanhunt.watch(zoo.mlp(), on_find=bad)
+
+
+@pytest.mark.parametrize("bad", ["adam", 3, [torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), "sgd"]])
+def test_bad_optimizer(bad: Any) -> None:
+    with pytest.raises(TypeError, match="optimizer"):
+        nanhunt.watch(zoo.mlp(), bad)
+
+
+def test_bad_report_suffix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\.json"):
+        nanhunt.watch(zoo.mlp(), report=tmp_path / "report.pdf")
+
+
+def test_bad_arguments_leave_nothing_behind() -> None:
+    before = dict(_module_mod._global_forward_hooks)
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for kw in ({"on_find": "nope"}, {"report": "x.pdf"}):
+        with pytest.raises(ValueError):
+            nanhunt.watch(m, opt, **kw)
+    assert dict(_module_mod._global_forward_hooks) == before
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+# ---------------------------------------------------------------------------- on_find
+def test_on_find_raise_error_carries_finding_and_report() -> None:
+    m = _log_model()
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m):
+        m(_zero_batch())
+    e = ei.value
+    assert isinstance(e.finding, nanhunt.Finding) and isinstance(e.report, nanhunt.Report)
+    assert e.report.first == e.finding
+    msg = str(e)
+    assert "\n" not in msg.strip() and "log" in msg and "step 0" in msg and "output" in msg
+    assert msg == e.finding.summary()
+
+
+def test_on_find_warn_keeps_recording() -> None:
+    m = _log_model()
+    with pytest.warns(nanhunt.NonFiniteWarning) as rec, nanhunt.watch(m, on_find="warn") as hunt:
+        for _ in range(3):
+            with torch.no_grad():
+                m(_zero_batch())
+    assert len(hunt.findings) >= 3 and [f.step for f in hunt.findings][:1] == [0]
+    assert {f.step for f in hunt.findings} == {0, 1, 2}
+    assert any("log" in str(w.message) for w in rec)
+
+
+def test_on_find_record_is_silent() -> None:
+    m = _log_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanhunt.watch(m, on_find="record") as hunt:
+            with torch.no_grad():
+                m(_zero_batch())
+                m(_zero_batch())
+    assert [f.step for f in hunt.findings if f.module == "log"] == [0, 1]
+    assert hunt.first is hunt.findings[0]
+
+
+def test_on_find_callable_gets_each_finding() -> None:
+    got: list[nanhunt.Finding] = []
+    m = _log_model()
+    with nanhunt.watch(m, on_find=got.append) as hunt:
+        with torch.no_grad():
+            m(_zero_batch())
+    assert got and got == hunt.findings
+
+
+def test_no_finding_no_error() -> None:
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nanhunt.watch(m, opt) as hunt:
+        for _ in range(3):
+            m(torch.randn(4, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [] and hunt.first is None and hunt.report.findings == []
+
+
+# ---------------------------------------------------------------------------- close and leftovers
+def _all_global_hooks() -> dict[str, list[Any]]:
+    names = [n for n in dir(_module_mod) if n.startswith("_global_") and isinstance(getattr(_module_mod, n), dict)]
+    return {n: list(getattr(_module_mod, n).keys()) for n in names}
+
+
+def _leftovers(m: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    out = []
+    for name, mod in m.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(mod, attr):
+                out.append(f"{name}.{attr}")
+    for name, p in m.named_parameters():
+        if p._backward_hooks:
+            out.append(f"{name}._backward_hooks")
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            out.append(f"{name}._post_accumulate_grad_hooks")
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        out.append("optimizer step hooks")
+    return out
+
+
+def test_close_is_idempotent_and_leaves_no_hook() -> None:
+    before = _all_global_hooks()
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    hunt = nanhunt.watch(m, opt)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    hunt.close()
+    hunt.close()
+    assert _leftovers(m, opt) == []
+    assert _all_global_hooks() == before, "global hook tables (incl. _global_forward_hooks_with_kwargs)"
+
+
+def test_torchs_with_kwargs_flag_is_not_left_behind() -> None:
+    """torch's RemovableHandle for register_module_forward_hook(with_kwargs=True) does not clean
+    _global_forward_hooks_with_kwargs; nanhunt must not leave its entry there."""
+    before = set(_module_mod._global_forward_hooks_with_kwargs)
+    m = _log_model()
+    with nanhunt.watch(m, on_find="record"):
+        m(_zero_batch())  # a hit: the replay registers hooks too
+    assert set(_module_mod._global_forward_hooks_with_kwargs) == before
+
+
+def _run_and_exit(how: str) -> tuple[weakref.ref, nanhunt.Hunt, torch.optim.Optimizer, Any]:
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.bias.fill_(3.0)  # positive pre-activations: no log(0) unless zeroed
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    ref = weakref.ref(m)
+    hunt = nanhunt.watch(m, opt)
+    caught: Any = None
+    try:
+        with hunt:
+            for i in range(3):
+                x = torch.rand(2, 4) * 0.1
+                if how == "nonfinite" and i == 1:
+                    with torch.no_grad():
+                        m.lin.weight.zero_()
+                        m.lin.bias.zero_()
+                out = m(x)
+                if how == "error" and i == 1:
+                    raise RuntimeError("user bug")
+                if how == "interrupt" and i == 1:
+                    raise KeyboardInterrupt
+                out.sum().backward()
+                opt.step()
+                opt.zero_grad()
+    except (nanhunt.NonFiniteError, RuntimeError, KeyboardInterrupt) as e:
+        caught = (type(e), getattr(e, "finding", None), getattr(e, "report", None))
+    return ref, hunt, opt, caught
+
+
+@pytest.mark.parametrize("how", ["normal", "nonfinite", "error", "interrupt"])
+def test_every_exit_leaves_nothing_and_frees_the_model(how: str) -> None:
+    before = _all_global_hooks()
+    ref, hunt, opt, caught = _run_and_exit(how)
+    expected = {"normal": None, "nonfinite": nanhunt.NonFiniteError, "error": RuntimeError,
+                "interrupt": KeyboardInterrupt}[how]
+    assert (caught[0] if caught else None) is expected
+    assert hunt.closed
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert _all_global_hooks() == before
+    hunt.close()  # still idempotent
+    m_alive = ref()
+    if m_alive is not None:
+        assert _leftovers(m_alive, opt) == []
+    del m_alive
+    opt.param_groups.clear()
+    opt.state.clear()
+    gc.collect()
+    assert ref() is None, "the hunt (or its error and report) keeps the model alive"
+    del hunt, caught
+
+
+def test_exception_in_a_module_mid_forward_then_normal_use() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("bad shape")
+
+    m = nn.Sequential(nn.Linear(4, 4), Boom())
+    with pytest.raises(ValueError), nanhunt.watch(m):
+        m(torch.ones(1, 4))
+    m2 = _log_model()
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m2):
+        m2(_zero_batch())
+    assert ei.value.finding.module == "log"
+
+
+def test_another_exception_is_not_replaced_by_the_pending_finding() -> None:
+    m = _log_model()
+    with pytest.raises(KeyError), nanhunt.watch(m):
+        m(_zero_batch())
+        raise KeyError("user")
+
+
+def test_no_optimizer_raise_at_the_latest_at_close() -> None:
+    m = _log_model()
+    hunt = nanhunt.watch(m)
+    with torch.no_grad():
+        out = m(_zero_batch())
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        hunt.close()
+    assert out.shape == (2, 1)
+    assert ei.value.finding.module == "log" and hunt.closed
+    hunt.close()  # idempotent: no second error
+
+
+# ---------------------------------------------------------------------------- plain data
+def test_finding_is_plain_frozen_data() -> None:
+    m = _log_model()
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m(_zero_batch())
+    f = hunt.first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.step = 3  # type: ignore[misc]
+    d = dataclasses.asdict(f)
+    for k in ("phase", "module", "module_type", "tensor", "step", "call", "index", "value", "counts", "shape",
+              "dtype", "cause", "op", "source", "chain", "rank", "reproducible", "hint"):
+        assert k in d
+
+    def plain(v: Any) -> bool:
+        if isinstance(v, (str, int, float, type(None))):
+            return True
+        if isinstance(v, (tuple, list)):
+            return all(plain(x) for x in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and plain(x) for k, x in v.items())
+        return False
+
+    assert all(plain(v) for v in d.values()), d
+    assert f.value == -math.inf
+    text = json.dumps(f.to_dict(), allow_nan=False)
+    assert json.loads(text)["module"] == "log"
+    assert f.phase in ("forward", "backward", "grad", "optimizer", "check")
+    assert f.cause in ("created", "input", "parameter", "unknown")
+
+
+def test_report_to_dict_and_files(tmp_path: Path) -> None:
+    path = tmp_path / "nan.json"
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.bias.fill_(3.0)
+    with nanhunt.watch(m, on_find="record", report=path) as hunt:
+        with torch.no_grad():
+            m(torch.rand(2, 4) * 0.1)  # step 0: fine (weights zeroed after this call)
+            m.lin.weight.zero_()
+            m.lin.bias.zero_()
+            m(_zero_batch())  # step 1
+            m(_zero_batch())  # step 2 ends this step: the first finding is made
+        assert path.exists(), "written when the first finding is made"
+        early = json.loads(path.read_text())
+        assert early["first"]["module"] == "log"
+    final = json.loads(path.read_text())
+    d = hunt.report.to_dict()
+    assert {"schema", "first", "findings"} <= d.keys()
+    assert d["first"] == d["findings"][0] and d["first"]["step"] == 1
+    assert final["findings"] == json.loads(json.dumps(d["findings"]))
+    assert len(final["findings"]) == len(hunt.findings) >= 2
+    json.dumps(d, allow_nan=False)
+    txt = tmp_path / "nan.txt"
+    hunt.report.save(txt)
+    assert "log" in txt.read_text() and str(hunt.report)
+
+
+def test_report_txt_written_on_close(tmp_path: Path) -> None:
+    path = tmp_path / "r.txt"
+    m = zoo.mlp()
+    with nanhunt.watch(m, report=path):
+        m(torch.randn(2, 4))
+    assert path.exists()

@@ -1,0 +1,200 @@
+"""Real models: training is bit-identical with and without the watch (dropout, BatchNorm, replays
+after a hit included), and intended -inf masks are not findings."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+
+from . import zoo
+from .zoo import bit_equal, same_state, snapshot
+
+
+def _train(model: nn.Module, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+           watch: dict[str, Any] | None, opt_cls: type = torch.optim.AdamW, seed: int = 123
+           ) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]], dict[str, torch.Tensor], torch.Tensor, Any]:
+    """Train a few steps; return losses, grads per step, final state, RNG state after, the hunt."""
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    torch.manual_seed(seed)
+    losses, grads = [], []
+    hunt = nanhunt.watch(model, opt, **watch) if watch is not None else None
+    try:
+        for b in batches:
+            loss = loss_fn(model, b)
+            if hunt is not None:
+                hunt.check(loss, "loss")
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if hunt is not None:
+            hunt.close()
+    return losses, grads, snapshot(model), torch.get_rng_state(), hunt
+
+
+def _assert_identical(make: Callable[[], nn.Module], batches: list[Any],
+                      loss_fn: Callable[[nn.Module, Any], torch.Tensor], watch: dict[str, Any]) -> Any:
+    a = _train(make(), batches, loss_fn, None)
+    b = _train(make(), batches, loss_fn, watch)
+    assert all(bit_equal(x, y) for x, y in zip(a[0], b[0])), "losses differ"
+    assert all(bit_equal(g, h) for ga, gb in zip(a[1], b[1]) for g, h in zip(ga, gb)), "gradients differ"
+    assert same_state(a[2], b[2]), "weights or buffers differ"
+    assert torch.equal(a[3], b[3]), "the RNG stream was disturbed"
+    return b[4]
+
+
+def _ids(n: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 100, (2, 8), generator=g) for _ in range(n)]
+
+
+def test_gpt2_training_is_bit_identical() -> None:
+    hunt = _assert_identical(lambda: zoo.gpt2(attn="eager"), _ids(), lambda m, ids: m(ids, labels=ids).loss,
+                             {"on_find": "raise"})
+    assert hunt.findings == [] and hunt.step == 3
+
+
+def test_gpt2_sdpa_with_causal_masking_has_no_findings() -> None:
+    hunt = _assert_identical(lambda: zoo.gpt2(attn="sdpa"), _ids(2), lambda m, ids: m(ids, labels=ids).loss,
+                             {"on_find": "raise"})
+    assert hunt.findings == []
+
+
+def test_bert_with_padding_mask_is_bit_identical() -> None:
+    def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(ids)
+        mask[1, 5:] = 0
+        return m(ids, attention_mask=mask).last_hidden_state.pow(2).mean()
+
+    hunt = _assert_identical(zoo.bert, _ids(), loss, {"on_find": "raise"})
+    assert hunt.findings == []
+
+
+def test_transformer_encoder_with_causal_inf_mask_is_bit_identical() -> None:
+    """The -inf causal mask goes *in*; softmax keeps every row finite: nothing to report."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 6, 16, generator=g) for _ in range(3)]
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    assert torch.isinf(causal).any()
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x, mask=causal, is_causal=True).pow(2).mean()
+
+    hunt = _assert_identical(zoo.transformer_encoder, xs, loss, {"on_find": "raise"})
+    assert hunt.findings == []
+
+
+def _images(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def test_cnn_with_batchnorm_and_inplace_relu_is_bit_identical() -> None:
+    hunt = _assert_identical(zoo.cnn, _images(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), {"on_find": "raise"})
+    assert hunt.findings == []
+
+
+def test_bit_identical_after_record_mode_hits_and_replays() -> None:
+    """Every step has a forward hit (the unused log-activation output), so every step is replayed:
+    dropout's RNG stream, BatchNorm's running statistics and .grad must come out untouched."""
+    hunt = _assert_identical(zoo.auxcnn, _images(4), lambda m, b: F.cross_entropy(m(b[0])["logits"], b[1]),
+                             {"on_find": "record"})
+    assert [f.step for f in hunt.findings if f.phase == "forward"] == [0, 1, 2, 3]
+    f = hunt.first
+    assert (f.module, f.tensor, f.cause, f.value) == ("", "output['log_act']", "created", float("-inf"))
+
+
+def test_bit_identical_after_a_record_mode_backward_hit() -> None:
+    """A backward hit (sqrt at 0) is replayed with autograd: nothing may accumulate into .grad."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(3)]
+    xs[1][0, 2:] = xs[1][0, :2]
+
+    def make() -> nn.Module:
+        m = zoo.distnet()
+        return nn.Sequential(m, nn.Dropout(0.3))
+
+    hunt = _assert_identical(make, xs, lambda m, x: m(x).sum(), {"on_find": "record"})
+    assert hunt.first.phase == "backward" and hunt.first.module == "0.dist" and hunt.first.step == 1
+
+
+def test_watch_on_a_model_in_eval_and_no_grad() -> None:
+    m = zoo.gpt2()
+    m.eval()
+    ids = _ids(1)[0]
+    with torch.no_grad():
+        ref = m(ids).logits
+        with nanhunt.watch(m) as hunt:
+            for _ in range(3):
+                out = m(ids).logits
+    assert bit_equal(ref, out) and hunt.findings == []
+
+
+# ---------------------------------------------------------------------------- intended -inf
+class MaskedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = zoo.CausalAttention(8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x))
+
+
+def test_a_mask_module_outputs_inf_and_is_reported_unless_ignored() -> None:
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    m = MaskedModel()
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m(x).sum().backward()
+    f = hunt.first
+    assert (f.phase, f.module, f.module_type, f.value, f.cause) == ("forward", "attn.mask", "CausalMask",
+                                                                    float("-inf"), "created")
+    for pattern in ("attn.mask", "*mask", "*.mask"):
+        with nanhunt.watch(m, on_find="raise", ignore=[pattern]) as hunt:
+            m(x).sum().backward()
+        assert hunt.findings == [], pattern
+
+
+def test_a_parent_returning_an_ignored_output_unchanged_is_not_a_finding() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential()
+    m.add_module("block", zoo.MaskPassThrough(8))
+    x = torch.randn(2, 5, 8)
+    with nanhunt.watch(m, ignore=["*mask"]) as hunt:
+        for _ in range(2):
+            h, mask = m(x)
+            (h.sum() + (h[:, :, :5] + mask[None]).softmax(-1).sum()).backward()
+    assert hunt.findings == []
+
+
+@pytest.mark.xfail(reason="BUG: the replay does not honour `ignore`: it sees the ignored mask's -inf first, "
+                   "calls the real finding not reproducible and drops its element (index None, counts {})",
+                   strict=True)
+def test_ignore_does_not_hide_real_failures_elsewhere() -> None:
+    torch.manual_seed(0)
+    m = MaskedModel()
+    with torch.no_grad():
+        m.head.weight[0, 3] = float("nan")
+    ref = copy.deepcopy(m)
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(0))
+    with nanhunt.watch(m, ignore=["*mask"], on_find="record") as hunt:
+        m(x)
+    zoo.assert_finding(hunt.first, phase="forward", module="head", module_type="Linear", tensor="output", step=0,
+                       call=0, cause="parameter", expected=ref.head(ref.attn(x)).detach())
+
+
+@pytest.mark.parametrize("pattern", [3, [None]])
+def test_ignore_must_be_patterns(pattern: Any) -> None:
+    with pytest.raises(TypeError):
+        nanhunt.watch(zoo.mlp(), ignore=pattern)

@@ -1,0 +1,262 @@
+"""Optimizer: parameters and state after step(), exploding learning rates, Adam's exp_avg_sq,
+GradScaler's skipped steps, and several optimizers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanhunt
+
+from . import zoo
+from .zoo import assert_finding, bit_equal, same_state, snapshot
+
+
+def _data(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _classifier() -> zoo.MLP:
+    return zoo.mlp(d_out=3)
+
+
+def _first_bad_after_step(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[str, str, str, Any] | None:
+    """(module name, module type, tensor, value) of the first non-finite parameter or state, in
+    parameter order (each parameter, then its state)."""
+    owner = {id(p): (mn, pn, type(m).__name__) for mn, m in model.named_modules()
+             for pn, p in m.named_parameters(recurse=False)}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            mn, pn, mt = owner[id(p)]
+            if not torch.isfinite(p).all():
+                return mn, mt, pn, p.detach().clone()
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and not torch.isfinite(v).all():
+                    return mn, mt, f"state[{k!r}]", v.detach().clone()
+    return None
+
+
+def _regression_data(x_scale: float, n: int = 24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 4, generator=g) * x_scale, torch.randn(16, 1, generator=g)) for _ in range(n)]
+
+
+def _regression() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 1))
+
+
+@pytest.mark.parametrize("lr", [
+    5.0,
+    pytest.param(1.0, marks=pytest.mark.xfail(
+        reason="BUG: huge but finite activations whose device-side sum overflows are reported as a "
+               "non-reproducible 'forward' finding (see test_huge_finite_outputs_are_not_findings)", strict=True)),
+])
+def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
+    """A warm-up gone wrong: lr x10 per step. SGD diverges until an update overflows float32's max
+    in the parameters themselves (the activations, |x| < 1, are still finite). With lr=1.0 the
+    last finite activations before the overflow are near float32's max."""
+    data = _regression_data(0.2)
+
+    def growing(step: int) -> float:
+        return 10.0 ** step
+
+    ref = _regression()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, growing)
+    states, expected, bad_step = [], None, -1
+    for k, (x, y) in enumerate(data):
+        out = ref(x)
+        assert torch.isfinite(out).all(), "test set-up: the optimizer overflows before the forward does"
+        F.mse_loss(out, y).backward()
+        assert all(torch.isfinite(p.grad).all() for p in ref.parameters()), "test set-up: finite gradients"
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        states.append(snapshot(ref))
+        expected = _first_bad_after_step(ref_opt, ref)
+        if expected is not None:
+            bad_step = k
+            break
+    assert expected is not None and bad_step >= 3, "test set-up: parameters overflow after a few steps"
+
+    m = _regression()
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, growing)
+    done = []
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for k, (x, y) in enumerate(data):
+            F.mse_loss(m(x), y).backward()
+            opt.step()
+            done.append(k)
+            opt.zero_grad()
+            sched.step()
+    mn, mt, tensor, t = expected
+    assert_finding(ei.value.finding, phase="optimizer", module=mn, module_type=mt, tensor=tensor, step=bad_step,
+                   call=0, cause="created", expected=t)
+    # the error comes before the next step applies: the weights are those the bad step produced
+    assert done[-1] == bad_step
+    assert same_state(snapshot(m), states[bad_step])
+
+
+def test_adam_exp_avg_sq_overflows_on_huge_gradients() -> None:
+    data = _data(3)
+    scale = [1.0, 1e22, 1.0]  # an unscaled loss at step 1: gradients ~1e21, squared 1e42 > float32 max
+
+    ref = _classifier()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    for k, (x, y) in enumerate(data[:2]):
+        (F.cross_entropy(ref(x), y) * scale[k]).backward()
+        assert all(torch.isfinite(p.grad).all() for p in ref.parameters())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if k == 0:
+            assert _first_bad_after_step(ref_opt, ref) is None
+    expected = _first_bad_after_step(ref_opt, ref)
+    assert expected is not None and expected[2] == "state['exp_avg_sq']"
+
+    m = _classifier()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for k, (x, y) in enumerate(data):
+            (F.cross_entropy(m(x), y) * scale[k]).backward()
+            opt.step()
+            opt.zero_grad()
+    mn, mt, tensor, t = expected
+    assert_finding(ei.value.finding, phase="optimizer", module=mn, module_type=mt, tensor=tensor, step=1,
+                   call=0, cause="created", expected=t)
+    assert ei.value.finding.module_type == "Linear"
+
+
+def test_optimizer_step_applied_from_non_finite_gradients_is_cause_input() -> None:
+    """In record mode the step is applied; the parameters it poisons were fed non-finite gradients."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    x[1, 2:] = x[1, :2]  # sqrt at 0 in backward: nan gradients reach every parameter
+    m = zoo.distnet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    phases = [f.phase for f in hunt.findings]
+    assert phases[0] == "backward" and "optimizer" in phases, hunt.findings
+    f = hunt.findings[phases.index("optimizer")]
+    assert (f.step, f.call) == (0, 0)
+    assert f.cause == "input", f
+
+
+# ---------------------------------------------------------------------------- GradScaler
+def _amp_run(m: torch.nn.Module, pass_scaler: bool, init_scale: float = 2.0**20
+             ) -> tuple[nanhunt.Hunt, torch.amp.GradScaler, list[int]]:
+    data = _data(8)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    applied = []
+    with nanhunt.watch(m, opt, on_find="record", scaler=scaler if pass_scaler else None) as hunt:
+        for x, y in data:
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = m(x)
+            loss = F.cross_entropy(logits.float(), y)
+            scaler.scale(loss).backward()
+            before = snapshot(m)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            applied.append(int(not same_state(before, snapshot(m))))
+    return hunt, scaler, applied
+
+
+def test_gradscaler_skipped_steps_are_not_findings() -> None:
+    m = _classifier()
+    hunt, scaler, applied = _amp_run(m, pass_scaler=True)
+    assert applied[0] == 0 and 1 in applied, "test set-up: the scaler skips, then applies steps"
+    assert hunt.findings == []
+    assert scaler.get_scale() < 2.0**20
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_without_the_scaler_its_overflowing_gradients_are_findings() -> None:
+    hunt, _, applied = _amp_run(_classifier(), pass_scaler=False, init_scale=2.0**24)
+    assert applied[0] == 0
+    assert hunt.findings, "the fp16 gradient overflow is reported when the scaler is not passed"
+    f = hunt.first
+    assert f.phase in ("backward", "grad") and f.step == 0 and f.dtype in ("float16", "float32")
+
+
+def test_gradscaler_with_bfloat16_autocast_trains_without_findings() -> None:
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanhunt.watch(m, opt, scaler=scaler) as hunt:
+        for x, y in _data(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(m(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert hunt.findings == [] and hunt.step == 3
+    assert "step" not in vars(scaler), "the scaler is left as it was"
+
+
+# ---------------------------------------------------------------------------- several optimizers
+def test_a_list_of_optimizers_each_watched() -> None:
+    """Body on SGD, head on Adam: the head's optimizer state overflows at step 1."""
+    data = _data(3)
+    m = _classifier()
+    body = [p for n, p in m.named_parameters() if n.startswith("0.")]
+    head = [p for n, p in m.named_parameters() if n.startswith("3.")]
+    opts = [torch.optim.SGD(body, lr=1e-2), torch.optim.Adam(head, lr=1e-3)]
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opts):
+        for k, (x, y) in enumerate(data):
+            (F.cross_entropy(m(x), y) * (1e22 if k == 1 else 1.0)).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.module_type, f.tensor) == ("optimizer", "3", "Linear", "state['exp_avg_sq']")
+    assert f.index is not None and f.value == float("inf")
+
+
+@pytest.mark.xfail(reason="BUG: with a list of optimizers every optimizer's step() advances `step`, so one "
+                   "training step counts as len(optimizers) steps", strict=True)
+def test_a_list_of_optimizers_counts_one_training_step_per_round() -> None:
+    data = _data(3)
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.bias.fill_(3.0)
+    opts = [torch.optim.SGD(m.lin.parameters(), lr=0.0), torch.optim.SGD(m.head.parameters(), lr=0.0)]
+    kill = -100.0 * m.lin.weight[0].detach().sign()
+    with nanhunt.watch(m, opts, on_find="record") as hunt:
+        for k in range(3):
+            x = kill.expand(2, 4) if k == 2 else torch.full((2, 4), 0.1)
+            m(x).sum().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    assert (hunt.first.module, hunt.first.step) == ("log", 2)
+    del data
+
+
+def test_optimizer_hooks_do_not_change_the_update() -> None:
+    data = _data(4)
+    ref, m = _classifier(), _classifier()
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for x, y in data:
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with nanhunt.watch(m, opt) as hunt:
+        for x, y in data:
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.step == 4 and hunt.findings == []
+    assert same_state(snapshot(ref), snapshot(m))
+    for p, q in zip(ref.parameters(), m.parameters()):
+        for k in ref_opt.state[p]:
+            assert bit_equal(ref_opt.state[p][k], opt.state[q][k])
