@@ -32,7 +32,7 @@ from torch import nn
 from ._finding import Finding
 from ._tree import format_path, tensors
 
-__all__ = ["save", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
+__all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
 
 FORMAT = "nanhunt.bundle/1"
 _UNSUPPORTED = "__nanhunt_unsupported__"
@@ -207,6 +207,56 @@ def _json_plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_json_plain(x) for x in v]
     return v
+
+
+class _Captured(Exception):
+    """Stops the re-run once the failing call's inputs are in hand."""
+
+
+def save_from_top(
+    path: str | os.PathLike[str],
+    *,
+    top: Any,
+    names: dict[nn.Module, str],
+    ordinal: int,
+    finding: Finding | dict[str, Any] | None,
+) -> str:
+    """Bundle the ``ordinal``-th watched module call inside the top-level call ``top`` (a `_log.Top`).
+
+    The top-level call is re-run under ``_replay.faithful`` (the user's RNG and buffers are put back
+    afterwards) only up to the entry of that call, where its args, kwargs, RNG state, autocast and
+    grad mode are taken; ``ordinal`` counts watched-module calls (modules in ``names``) in call order,
+    as ``_replay.replay_top`` numbers them.
+    """
+    from ._replay import faithful
+
+    got: dict[str, Any] = {}
+    seen = [0]
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if seen[0] == ordinal:
+            cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
+            got.update(module=module, args=args, kwargs=kwargs, rng=torch.get_rng_state(), cuda=cuda,
+                       grad=torch.is_grad_enabled(),
+                       autocast=[(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])
+            raise _Captured
+        seen[0] += 1
+
+    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in names]
+    try:
+        with faithful(top):
+            top.module(*top.args, **(top.kwargs or {}))
+    except _Captured:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if not got:
+        raise BundleError(f"call #{ordinal} was not reached when the top-level call was re-run")
+    m = got["module"]
+    return save(path, module=m, module_name=names.get(m, ""), args=got["args"], kwargs=got["kwargs"],
+                rng_state=got["rng"], cuda_rng=got["cuda"], finding=finding, autocast=got["autocast"],
+                grad_enabled=got["grad"])
 
 
 # ------------------------------------------------------------------ loading

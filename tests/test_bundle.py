@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nanhunt import Finding
-from nanhunt._bundle import BundleError, load, replay, save
+from nanhunt._bundle import BundleError, load, replay, save, save_from_top
 from nanhunt._cli import main
 
 
@@ -157,3 +157,24 @@ def test_cli_replay(tmp_path, capsys):
     path = save_bundle(tmp_path / "b.pt", overflow_stack(), (torch.full((2, 4), 1e10),))
     assert main(["replay", str(path)]) == 0
     assert capsys.readouterr().out.startswith("Reproduced: `enc` (Sequential)")
+
+
+def test_save_from_top_bundles_the_inner_call(tmp_path):
+    from nanhunt._log import Top
+
+    root = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Dropout(0.5)).train()
+    with torch.no_grad():
+        root[0].weight.fill_(1e30)
+    names = {m: n for n, m in root.named_modules()}
+    x = torch.full((2, 4), 1e10)
+    top = Top(root, (x,), torch.get_rng_state(), None, (("cpu", False, torch.bfloat16),), True)
+    top.kwargs = {}
+    before = torch.get_rng_state()
+    path = save_from_top(tmp_path / "ln.pt", top=top, names=names, ordinal=2,
+                         finding=finding(module="1", module_type="LayerNorm"))
+    assert torch.equal(torch.get_rng_state(), before)
+    data = load(path)
+    assert data["module_name"] == "1" and data["module_type"] == "LayerNorm"
+    assert torch.isinf(data["args"][0]).all()  # the LayerNorm was fed the Linear's inf
+    r = replay(path)
+    assert r.reproduced and isinstance(r.module, nn.LayerNorm)
