@@ -87,7 +87,7 @@ class AutoWatch:
             if w is not None and not w._closed:
                 w._on_optimizer(opt)
 
-        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]
+        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign,assignment]
 
     # ---------------------------------------------------------------- discovery
     def _pre(self, module: nn.Module, args: Any) -> None:

@@ -110,8 +110,9 @@ def _attr(v: Any) -> tuple[bool, Any]:
     ok, plain = _plain(v)
     if ok:
         return True, plain
-    if callable(v) and getattr(F, getattr(v, "__name__", ""), None) is v:
-        return True, {_FN: v.__name__}  # e.g. TransformerEncoderLayer.activation = F.relu
+    name = getattr(v, "__name__", None)
+    if callable(v) and isinstance(name, str) and getattr(F, name, None) is v:
+        return True, {_FN: name}  # e.g. TransformerEncoderLayer.activation = F.relu
     return False, None
 
 

@@ -293,7 +293,8 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) ->
     rms = _matrix(history, "rms", len(modules), len(steps))
     zeros = _matrix(history, "zeros", len(modules), len(steps))
     headroom = _matrix(history, "headroom", len(modules), len(steps))
-    dtypes = history.get("dtype") if isinstance(history.get("dtype"), dict) else {}
+    raw_dtypes = history.get("dtype")
+    dtypes: dict[str, Any] = raw_dtypes if isinstance(raw_dtypes, dict) else {}
     c0 = max(0, len(steps) - _MAX_COLS)
     steps_shown = steps[c0:]
     rows = list(range(len(modules)))
@@ -343,8 +344,8 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) ->
             v = absmax[r][c] if j < len(steps_shown) else None
             if j == len(steps_shown):  # the extra column of the finding's step
                 v = math.nan if i == mrow else None
-            tip = [f"{name} @ step {steps_shown[j] if j < len(steps_shown) else mark[1] if mark else ''}",  # type: ignore[index]
-                   f"abs-max {_fmt(v)}"]
+            at = steps_shown[j] if j < len(steps_shown) else (mark[1] if mark else "")
+            tip = [f"{name} @ step {at}", f"abs-max {_fmt(v)}"]
             if j < len(steps_shown):
                 tip.append(f"rms {_fmt(rms[r][c])}, zeros {_fmt(zeros[r][c])}, headroom {_fmt(headroom[r][c])}")
                 if dtypes.get(modules[r]):
