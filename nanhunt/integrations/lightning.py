@@ -1,0 +1,247 @@
+"""Lightning: ``NanHunt(**watch_options)``, a ``Callback`` that watches the fit.
+
+    from nanhunt.integrations.lightning import NanHunt
+
+    hunt = NanHunt(report="nan.html")
+    trainer = Trainer(callbacks=[hunt])
+    trainer.fit(model)              # raises nanhunt.NonFiniteError at the first NaN/Inf
+    print(hunt.report)
+
+How it maps onto Lightning:
+
+* ``on_fit_start`` (after the strategy set up the optimizers): ``nanhunt.watch(pl_module,
+  optimizer=<the torch optimizers>, scaler=<the precision plugin's GradScaler, if any>, ...)``.
+* Automatic optimization runs forward and backward *inside* ``optimizer.step(closure)``. nanhunt's
+  step pre-hook wraps that closure, so the step's check runs right after the closure (forward,
+  backward, ``on_before_optimizer_step``) and before the optimizer applies anything: a NaN born in
+  the forward of step ``k`` is reported with ``step == k == trainer.global_step`` and the weights are
+  never updated from it. Under ``16-mixed`` the scaler calls ``step()`` without a closure, after
+  the closure ran: the plain pre-step check is then already at the right place.
+* ``on_before_backward``: the training loss is checked as ``"loss"`` (catches a NaN made in
+  ``training_step`` outside any module), still before this step's check.
+* Validation (also the sanity check) is checked when it ends; ``trainer.validate/test/predict``
+  on their own are watched too (without an optimizer; one check per batch).
+* ``on_fit_end`` closes the watch (a pending finding is raised there); ``on_exception`` and
+  ``teardown`` close it without raising again. The ``NonFiniteError`` raised inside the loop is
+  re-raised unchanged by ``trainer.fit()``. ``.report`` stays readable after the watch closed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .._hunt import Hunt, watch
+from .._report import Report
+
+_INSTALL = "pip install 'nanhunt[lightning]'"
+
+
+def _callback_bases() -> tuple[type, ...]:
+    """``lightning.pytorch.Callback`` and/or ``pytorch_lightning.Callback``, whichever are installed.
+
+    When both are, the callback derives from both so either package's ``Trainer`` accepts it."""
+    bases: list[type] = []
+    errors: list[str] = []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            mod = __import__(name, fromlist=["Callback"])
+            bases.append(mod.Callback)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    if not bases:
+        raise ImportError(
+            "nanhunt.integrations.lightning needs Lightning (lightning.pytorch or pytorch_lightning); "
+            f"install it with: {_INSTALL}  ({'; '.join(errors)})"
+        )
+    return tuple(bases)
+
+
+_BASES = _callback_bases()
+_RESERVED = ("model", "optimizer")
+
+
+def _torch_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers whose ``step()`` really runs: unwrap LightningOptimizer (and the like)."""
+    out: list[torch.optim.Optimizer] = []
+    for o in optimizers or ():
+        seen = 0
+        while not isinstance(o, torch.optim.Optimizer) or type(o).__name__ == "LightningOptimizer":
+            inner = getattr(o, "_optimizer", None) or getattr(o, "optimizer", None)
+            if inner is None or seen > 8:
+                break
+            o, seen = inner, seen + 1
+        # a wrapper that is itself a torch Optimizer (accelerate's) forwards step() to the real one
+        while isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer) and seen <= 8:
+            o, seen = o.optimizer, seen + 1
+        if isinstance(o, torch.optim.Optimizer):
+            if not any(o is p for p in out):
+                out.append(o)
+        else:
+            warnings.warn(
+                f"nanhunt: {type(o).__name__} is not a torch.optim.Optimizer; its steps are not watched "
+                "(parameters and gradients are checked at the model's forward only)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return out
+
+
+def _scaler_of(trainer: Any) -> Any:
+    plugin = getattr(trainer, "precision_plugin", None)
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None and hasattr(scaler, "step") and hasattr(scaler, "update"):
+        is_enabled = getattr(scaler, "is_enabled", None)
+        if is_enabled is None or is_enabled():
+            return scaler
+    return None
+
+
+def _sync(hunt: Hunt, advance: bool = False) -> None:
+    """End the hunt's current record now: its one host read; raises a finding in raise mode."""
+    if hunt.closed:
+        return
+    sync = getattr(hunt, "sync", None)
+    if callable(sync):  # public once the core has it
+        sync(advance=advance)
+    else:
+        hunt._end_step(advance=advance)
+
+
+class NanHunt(*_BASES):  # type: ignore[misc]
+    """A Lightning ``Callback`` that runs ``nanhunt.watch`` over the fit. See the module docstring.
+
+    ``watch_options`` are those of :func:`nanhunt.watch` except ``model`` and ``optimizer``, which
+    come from the trainer (``on_find``, ``scaler``, ``ignore``, ``history``, ``report``, ``mode``, …).
+    ``check_loss=False`` turns off the check of the training loss.
+    """
+
+    def __init__(self, *, check_loss: bool = True, **watch_options: Any) -> None:
+        super().__init__()
+        bad = [k for k in _RESERVED if k in watch_options]
+        if bad:
+            raise TypeError(f"NanHunt takes the model and optimizers from the Trainer; do not pass {', '.join(bad)}")
+        on_find = watch_options.get("on_find", "raise")
+        if not (callable(on_find) or on_find in ("raise", "warn", "record")):  # fail now, not inside fit()
+            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
+        self.watch_options = watch_options
+        self.check_loss = check_loss
+        self.hunt: Hunt | None = None
+        self._eval_only = False
+
+    # ------------------------------------------------------------------ public
+    @property
+    def report(self) -> Report | None:
+        """The current (or last) watch's report; ``None`` before any fit started."""
+        return self.hunt.report if self.hunt is not None else None
+
+    def close(self) -> None:
+        """Stop watching; idempotent. Raises a pending ``NonFiniteError`` in raise mode."""
+        if self.hunt is not None:
+            self.hunt.close()
+
+    # ------------------------------------------------------------------ fit
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start(trainer, pl_module, _torch_optimizers(getattr(trainer, "optimizers", None)))
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self.close()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        hunt = self.hunt
+        if hunt is None or hunt.closed or not self.check_loss or not isinstance(loss, torch.Tensor):
+            return
+        hunt.check(loss, "loss")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # optimizers configured late (e.g. by a strategy after on_fit_start) are watched too
+        hunt = self.hunt
+        if hunt is not None and not hunt.closed:
+            for opt in _torch_optimizers(getattr(trainer, "optimizers", None)):
+                hunt.add_optimizer(opt)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.hunt is not None and not self._eval_only:
+            _sync(self.hunt)  # validation inside fit (and the sanity check): report it before training on
+        elif self._eval_only:
+            self._stop()
+
+    # ------------------------------------------------------------------ validate / test / predict alone
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_eval(trainer, pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_eval(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._start_eval(trainer, pl_module)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        self._eval_batch_end()
+
+    def on_test_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        self._eval_batch_end()
+
+    def on_predict_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        self._eval_batch_end()
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._eval_only:
+            self._stop()
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._eval_only:
+            self._stop()
+
+    # ------------------------------------------------------------------ ends
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._abandon(exception)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._abandon(None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, trainer: Any, pl_module: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._abandon(None)  # a callback reused for a second fit: a fresh watch
+        options = dict(self.watch_options)
+        if optimizers and options.get("scaler") is None:
+            scaler = _scaler_of(trainer)
+            if scaler is not None:
+                options["scaler"] = scaler
+        self.hunt = watch(pl_module, optimizer=optimizers or None, **options)
+
+    def _start_eval(self, trainer: Any, pl_module: Any) -> None:
+        if self.hunt is not None and not self.hunt.closed:
+            return  # inside fit: the fit's watch sees validation too
+        if getattr(trainer, "training", False) or _fitting(trainer):
+            return
+        self._start(trainer, pl_module, [])
+        self._eval_only = True
+
+    def _eval_batch_end(self) -> None:
+        if self._eval_only and self.hunt is not None:
+            _sync(self.hunt, advance=True)  # no optimizer: one check per batch, `step` = batch index
+
+    def _stop(self) -> None:
+        self._eval_only = False
+        self.close()
+
+    def _abandon(self, exception: BaseException | None) -> None:
+        """Close without raising: the run is already leaving (by ``exception``, if any)."""
+        self._eval_only = False
+        hunt = self.hunt
+        if hunt is None or hunt.closed:
+            return
+        exc_type = type(exception) if exception is not None else RuntimeError
+        hunt.__exit__(exc_type, exception, None)  # records a pending finding, never raises it
+
+
+def _fitting(trainer: Any) -> bool:
+    state = getattr(trainer, "state", None)
+    fn = getattr(state, "fn", None)
+    return str(getattr(fn, "value", fn)) == "fit"

@@ -1,0 +1,144 @@
+"""Hugging Face: ``NanHuntCallback(**watch_options)``, a ``TrainerCallback`` that watches training.
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    cb = NanHuntCallback(report="nan.html")
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    trainer.train()                 # raises nanhunt.NonFiniteError at the first NaN/Inf
+    print(cb.report)
+
+How it maps onto the ``Trainer``:
+
+* ``on_train_begin`` (the optimizer exists by then, wrapped by accelerate):
+  ``nanhunt.watch(model, optimizer=<the real torch optimizer>, scaler=<accelerate's GradScaler,
+  if any>, ...)``. accelerate's ``AcceleratedOptimizer.step()`` calls the wrapped optimizer's
+  ``step()`` (directly, or through the scaler): the hooks go on that inner optimizer, the one whose
+  ``step()`` really runs, so the check comes after gradient clipping and before the update, once
+  per optimizer step (gradient accumulation included) and ``Finding.step`` is the optimizer step.
+* An evaluation during training is checked when it ends (``on_evaluate``).
+* ``on_train_end`` closes the watch (a pending finding is raised there).
+* The ``Trainer`` has no exception hook, so with ``on_find="raise"`` the watch closes itself
+  right before it raises: ``trainer.train()`` lets ``NonFiniteError`` out and leaves no hook
+  behind. With ``"warn"``/``"record"``, or if training stops by another exception, call
+  :meth:`NanHuntCallback.close`. ``.report`` stays readable after the watch closed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._finding import Finding, NonFiniteError
+from .._hunt import Hunt, watch
+from .._report import Report
+
+_INSTALL = "pip install 'nanhunt[transformers]'"
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        f"nanhunt.integrations.transformers needs Hugging Face transformers; install it with: {_INSTALL}"
+    ) from e
+
+_RESERVED = ("model", "optimizer")
+
+
+def _real_optimizer(opt: Any) -> Any:
+    """accelerate's AcceleratedOptimizer (and similar wrappers) -> the torch optimizer that steps."""
+    for _ in range(8):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+            break
+        opt = inner
+    return opt
+
+
+class _RaiseClosing:
+    """``on_find`` for raise mode: close the watch, then raise (the Trainer has no exception hook)."""
+
+    def __init__(self) -> None:
+        self.hunt: Hunt | None = None
+        self.raised = False
+
+    def __call__(self, finding: Finding) -> None:
+        hunt = self.hunt
+        if hunt is None or self.raised:
+            return
+        self.raised = True
+        # the step's record is already taken; closing as if by an exception: no collective, no raise
+        hunt.__exit__(NonFiniteError, None, None)
+        raise NonFiniteError(finding, hunt.report)
+
+
+class NanHuntCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that runs ``nanhunt.watch`` over ``trainer.train()``.
+
+    ``watch_options`` are those of :func:`nanhunt.watch` except ``model`` and ``optimizer``, which
+    come from the Trainer (``on_find``, ``scaler``, ``ignore``, ``history``, ``report``, ``mode``, …).
+    """
+
+    def __init__(self, **watch_options: Any) -> None:
+        bad = [k for k in _RESERVED if k in watch_options]
+        if bad:
+            raise TypeError(
+                f"NanHuntCallback takes the model and optimizer from the Trainer; do not pass {', '.join(bad)}"
+            )
+        on_find = watch_options.get("on_find", "raise")
+        if not (callable(on_find) or on_find in ("raise", "warn", "record")):  # fail now, not inside train()
+            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
+        self.watch_options = watch_options
+        self.hunt: Hunt | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def report(self) -> Report | None:
+        """The current (or last) watch's report; ``None`` before training started."""
+        return self.hunt.report if self.hunt is not None else None
+
+    def close(self) -> None:
+        """Stop watching; idempotent. Raises a pending ``NonFiniteError`` in raise mode."""
+        if self.hunt is not None:
+            self.hunt.close()
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        if model is None:
+            raise RuntimeError("NanHuntCallback.on_train_begin got no model from the Trainer")
+        self._abandon()  # a second train() with the same callback: a fresh watch
+        options = dict(self.watch_options)
+        real = _real_optimizer(optimizer) if optimizer is not None else None
+        if real is not None and options.get("scaler") is None:
+            scaler = getattr(optimizer, "scaler", None)  # accelerate's fp16 GradScaler
+            if scaler is not None and hasattr(scaler, "step") and hasattr(scaler, "update"):
+                options["scaler"] = scaler
+        closing = None
+        if options.get("on_find", "raise") == "raise":
+            closing = options["on_find"] = _RaiseClosing()
+        self.hunt = watch(model, optimizer=real, **options)
+        if closing is not None:
+            closing.hunt = self.hunt
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        hunt = self.hunt
+        if hunt is None or hunt.closed:
+            return
+        sync = getattr(hunt, "sync", None)
+        if callable(sync):  # public once the core has it
+            sync(advance=False)
+        else:
+            hunt._end_step(advance=False)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.close()
+
+    def _abandon(self) -> None:
+        """Close without raising: a pending finding is recorded only."""
+        hunt = self.hunt
+        if hunt is None or hunt.closed:
+            return
+        if isinstance(hunt.on_find, _RaiseClosing):
+            hunt.on_find.raised = True
+        hunt.__exit__(RuntimeError, None, None)

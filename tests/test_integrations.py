@@ -1,0 +1,308 @@
+"""Integrations: Lightning's ``NanHunt`` callback and Hugging Face's ``NanHuntCallback``.
+
+Real trainers on tiny models, real faults: a forward NaN at a given step (Lightning runs forward
+and backward inside ``optimizer.step(closure)``), a NaN loss made outside any module, a NaN in
+validation, and an exploding learning rate under the HF ``Trainer`` (accelerate wraps the optimizer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+import nanhunt
+
+# Lightning / transformers / accelerate chatter that is not about nanhunt
+_THIRD_PARTY = [
+    "ignore::UserWarning:lightning.*",
+    "ignore::UserWarning:pytorch_lightning.*",
+    "ignore::UserWarning:lightning_fabric.*",
+    "ignore::UserWarning:accelerate.*",
+    "ignore::UserWarning:transformers.*",
+    "ignore:.*does not have many workers.*",
+    "ignore:.*LeafSpec.*",
+]
+
+
+def _mark(f: Any) -> Any:
+    for w in _THIRD_PARTY:
+        f = pytest.mark.filterwarnings(w)(f)
+    return f
+
+
+def _ours() -> list[Any]:
+    """Global forward hooks that belong to a nanhunt Hunt."""
+    out = []
+    for d in (_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks):
+        for h in d.values():
+            owner = getattr(h, "__self__", None)
+            if isinstance(owner, nanhunt.Hunt):
+                out.append(h)
+    return out
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# ====================================================================== Lightning
+def _lightning() -> Any:
+    return pytest.importorskip("lightning.pytorch")
+
+
+def _lightning_parts() -> tuple[Any, Any]:
+    pl = _lightning()
+    from nanhunt.integrations.lightning import NanHunt
+
+    class LogAbs(nn.Module):
+        """log(|x| * scale): a zero scale makes log(0) = -inf, born here from finite inputs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x.abs() * self.scale + 1e-3 * (self.scale > 0))
+
+    class Net(pl.LightningModule):
+        def __init__(self, bad_forward_at: int = -1, bad_loss_at: int = -1, bad_val: bool = False) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), LogAbs(), nn.Linear(8, 1))
+            self.bad_forward_at = bad_forward_at
+            self.bad_loss_at = bad_loss_at
+            self.bad_val = bad_val
+            self.snaps: dict[int, dict[str, torch.Tensor]] = {}
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            self.snaps[self.global_step] = _snapshot(self)
+            if self.global_step == self.bad_forward_at:
+                self.net[2].scale.zero_()
+            x, y = batch
+            pred = self.net(x)
+            if self.global_step == self.bad_loss_at:
+                return torch.log((pred - pred).abs().mean())  # log(0) in training_step, outside any module
+            return ((pred - y) ** 2).mean()
+
+        def validation_step(self, batch: Any, i: int) -> None:
+            if self.bad_val and not self.trainer.sanity_checking and i == 1:
+                self.net[2].scale.zero_()
+            x, _ = batch
+            self.net(x)
+            self.net[2].scale.fill_(1.0)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return pl, (Net, NanHunt)
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=4)
+
+
+def _trainer(pl: Any, cb: Any, **kw: Any) -> Any:
+    opts: dict[str, Any] = dict(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    opts.update(kw)
+    return pl.Trainer(callbacks=[cb], **opts)
+
+
+@_mark
+def test_lightning_forward_nan_is_reported_at_its_step_before_the_update() -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    model, cb = Net(bad_forward_at=3), NanHunt()
+    hooks_before = len(_module_mod._global_forward_hooks)
+    trainer = _trainer(pl, cb)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(model, _loader())
+    f = ei.value.finding
+    assert (f.phase, f.module, f.module_type, f.tensor) == ("forward", "net.2", "LogAbs", "output")
+    assert f.step == 3 == trainer.global_step  # forward+backward ran inside step(closure): still step 3
+    assert f.cause == "created" and f.op == "aten.log.default"
+    # the optimizer never applied step 3: the weights are those step 3 started from
+    now = _snapshot(model)
+    assert all(torch.equal(now[k], v) for k, v in model.snaps[3].items() if k != "net.2.scale")
+    assert not all(torch.equal(now[k], v) for k, v in model.snaps[0].items())  # steps 0..2 did train
+    assert cb.report is not None and cb.report.first == f and cb.hunt.first == f
+    assert cb.hunt.closed and not _ours() and len(_module_mod._global_forward_hooks) == hooks_before
+    cb.close()  # idempotent
+
+
+@_mark
+def test_lightning_nan_loss_made_outside_modules_is_a_check_finding() -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    model, cb = Net(bad_loss_at=2), NanHunt()
+    trainer = _trainer(pl, cb)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(model, _loader())
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step) == ("check", "loss", 2)
+    now = _snapshot(model)
+    assert all(torch.equal(now[k], v) for k, v in model.snaps[2].items())
+    assert cb.hunt.closed and not _ours()
+
+
+@_mark
+def test_lightning_clean_fit_counts_optimizer_steps_with_accumulation() -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    model, cb = Net(), NanHunt(on_find="raise", history=4)
+    trainer = _trainer(pl, cb, max_steps=4, accumulate_grad_batches=2)
+    trainer.fit(model, _loader())
+    assert trainer.global_step == 4
+    assert cb.hunt.closed and cb.hunt.step == 4 and cb.hunt.findings == []
+    assert cb.report is not None and cb.report.first is None  # readable after close
+    assert not _ours()
+
+
+@_mark
+def test_lightning_validation_nan_during_fit() -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    model, cb = Net(bad_val=True), NanHunt()
+    trainer = _trainer(pl, cb, max_steps=6, val_check_interval=2, limit_val_batches=3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(model, _loader(), _loader())
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step) == ("forward", "net.2", 2)  # after 2 training steps, first validation
+    assert trainer.global_step == 2
+    assert cb.hunt.closed and not _ours()
+
+
+@_mark
+@pytest.mark.parametrize(
+    "inference_mode",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.xfail(
+            raises=RuntimeError, strict=False,
+            reason="core: Hunt reads Tensor._version, which inference tensors lack")),
+    ],
+)
+def test_lightning_validate_alone_and_record_mode(tmp_path: Any, inference_mode: bool) -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    model, cb = Net(bad_val=True), NanHunt(on_find="record", report=tmp_path / "r.json")
+    trainer = _trainer(pl, cb, limit_val_batches=3, inference_mode=inference_mode)
+    trainer.validate(model, _loader(), verbose=False)
+    assert cb.hunt.closed and not _ours()
+    f = cb.report.first
+    assert f is not None and (f.phase, f.module, f.step) == ("forward", "net.2", 1)  # batch 1
+    assert nanhunt.Report.load(tmp_path / "r.json").first == f
+
+
+@_mark
+def test_lightning_options_are_checked_up_front() -> None:
+    _lightning()
+    from nanhunt.integrations.lightning import NanHunt
+
+    with pytest.raises(TypeError, match="optimizer"):
+        NanHunt(optimizer=None)
+    with pytest.raises(ValueError, match="on_find"):
+        NanHunt(on_find="explode")
+    assert NanHunt().report is None
+
+
+# ====================================================================== Hugging Face
+def _hf_parts(tmp_path: Any, lr: float, **kw: Any) -> tuple[Any, Any, Any]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            self.x = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    opts: dict[str, Any] = dict(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=2, report_to=[],
+                                use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                learning_rate=lr, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0)
+    opts.update(kw)
+    cb = NanHuntCallback()
+    trainer = Trainer(model=model, args=TrainingArguments(**opts), train_dataset=Tokens(), callbacks=[cb])
+    return trainer, model, cb
+
+
+@_mark
+def test_hf_exploding_learning_rate_is_found_and_nothing_left_behind(tmp_path: Any) -> None:
+    from transformers import TrainerCallback
+
+    trainer, model, cb = _hf_parts(tmp_path, lr=1e30)
+    snaps: dict[int, dict[str, torch.Tensor]] = {}
+
+    class Snap(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            snaps[state.global_step] = _snapshot(model)
+
+    trainer.add_callback(Snap())
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    names = dict(model.named_modules())
+    assert f.module in names and type(names[f.module]).__name__ == f.module_type
+    # SGD with lr=1e30 makes weights ~1e30 after step 0; step 1's first LayerNorm overflows
+    assert (f.phase, f.module, f.module_type, f.step) == ("forward", "transformer.h.0.ln_1", "LayerNorm", 1)
+    assert f.cause == "created"
+    assert trainer.state.global_step == 1
+    now = _snapshot(model)
+    assert all(torch.equal(now[k], v) for k, v in snaps[1].items())  # step 1 never applied
+    assert cb.report is not None and cb.report.first == f
+    assert cb.hunt.closed and not _ours()  # closed itself before raising: the Trainer has no exception hook
+    cb.close()  # idempotent
+
+
+@_mark
+def test_hf_clean_run_steps_the_real_optimizer(tmp_path: Any) -> None:
+    trainer, model, cb = _hf_parts(tmp_path, lr=1e-3, max_steps=3, gradient_accumulation_steps=2)
+    trainer.train()
+    # accelerate wraps the optimizer; the hooks sit on the torch optimizer that really steps
+    assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
+    assert cb.hunt.closed and cb.hunt.step == 3 == trainer.state.global_step
+    assert cb.report is not None and cb.report.first is None
+    assert not _ours()
+
+
+def test_hf_options_are_checked_up_front() -> None:
+    pytest.importorskip("transformers")
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    with pytest.raises(TypeError, match="model"):
+        NanHuntCallback(model=None)
+    with pytest.raises(ValueError, match="on_find"):
+        NanHuntCallback(on_find=1)
+    assert NanHuntCallback().report is None
+
+
+# ====================================================================== missing frameworks
+@pytest.mark.parametrize(
+    "module, blocked, extra",
+    [
+        ("nanhunt.integrations.lightning", ("lightning", "lightning.pytorch", "pytorch_lightning"), "lightning"),
+        ("nanhunt.integrations.transformers", ("transformers",), "transformers"),
+    ],
+)
+def test_missing_framework_says_how_to_install(monkeypatch: Any, module: str, blocked: tuple[str, ...],
+                                               extra: str) -> None:
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)
+    if module in sys.modules:
+        monkeypatch.delitem(sys.modules, module)
+    with pytest.raises(ImportError, match=rf"pip install 'nanhunt\[{extra}\]'"):
+        importlib.import_module(module)
