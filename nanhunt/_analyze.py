@@ -16,6 +16,7 @@ from torch import nn
 from . import _hints, _oplevel
 from ._finding import Finding
 from ._log import StepLog, Top
+from ._probe import probe
 from ._replay import Replay, ReplayCall, replay_top
 from ._tree import Path, format_path
 
@@ -207,7 +208,10 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     cause = "unknown"
     name, module, call = c.name, c.module, c.call
     if r is not None and r.error is None:
-        first = _first_bad_forward(r)
+        again = dict(rc.outputs).get(path) if rc is not None else None
+        if again is not None and not _is_bad(again) and not bool(torch.isfinite(probe(again))):
+            return None  # finite values whose sum overflowed: not a finding
+        first = _first_bad_forward(r, ctx.hunt._ignored)
         seen = {x.ordinal for x in log.calls if x.top == c.top}
         if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in seen
                 and _within(r, first, c.ordinal)):
@@ -259,23 +263,41 @@ def _within(r: Replay, rc: ReplayCall, ordinal: int) -> bool:
     return False
 
 
-def _first_bad_forward(r: Replay) -> ReplayCall | None:
+def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> ReplayCall | None:
+    """The first call (in completion order) with a non-finite output that is not an ignored
+    module's, nor an ignored module's output handed on unchanged by a parent."""
+    passed: set[int] = set()
     for o in r.order:
-        if any(r.calls[o].out_bad):
-            return r.calls[o]
+        c = r.calls[o]
+        if c.module in ignored:
+            passed.update(id(t) for _, t in c.outputs)
+            continue
+        if any(b and id(t) not in passed for b, (_, t) in zip(c.out_bad, c.outputs)):
+            return c
     return None
 
 
+
 def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCall, Path]:
-    """Cause at ``rc``; when fed in, climb to the innermost enclosing call that made it."""
+    """Cause at ``rc``; when fed in, climb to the innermost enclosing call that made it.
+
+    A NaN is fed in only by an input holding NaN: a module fed an intended -inf mask that turns
+    it into NaN (softmax of a fully masked row) is where the NaN was born.
+    """
+    out = dict(rc.outputs).get(path)
+    nan = out is not None and bool(torch.isnan(out).any()) and not bool(torch.isinf(out).any())
+
+    def fed(c: ReplayCall) -> bool:
+        return any(c.in_nan) if nan else any(c.in_bad)
+
     if rc.params_bad:
         return "parameter", rc, path
-    if not any(rc.in_bad):
+    if not fed(rc):
         return "created", rc, path
     p = rc.parent
     while p >= 0:
         pc = r.calls[p]
-        if not any(pc.in_bad):
+        if not fed(pc):
             bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
             if pc.params_bad:
                 return "parameter", rc, path
@@ -433,7 +455,7 @@ def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):
         r = ctx.replay(ti, backward=False)
-        first = _first_bad_forward(r) if r is not None and r.error is None else None
+        first = _first_bad_forward(r, ctx.hunt._ignored) if r is not None and r.error is None else None
         if r is None or first is None:
             continue
         cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])

@@ -22,10 +22,8 @@ def stats(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     mn, mx = torch.aminmax(t)
-    return torch.stack([
-        mn.float(), mx.float(), torch.linalg.vector_norm(t, dtype=torch.float32),
-        torch.count_nonzero(t).float(),
-    ])
+    norm = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype.itemsize < 4 else torch.linalg.vector_norm(t)
+    return torch.stack([mn.float(), mx.float(), norm.float(), torch.count_nonzero(t).float()])
 
 
 class History:

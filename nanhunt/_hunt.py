@@ -127,6 +127,7 @@ class Hunt:
         self._skipped_steps = 0
         self._history = History(history)
         self._bad_grads_step = -1
+        self._round: set[int] = set()
         self._cbuf: torch.Tensor | None = None
         self._slots: dict[tuple[str, Any], int] = {}
         self._slot_meta: list[tuple[str, str, Any]] = []
@@ -446,7 +447,14 @@ class Hunt:
             return
         self._steps_applied += 1
         step = self.step
-        self.step += 1
+        # one training step is a round in which each watched optimizer steps once; an optimizer
+        # that steps again before the others did starts the next round
+        if i in self._round:
+            self._round = set()
+        self._round.add(i)
+        if len(self._round) == len(self._opts):
+            self.step += 1
+            self._round = set()
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         items: list[tuple[torch.Tensor, str]] = []
         tens: list[torch.Tensor] = []

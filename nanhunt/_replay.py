@@ -34,6 +34,7 @@ class ReplayCall:
     outputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
     out_bad: list[bool] = field(default_factory=list)
     in_bad: list[bool] = field(default_factory=list)
+    in_nan: list[bool] = field(default_factory=list)
     params_bad: list[str] = field(default_factory=list)
     in_keys: list[tuple[int, Path]] = field(default_factory=list)
     out_keys: list[tuple[int, Path]] = field(default_factory=list)
@@ -134,6 +135,7 @@ def replay_top(
         with torch.no_grad():
             c.inputs = [(p, t) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
             c.in_bad = [_bad(t) for _, t in c.inputs]
+            c.in_nan = [b and bool(torch.isnan(t).any()) for b, (_, t) in zip(c.in_bad, c.inputs)]
             c.outputs = [(p, t) for p, t in tensors(output)]
             c.out_bad = [_bad(t) for _, t in c.outputs]
             c.params_bad = [n for n, p in _own_tensors(module) if _bad(p)]

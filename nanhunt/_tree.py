@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["tensors", "format_path", "get_path"]
 
-_MAX_DEPTH = 6
+_MAX_DEPTH = 32
 Path = tuple[Any, ...]
 
 

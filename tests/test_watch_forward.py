@@ -100,8 +100,6 @@ def test_softmax_of_a_fully_masked_row_is_born_in_the_attention_module() -> None
     assert math.isnan(_first(hunt).value)
 
 
-@pytest.mark.xfail(reason="BUG: a module fed an intended -inf mask is treated as cause 'input', so the nan its "
-                   "softmax created is blamed on the c_proj Linear that was merely fed it", strict=True)
 def test_gpt2_fully_masked_row_in_a_4d_attention_mask_is_born_in_the_attention() -> None:
     """A hand-made 4-D additive mask (-inf = masked) where one query row masks every key: the
     eager attention's softmax of an all -inf row is nan. It was born in GPT2Attention (its own
@@ -169,9 +167,6 @@ def test_transformer_encoder_attention_overflow_is_born_in_self_attn() -> None:
                    tensor="output[0]", step=0, call=0, cause="created", expected=rec.out("layers.0.self_attn")[0])
 
 
-@pytest.mark.xfail(reason="BUG: the device-side sum of finite outputs overflows; when the output tensor is "
-                   "already freed at the step's end, the replay (finite) yields a 'forward' finding with "
-                   "cause 'unknown', reproducible=False instead of no finding", strict=True)
 def test_huge_finite_outputs_are_not_findings() -> None:
     m = nn.Linear(4, 1)
     with torch.no_grad():
@@ -300,9 +295,7 @@ def test_integer_and_non_tensor_outputs_are_ignored() -> None:
 
 @pytest.mark.parametrize("dtype", [
     torch.float16, torch.bfloat16, torch.float32,
-    pytest.param(torch.float64, marks=pytest.mark.xfail(
-        reason="BUG: _history.stats calls vector_norm(float64, dtype=float32), which raises inside the "
-               "forward hook: a float64 model crashes", strict=True)),
+    torch.float64,
 ])
 def test_every_float_dtype(dtype: torch.dtype) -> None:
     m = zoo.Log()

@@ -178,9 +178,6 @@ def test_a_parent_returning_an_ignored_output_unchanged_is_not_a_finding() -> No
     assert hunt.findings == []
 
 
-@pytest.mark.xfail(reason="BUG: the replay does not honour `ignore`: it sees the ignored mask's -inf first, "
-                   "calls the real finding not reproducible and drops its element (index None, counts {})",
-                   strict=True)
 def test_ignore_does_not_hide_real_failures_elsewhere() -> None:
     torch.manual_seed(0)
     m = MaskedModel()

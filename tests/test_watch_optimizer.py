@@ -52,9 +52,7 @@ def _regression() -> torch.nn.Sequential:
 
 @pytest.mark.parametrize("lr", [
     5.0,
-    pytest.param(1.0, marks=pytest.mark.xfail(
-        reason="BUG: huge but finite activations whose device-side sum overflows are reported as a "
-               "non-reproducible 'forward' finding (see test_huge_finite_outputs_are_not_findings)", strict=True)),
+    1.0,
 ])
 def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     """A warm-up gone wrong: lr x10 per step. SGD diverges until an update overflows float32's max
@@ -222,8 +220,6 @@ def test_a_list_of_optimizers_each_watched() -> None:
     assert f.index is not None and f.value == float("inf")
 
 
-@pytest.mark.xfail(reason="BUG: with a list of optimizers every optimizer's step() advances `step`, so one "
-                   "training step counts as len(optimizers) steps", strict=True)
 def test_a_list_of_optimizers_counts_one_training_step_per_round() -> None:
     data = _data(3)
     m = zoo.lognet()
