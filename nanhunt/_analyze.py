@@ -16,7 +16,7 @@ from torch import nn
 from . import _hints, _oplevel
 from ._finding import Finding
 from ._log import StepLog, Top
-from ._probe import probe
+from ._probe import probe, version
 from ._replay import Replay, ReplayCall, replay_top
 from ._tree import Path, format_path
 
@@ -112,7 +112,7 @@ class _Ctx:
 def _replayable(top: Top) -> bool:
     from ._tree import tensors
 
-    return top.kwargs is not None and [t._version for _, t in tensors(top.args)] == top.versions
+    return top.kwargs is not None and [version(t) for _, t in tensors(top.args)] == top.versions
 
 
 def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
@@ -187,8 +187,23 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
-    hint = f.hint or _hints.hint(f)
-    return dataclasses.replace(f, hint=hint, rank=ctx.hunt.rank)
+    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.hunt.rank)
+    if where is not None and where[0] == "forward" and ctx.hunt._bundle_path and not ctx.hunt.findings:
+        _save_bundle(ctx, where, f)
+    return f
+
+
+def _save_bundle(ctx: _Ctx, where: tuple[str, int, int, Path], f: Finding) -> None:
+    """The first finding's failing call, its inputs, state and RNG: a file to hand to a colleague."""
+    from . import _bundle
+
+    try:
+        _bundle.save_from_top(ctx.hunt._bundle_path, top=ctx.log.tops[where[1]], names=ctx.names,
+                              ordinal=where[2], finding=f)
+    except Exception as e:  # never break the user's run over a bundle
+        import warnings
+
+        warnings.warn(f"nanhunt could not write the repro bundle: {e}", stacklevel=2)
 
 
 # ---------------------------------------------------------------- forward
@@ -199,7 +214,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     path = c.paths[j]
     ref, ver = c.outs[j]
     alive = ref()
-    tensor = alive if alive is not None and alive._version == ver else None
+    tensor = alive if alive is not None and version(alive) == ver else None
     if tensor is not None and not _is_bad(tensor):
         return None  # a finite sum that overflowed: not a finding
     r = ctx.replay(c.top, backward=False)

@@ -25,7 +25,7 @@ from ._finding import Finding, NonFiniteError
 from ._history import History, stats
 from ._hooks import GlobalHooks
 from ._log import Call, StepLog, TensorInfo, Top
-from ._probe import fused_probe, is_checked, probe
+from ._probe import fused_probe, is_checked, probe, version
 from ._report import Report
 from ._tree import tensors
 
@@ -82,6 +82,7 @@ class Hunt:
         rank: int | None = None,
         stats_every: int = 10,
         distributed: bool | None = None,
+        bundle: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
@@ -103,6 +104,7 @@ class Hunt:
         if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         self._report_path = _check_report_path(report)
+        self._bundle_path = _check_writable(bundle, (".pt",), "bundle") if bundle is not None else None
 
         self.on_find = on_find
         self.mode = mode
@@ -176,6 +178,15 @@ class Hunt:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def sync(self, *, advance: bool = False) -> None:
+        """End the step's record now: its one host read, and `on_find` (raise mode raises).
+
+        For loops the hooks cannot see the end of (integrations); ``advance=True`` also counts a
+        step, for loops without a watched optimizer.
+        """
+        if not self._closed:
+            self._end_step(advance=advance)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
@@ -304,9 +315,9 @@ class Hunt:
                     log.tensors[k].producers.append((ci, path))
                     c.out_keys.append((k, path))
                 if ignored:
-                    log.ignored.add((id(t), t._version))
+                    log.ignored.add((id(t), version(t)))
                     continue
-                if self._ignored and (id(t), t._version) in log.ignored:
+                if self._ignored and (id(t), version(t)) in log.ignored:
                     continue
                 log.sums.append(probe(t))
                 log.meta.append(("fwd", ci, len(c.paths)))
@@ -314,7 +325,7 @@ class Hunt:
                     log.stats.append(stats(t))
                     log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
                 c.paths.append(path)
-                c.outs.append((weakref.ref(t), t._version))
+                c.outs.append((weakref.ref(t), version(t)))
         if grad_on:
             for path, t in tensors((args, kwargs)):
                 if t.requires_grad and is_checked(t):
@@ -614,15 +625,23 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 def _check_report_path(report: Any) -> str | None:
     if report is None:
         return None
-    path = os.fspath(report)
+    return _check_writable(report, (".json", ".html", ".txt"), "report")
+
+
+def _check_writable(value: Any, suffixes: tuple[str, ...], what: str) -> str:
+    """A path we will write at the moment of failure: checked now, not then."""
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a path, got {type(value).__name__}") from None
     suffix = os.path.splitext(path)[1].lower()
-    if suffix not in (".json", ".html", ".txt"):
-        raise ValueError(f"report must end in .json, .html or .txt; got {path!r}")
+    if suffix not in suffixes:
+        raise ValueError(f"{what} must end in {', '.join(suffixes)}; got {path!r}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"report {path!r}: folder {parent!r} does not exist")
+        raise ValueError(f"{what} {path!r}: folder {parent!r} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise PermissionError(f"report {path!r} is not writable")
+        raise PermissionError(f"{what} {path!r} is not writable")
     return path
 
 
@@ -680,5 +699,5 @@ def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
         (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
     )
     top = Top(module, args, torch.get_rng_state(), cuda_rng, autocast, torch.is_grad_enabled())
-    top.versions = [t._version for _, t in tensors(args)]
+    top.versions = [version(t) for _, t in tensors(args)]
     return top

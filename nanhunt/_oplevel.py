@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._hooks import GlobalHooks
 from ._log import Top
+from ._probe import version
 from ._replay import faithful
 from ._tree import Path, get_path, tensors
 
@@ -126,12 +127,6 @@ def _code(t: torch.Tensor) -> torch.Tensor | None:
             + (t == float("-inf")).to(torch.uint8) * 3)
 
 
-def _version(t: torch.Tensor) -> int:
-    try:
-        return int(t._version)
-    except Exception:  # inference tensors have no version counter
-        return -1
-
 
 def _storage(t: torch.Tensor) -> int | None:
     try:
@@ -180,7 +175,7 @@ class _Recorder:
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         """Code of ``t`` now, and the (record, slot) that last wrote it."""
         e = self.by_id.get(id(t))
-        ver = _version(t)
+        ver = version(t)
         if e is not None and e[0]() is t:
             if e[1] == ver and ver >= 0:
                 return e[2], e[3]
@@ -254,7 +249,7 @@ class _Recorder:
                 code = None  # a literal: blamed where it is used
             rec.outs.append((tuple(t.shape), code))
             try:
-                self.by_id[id(t)] = (weakref.ref(t), _version(t), code, (ri, slot))
+                self.by_id[id(t)] = (weakref.ref(t), version(t), code, (ri, slot))
             except TypeError:
                 continue
             if inplace or any(id(t) == id(x) for x in leaves):

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["probe", "fused_probe", "is_checked"]
+__all__ = ["probe", "fused_probe", "is_checked", "version"]
 
 _F32 = torch.float32
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version``; -1 for inference tensors (``torch.inference_mode``), which have no counter."""
+    return -1 if t.is_inference() else t._version
 
 
 def is_checked(t: torch.Tensor) -> bool:

@@ -177,15 +177,7 @@ def test_lightning_validation_nan_during_fit() -> None:
 
 
 @_mark
-@pytest.mark.parametrize(
-    "inference_mode",
-    [
-        False,
-        pytest.param(True, marks=pytest.mark.xfail(
-            raises=RuntimeError, strict=False,
-            reason="core: Hunt reads Tensor._version, which inference tensors lack")),
-    ],
-)
+@pytest.mark.parametrize("inference_mode", [False, True])
 def test_lightning_validate_alone_and_record_mode(tmp_path: Any, inference_mode: bool) -> None:
     pl, (Net, NanHunt) = _lightning_parts()
     model, cb = Net(bad_val=True), NanHunt(on_find="record", report=tmp_path / "r.json")

@@ -99,17 +99,6 @@ def _scaler_of(trainer: Any) -> Any:
     return None
 
 
-def _sync(hunt: Hunt, advance: bool = False) -> None:
-    """End the hunt's current record now: its one host read; raises a finding in raise mode."""
-    if hunt.closed:
-        return
-    sync = getattr(hunt, "sync", None)
-    if callable(sync):  # public once the core has it
-        sync(advance=advance)
-    else:
-        hunt._end_step(advance=advance)
-
-
 class NanHunt(*_BASES):  # type: ignore[misc]
     """A Lightning ``Callback`` that runs ``nanhunt.watch`` over the fit. See the module docstring.
 
@@ -164,7 +153,7 @@ class NanHunt(*_BASES):  # type: ignore[misc]
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.hunt is not None and not self._eval_only:
-            _sync(self.hunt)  # validation inside fit (and the sanity check): report it before training on
+            self.hunt.sync()  # validation inside fit (and the sanity check): report it before training on
         elif self._eval_only:
             self._stop()
 
@@ -225,7 +214,7 @@ class NanHunt(*_BASES):  # type: ignore[misc]
 
     def _eval_batch_end(self) -> None:
         if self._eval_only and self.hunt is not None:
-            _sync(self.hunt, advance=True)  # no optimizer: one check per batch, `step` = batch index
+            self.hunt.sync(advance=True)  # no optimizer: one check per batch, `step` = batch index
 
     def _stop(self) -> None:
         self._eval_only = False

@@ -125,11 +125,7 @@ class NanHuntCallback(TrainerCallback):
         hunt = self.hunt
         if hunt is None or hunt.closed:
             return
-        sync = getattr(hunt, "sync", None)
-        if callable(sync):  # public once the core has it
-            sync(advance=False)
-        else:
-            hunt._end_step(advance=False)
+        hunt.sync()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.close()

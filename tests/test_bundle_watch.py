@@ -1,0 +1,45 @@
+"""watch(bundle=...): the first finding's failing call is saved and replays in isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+def test_bundle_is_written_at_the_first_finding_and_reproduces(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / "first.pt"
+    with torch.no_grad():
+        model[1].norm.weight[2] = float("inf")  # poisoned: LayerNorm output gets inf/nan
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, optimizer=opt, bundle=path):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.module, f.cause) == ("1.norm", "parameter")
+    assert path.exists()
+    result = nanhunt.replay(path)  # LayerNorm is a standard layer: rebuilt from the bundle alone
+    assert result.reproduced
+    assert result.finding is not None and result.finding.index == f.index
+
+
+def test_unwritable_bundle_path_is_an_error_at_watch_time(tmp_path):
+    with pytest.raises(ValueError, match="bundle"):
+        nanhunt.watch(nn.Linear(2, 2), bundle=tmp_path / "missing-dir" / "b.pt")
+    with pytest.raises(ValueError, match="bundle"):
+        nanhunt.watch(nn.Linear(2, 2), bundle=tmp_path / "b.json")
