@@ -45,8 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--report", metavar="PATH", help="write the report here (.json, .html or .txt)")
     r.add_argument("--on-find", choices=("raise", "warn", "record"), default="raise",
                    help="raise: stop the script at the first finding (default); warn/record: let it go on")
-    r.add_argument("--mode", choices=("full", "sentinel"), default="full",
-                   help="full: check every module (default); sentinel: cheaper, localise by replay on a hit")
+    r.add_argument("--bundle", metavar="PATH", help="save the first failing call here (.pt) for `nanhunt replay`")
+    r.add_argument("--mode", choices=("full", "sentinel", "ops"), default="full",
+                   help="full: check every module (default); sentinel: cheaper, localise by replay on a hit; "
+                        "ops: check every op from the start (slow)")
     r.add_argument("--history", type=int, default=32, metavar="N", help="steps of magnitude history kept (32)")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -174,6 +176,16 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         _err("--history must be >= 0")
         return EXIT_USAGE
 
+    extra = {}
+    if ns.bundle:
+        from ._hunt import _check_writable
+
+        try:
+            extra["bundle"] = _check_writable(rank_path(ns.bundle), (".pt",), "--bundle")
+        except (ValueError, PermissionError) as e:
+            _err(str(e))
+            return EXIT_USAGE
+
     from ._auto import AutoWatch
     from ._finding import NonFiniteError
 
@@ -186,7 +198,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         sys.path.insert(0, here)
     code = 0
     raised: NonFiniteError | None = None
-    auto = AutoWatch(on_find=ns.on_find, mode=ns.mode, history=ns.history)
+    auto = AutoWatch(on_find=ns.on_find, mode=ns.mode, history=ns.history, **extra)
     try:
         runpy.run_path(script, run_name="__main__")
     except NonFiniteError as e:

@@ -249,3 +249,31 @@ def test_autowatch_finding_names_are_relative_to_the_root():
     f = auto.report().first
     assert f is not None and f.module == "b" and f.phase == "forward"
     assert auto.report().meta["roots"] == ["Net"]
+
+
+LAYERNORM_OVERFLOW = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+for step in range(4):
+    x = torch.randn(3, 4) * (1e25 if step == 2 else 1.0)  # LayerNorm's variance overflows float32
+    net(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_run_bundle_then_replay_reproduces(tmp_path, cli):
+    script = tmp_path / "ln.py"
+    script.write_text(LAYERNORM_OVERFLOW)
+    bundle = tmp_path / "first.pt"
+    rc, out, err = cli("run", "--bundle", str(bundle), str(script))
+    assert rc == 3, err
+    assert "`1` (LayerNorm)" in out + err and "step 2" in out + err
+    assert bundle.exists()
+    rc, out, err = cli("replay", str(bundle))
+    assert rc == 0, out + err
+    assert cli("run", "--bundle", str(tmp_path / "b.json"), str(script))[0] == 2
