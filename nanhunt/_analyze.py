@@ -198,7 +198,7 @@ def _save_bundle(ctx: _Ctx, where: tuple[str, int, int, Path], f: Finding) -> No
     from . import _bundle
 
     try:
-        _bundle.save_from_top(ctx.hunt._bundle_path, top=ctx.log.tops[where[1]], names=ctx.names,
+        _bundle.save_from_top(ctx.hunt._bundle_path or "", top=ctx.log.tops[where[1]], names=ctx.names,
                               ordinal=where[2], finding=f)
     except Exception as e:  # never break the user's run over a bundle
         import warnings
@@ -486,9 +486,9 @@ def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
         return [f]
     for ti, top in enumerate(ctx.log.tops):
         if top.out_keys:
-            f = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
-            if f is not None:
-                return [f]
+            fb = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
+            if fb is not None:
+                return [fb]
     return []
 
 

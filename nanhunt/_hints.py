@@ -91,8 +91,9 @@ def hint(f: Finding) -> str:
         return ("NaN from finite inputs: typically 0/0, inf - inf or inf * 0 — e.g. a softmax over a fully "
                 "masked row, a normalisation of a zero vector, or log/sqrt of a negative number.")
     if f.value is not None and math.isinf(f.value):
-        mx = f" ({f.dtype}'s largest finite value is {_max(f.dtype):g})" if _max(f.dtype) else ""
-        return f"Inf from finite inputs: an overflow past the dtype's max{mx}, x/0 or log(0)."
+        big = _max(f.dtype)
+        why = f" ({f.dtype}'s largest finite value is {big:g})" if big else ""
+        return f"Inf from finite inputs: an overflow past the dtype's max{why}, x/0 or log(0)."
     return ""
 
 

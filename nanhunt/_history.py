@@ -67,12 +67,12 @@ class History:
                                "absmax": [], "rms": [], "zeros": [], "headroom": []}
         for name in modules:
             fmax = _finfo_max(dtypes[name])
-            rows = [ps.get(name) for ps in per_step]
-            out["absmax"].append([_num(r[0]) if r else None for r in rows])
-            out["rms"].append([_num(r[1]) if r else None for r in rows])
-            out["zeros"].append([_num(r[2]) if r else None for r in rows])
+            cells = [ps.get(name) for ps in per_step]
+            out["absmax"].append([_num(r[0]) if r else None for r in cells])
+            out["rms"].append([_num(r[1]) if r else None for r in cells])
+            out["zeros"].append([_num(r[2]) if r else None for r in cells])
             out["headroom"].append([
-                _num(fmax / r[0]) if r and fmax and r[0] and math.isfinite(r[0]) else None for r in rows
+                _num(fmax / r[0]) if r and fmax and r[0] and math.isfinite(r[0]) else None for r in cells
             ])
         return out
 

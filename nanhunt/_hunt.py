@@ -135,8 +135,8 @@ class Hunt:
         self._slot_meta: list[tuple[str, str, Any]] = []
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
             self._build_names()
-            p = next(model.parameters(), None)
-            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=p.device if p is not None else "cpu")
+            first = next(model.parameters(), None)
+            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=first.device if first is not None else "cpu")
         _forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = stats_every
         self._per_module = mode != "sentinel"
@@ -253,10 +253,13 @@ class Hunt:
             return  # inside a compiled graph only _post_compiled runs
         name = self._name_of(module)
         if name is None:
-            module = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
-            name = self._names.get(module) if module is not None and self._names is not None else None
+            orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
+            if not isinstance(orig, nn.Module) or self._names is None:
+                return
+            name = self._names.get(orig)
             if name is None:
                 return
+            module = orig
             self._compiled_buffer(args)
         stack = self._stack
         log = self._log

@@ -457,6 +457,8 @@ class _Calls:
                 self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
 
     def _edge(self, inputs: Any) -> None:
+        if self.in_path is None:
+            return
         try:
             t = get_path(inputs, self.in_path)
         except Exception:
@@ -488,7 +490,7 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
     if not calls.done:
         return None
     t = dict(tensors(calls.output)).get(tuple(path))
-    if not _floating(t):
+    if t is None or not _floating(t):
         return None
     code, prod = rec.lookup(t)
     if code is None or prod is None:

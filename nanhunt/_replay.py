@@ -161,7 +161,7 @@ def replay_top(
         if want_grad:
             outs = [t for _, t in tensors(out) if t.requires_grad]
             pairs = _roots([(o, g) for o, g in zip(outs, backward or []) if g is not None])
-            leaves = [p for p in (params or []) if p.requires_grad]
+            leaves: list[torch.Tensor] = [p for p in (params or []) if p.requires_grad]
             leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
             if pairs and leaves:
                 gs = torch.autograd.grad(
