@@ -127,6 +127,10 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             if f is not None:
                 out.append(f)
                 break
+    else:  # not read at the last step (optimizer_every): read now, exactly
+        f = _optimizer_now(ctx)
+        if f is not None:
+            out.append(f)
     firsts: dict[str, int] = {}
     for i, bad in enumerate(sbad):
         if bad and log.meta[i][0] not in firsts:
@@ -140,6 +144,8 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
     for kind in sorted(firsts, key=firsts.__getitem__):
         i = firsts[kind]
         f = None
+        if kind == "bwd" and any(g.phase == "forward" for g in out):
+            continue  # a backward after a non-finite forward only carries it on: no second replay
         if kind == "fwd":
             f = _forward_finding(ctx, i)
         elif kind == "chk":
@@ -153,6 +159,15 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
         out[:0] = _sentinel_findings(ctx, True)
     if compiled and not any(f.phase == "forward" for f in out):
         out[:0] = [_compiled_finding(ctx, *compiled[0])]
+    grads_bad = any(meta[0] == "grad" and any(flags) for (_v, meta), flags in zip(log.vectors, vbad))
+    if grads_bad and not any(f.phase in ("forward", "backward") for f in out):
+        # no per-module gradient hooks (the default): find the backward's creator by replay
+        for ti, top in enumerate(log.tops):
+            if top.out_keys:
+                fb = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
+                if fb is not None:
+                    out.append(fb)
+                    break
     for (vec, meta), flags in zip(log.vectors, vbad):
         if meta[0] == "grad" and any(flags):
             f = _grad_finding(ctx, meta, flags, earlier=bool(out))
@@ -522,6 +537,24 @@ def _grad_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool], earlier: 
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
             shape=tuple(g.shape), dtype=_dtype(g), cause=cause,
         )
+    return None
+
+
+def _optimizer_now(ctx: _Ctx) -> Finding | None:
+    """On a hit: are the parameters or optimizer state non-finite after the last step()?"""
+    from ._hunt import _optimizer_tensors
+
+    hunt = ctx.hunt
+    if not hunt._steps_applied:
+        return None  # no step() yet: whatever is non-finite was not made by the optimizer
+    last = max(ctx.step - 1, 0)
+    for i, opt in enumerate(hunt._opts):
+        items, tens = _optimizer_tensors(opt)
+        after = hunt._after_step.get(i, {})
+        # a parameter written since its last step() (by the user) is not the optimizer's doing
+        flags = [_is_bad(t) and (bool(sk) or after.get(id(p)) == p._version) for (p, sk), t in zip(items, tens)]
+        if any(flags):
+            return _optimizer_finding(ctx, ("optim", i, last, items, tens, hunt._bad_grads_step == last), flags)
     return None
 
 

@@ -18,7 +18,8 @@ __all__ = ["History", "stats"]
 
 
 def stats(t: torch.Tensor) -> torch.Tensor:
-    """``[min, max, l2, nonzeros]`` as float32 on ``t``'s device; call under no_grad."""
+    """``[min, max, l2, nonzeros]`` as float32 on ``t``'s device, outside autograd."""
+    t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     mn, mx = torch.aminmax(t)

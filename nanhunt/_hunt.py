@@ -83,6 +83,8 @@ class Hunt:
         stats_every: int = 10,
         distributed: bool | None = None,
         bundle: str | os.PathLike[str] | None = None,
+        grad_hooks: bool = False,
+        optimizer_every: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
@@ -99,6 +101,10 @@ class Hunt:
                 raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
         if not isinstance(history, int) or isinstance(history, bool) or history < 0:
             raise ValueError(f"history must be an int >= 0 (steps kept); got {history!r}")
+        if optimizer_every is None:  # exact in full mode; sentinel reads the weights every 10 steps
+            optimizer_every = 10 if mode == "sentinel" else 1
+        if not isinstance(optimizer_every, int) or isinstance(optimizer_every, bool) or optimizer_every < 0:
+            raise ValueError(f"optimizer_every must be an int >= 0 (0: only on a hit); got {optimizer_every!r}")
         if not isinstance(stats_every, int) or isinstance(stats_every, bool) or stats_every < 1:
             raise ValueError(f"stats_every must be an int >= 1 (sample magnitudes every N steps); got {stats_every!r}")
         if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
@@ -128,6 +134,9 @@ class Hunt:
         self._steps_applied = 0
         self._skipped_steps = 0
         self._history = History(history)
+        self._grad_hooks = bool(grad_hooks) or mode == "ops"
+        self._optimizer_every = optimizer_every
+        self._after_step: dict[int, dict[int, int]] = {}
         self._bad_grads_step = -1
         self._round: set[int] = set()
         self._cbuf: torch.Tensor | None = None
@@ -209,8 +218,7 @@ class Hunt:
         if self._closed or self._paused or not is_checked(tensor):
             return tensor
         log = self._log
-        with torch.no_grad():
-            log.sums.append(probe(tensor))
+        log.sums.append(probe(tensor))
         log.meta.append(("chk", name, tensor.detach()))
         if self._per_module and tensor.requires_grad and torch.is_grad_enabled():
             k = self._key(tensor)
@@ -297,47 +305,60 @@ class Hunt:
         stack = self._stack
         if not stack or self._paused:
             return
-        module = getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
-        if stack[-1].module is not module:
-            if not any(c.module is module for c in stack):
-                return
-            while stack[-1].module is not module:  # a child raised and was not unwound
-                stack.pop()
+        c = stack[-1]
+        if c.module is not module:
+            module = getattr(module, "_orig_mod", module)  # torch.compile(model)'s wrapper
+            if c.module is not module:
+                if not any(x.module is module for x in stack):
+                    return
+                while stack[-1].module is not module:  # a child raised and was not unwound
+                    stack.pop()
         c = stack.pop()
         log = self._log
         ci = c.index
-        c.first = len(log.sums)
-        grad_on = torch.is_grad_enabled()
-        ignored = module in self._ignored if self._ignored else False
-        with torch.no_grad():
-            for path, t in tensors(output):
-                if not is_checked(t):
+        items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
+        ignored = self._ignored
+        skip = module in ignored if ignored else False
+        sums, meta, paths, outs = log.sums, log.meta, c.paths, c.outs
+        for path, t in items:
+            if not (t.is_floating_point() or t.is_complex()):
+                continue
+            if ignored:
+                if skip:
+                    log.ignored.add((id(t), version(t)))
                     continue
-                if grad_on and t.requires_grad:
+                if (id(t), version(t)) in log.ignored:
+                    continue
+            sums.append(probe(t))
+            meta.append(("fwd", ci, len(paths)))
+            if self._stats_on and not paths and t.numel():
+                log.stats.append(stats(t))
+                log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+            paths.append(path)
+            outs.append((weakref.ref(t), version(t)))
+        if c.depth == 0:
+            top = log.tops[c.top]
+            top.kwargs = kwargs
+        if not torch.is_grad_enabled():
+            return
+        if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
+            for path, t in tensors(output):
+                if t.requires_grad and is_checked(t):
                     k = self._key(t)
                     log.tensors[k].producers.append((ci, path))
                     c.out_keys.append((k, path))
-                if ignored:
-                    log.ignored.add((id(t), version(t)))
-                    continue
-                if self._ignored and (id(t), version(t)) in log.ignored:
-                    continue
-                log.sums.append(probe(t))
-                log.meta.append(("fwd", ci, len(c.paths)))
-                if self._stats_on and not c.paths and t.numel():
-                    log.stats.append(stats(t))
-                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
-                c.paths.append(path)
-                c.outs.append((weakref.ref(t), version(t)))
-        if grad_on:
             for path, t in tensors((args, kwargs)):
                 if t.requires_grad and is_checked(t):
                     k = self._key(t)
                     log.tensors[k].consumers.append((ci, path))
                     c.in_keys.append((k, path))
-        if c.depth == 0:
-            top = log.tops[c.top]
-            top.kwargs = kwargs
+        if c.depth == 0:  # the gradients arriving at the model's outputs: what a backward replay needs
+            if not self._grad_hooks:
+                for path, t in tensors(output):
+                    if t.requires_grad and is_checked(t):
+                        k = self._key(t)
+                        log.tensors[k].producers.append((ci, path))
+                        c.out_keys.append((k, path))
             top.out_keys = [k for k, _ in c.out_keys]
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
@@ -386,8 +407,7 @@ class Hunt:
     def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
         if g is None or log is not self._log or self._paused or not is_checked(g):
             return
-        with torch.no_grad():
-            log.sums.append(probe(g))
+        log.sums.append(probe(g))
         log.meta.append(("bwd", i))
         info = log.tensors[i]
         if info.keep_grad:
@@ -470,20 +490,16 @@ class Hunt:
             self.step += 1
             self._round = set()
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
-        items: list[tuple[torch.Tensor, str]] = []
-        tens: list[torch.Tensor] = []
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if is_checked(p) and p.numel():
-                    tens.append(p)
-                    items.append((p, ""))
-                for sk, sv in opt.state.get(p, {}).items():
-                    if isinstance(sv, torch.Tensor) and sv.dim() > 0 and is_checked(sv) and not sv.is_sparse:
-                        tens.append(sv)
-                        items.append((p, sk))
-        if tens:
-            fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
-            self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens, fed)))
+        # Parameters and state are read in full only every `optimizer_every` steps (and on every
+        # hit, by the analysis): a poisoned weight shows in the next forward anyway, and reading
+        # three copies of the model every step is the largest cost there is (benchmarks/).
+        # versions are free to read: on a hit they tell the optimizer's writes from later ones
+        self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
+        if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
+            items, tens = _optimizer_tensors(opt)
+            if tens:
+                fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
+                self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens, fed)))
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
@@ -516,6 +532,10 @@ class Hunt:
         """The step's single sync; analysis and `on_find` only on a hit."""
         log, self._log = self._log, StepLog()
         self._stack.clear()
+        if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
+            params = [p for p in self._root.parameters() if p.grad is not None]
+            if params:
+                log.vectors.append((fused_probe([p.grad for p in params if p.grad is not None]), ("grad", -1, params)))
         if self._slots and self._cbuf is not None:
             log.vectors.append((self._cbuf[: len(self._slots)].clone(), ("compiled", list(self._slot_meta))))
             self._cbuf.zero_()
@@ -611,6 +631,22 @@ class Hunt:
             self._slots = {}
             if self._report_path is not None:
                 self._write_report()
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
+    """Every floating parameter and state tensor of ``opt``: ``(param, state key or "")``, tensor."""
+    items: list[tuple[torch.Tensor, str]] = []
+    tens: list[torch.Tensor] = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if is_checked(p) and p.numel():
+                tens.append(p)
+                items.append((p, ""))
+            for sk, sv in opt.state.get(p, {}).items():
+                if isinstance(sv, torch.Tensor) and sv.dim() > 0 and is_checked(sv) and not sv.is_sparse:
+                    tens.append(sv)
+                    items.append((p, sk))
+    return items, tens
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
