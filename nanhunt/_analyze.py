@@ -7,6 +7,7 @@ themselves, the inputs and parameters, and whether the value is reproducible.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -135,8 +136,10 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
     for i, bad in enumerate(sbad):
         if bad and log.meta[i][0] not in firsts:
             firsts[log.meta[i][0]] = i
+    op_call = None
     if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
         ci = log.meta[firsts.pop("op")][3]
+        op_call = log.calls[ci] if ci >= 0 else None
         own = next((i for i, m in enumerate(log.meta) if m[0] == "fwd" and m[1] == ci and sbad[i]), None)
         if own is not None and own > firsts["fwd"]:
             firsts["fwd"] = own
@@ -148,6 +151,9 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             continue  # a backward after a non-finite forward only carries it on: no second replay
         if kind == "fwd":
             f = _forward_finding(ctx, i)
+            if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
+                # no replay to tell: the op ran in this call's own code (its output was handed on)
+                f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
         elif kind == "chk":
             f = _check_finding(ctx, i)
         elif kind == "bwd":

@@ -37,6 +37,17 @@ _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _COMPILED_SLOTS = 4096  # (module, output) pairs checked inside compiled graphs
 
+# Modules whose output can be non-finite only if their input is: their outputs are not probed
+# (a memory pass each) when they run inside a watched module. A non-finite input was either
+# probed as the output of the module that made it, or is caught further on (the next module, the
+# enclosing one, the gradients) and localised by the replay, which checks every call.
+_PASSTHROUGH: frozenset[type[nn.Module]] = frozenset({
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Threshold, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid,
+    nn.Softsign, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.SELU, nn.Hardswish, nn.PReLU,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Identity,
+})
+
 
 class NonFiniteWarning(RuntimeWarning):
     """Emitted for each finding when ``on_find="warn"``."""
@@ -316,26 +327,35 @@ class Hunt:
         c = stack.pop()
         log = self._log
         ci = c.index
-        items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
+        if c.depth and type(module) in _PASSTHROUGH:
+            items: Any = ()
+        else:
+            items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
         skip = module in ignored if ignored else False
-        sums, meta, paths, outs = log.sums, log.meta, c.paths, c.outs
+        sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
         for path, t in items:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
+            key = (id(t), version(t))
             if ignored:
                 if skip:
-                    log.ignored.add((id(t), version(t)))
+                    log.ignored.add(key)
                     continue
-                if (id(t), version(t)) in log.ignored:
+                if key in log.ignored:
                     continue
+            ref = seen.get(key)
+            if ref is not None and ref() is t:
+                continue  # handed on unchanged from a call already probed (containers, wrappers)
+            ref = weakref.ref(t)
+            seen[key] = ref
             sums.append(probe(t))
             meta.append(("fwd", ci, len(paths)))
             if self._stats_on and not paths and t.numel():
                 log.stats.append(stats(t))
                 log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
             paths.append(path)
-            outs.append((weakref.ref(t), version(t)))
+            outs.append((ref, key[1]))
         if c.depth == 0:
             top = log.tops[c.top]
             top.kwargs = kwargs

@@ -94,6 +94,7 @@ class StepLog:
         self.handles: list[Any] = []
         self.counts: dict[nn.Module, int] = {}
         self.ignored: set[tuple[int, int]] = set()
+        self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
         self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
         self.root_calls = 0
@@ -135,6 +136,7 @@ class StepLog:
         self.keys.clear()
         self.counts.clear()
         self.ignored.clear()
+        self.probed.clear()
         self.stats.clear()
         self.stats_rows.clear()
 
