@@ -303,6 +303,7 @@ def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module]
     """The first call (in completion order) with a non-finite output that is not an ignored
     module's, nor an ignored module's output handed on unchanged by a parent."""
     passed: set[int] = set()
+    r.read_outputs()
     for o in r.order:
         c = r.calls[o]
         if c.module in ignored:

@@ -424,6 +424,10 @@ class _Calls:
         self.in_path = path  # backward: the input whose gradient is reported
         self.edge: Any = None
         self.handles: list[Any] = []
+        # forward: the dispatch mode is on only inside the target call, and the replay stops
+        # right after it (the rest of the forward cannot matter)
+        self.scoped = False
+        self.entered = False
 
     def __enter__(self) -> _Calls:
         self.handles.append(GlobalHooks(self.pre, self.post))
@@ -444,6 +448,9 @@ class _Calls:
             if self.in_path is not None and self.in_path[:1] == (0,):
                 self._edge((args, {}))
             self.mode.on = True
+            if self.scoped:
+                self.mode.__enter__()
+                self.entered = True
 
     def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = None) -> None:
         if not self.stack or self.stack[-1][0] is not module:
@@ -455,6 +462,14 @@ class _Calls:
             self.output = output
             if self.in_path is not None and self.in_path[:1] != (0,):
                 self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
+            if self.scoped:
+                self.leave()
+                raise _Done
+
+    def leave(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.mode.__exit__(None, None, None)
 
     def _edge(self, inputs: Any) -> None:
         if self.in_path is None:
@@ -465,6 +480,10 @@ class _Calls:
             return
         if isinstance(t, torch.Tensor) and t.requires_grad:
             self.edge = (t, torch.autograd.graph.get_gradient_edge(t))
+
+
+class _Done(Exception):
+    """Raised from the target call's forward hook: the replay has what it needs."""
 
 
 def _call(top: Top) -> Any:
@@ -485,8 +504,14 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
     rec = _Recorder()
     mode = _Mode(rec)
     calls = _Calls(names, ordinal, mode)
-    with faithful(top), calls, mode:
-        _call(top)
+    calls.scoped = True
+    try:
+        with faithful(top), calls:
+            _call(top)
+    except _Done:
+        pass
+    finally:
+        calls.leave()
     if not calls.done:
         return None
     t = dict(tensors(calls.output)).get(tuple(path))

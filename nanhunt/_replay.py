@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ._hooks import GlobalHooks
-from ._log import Top
+from ._log import Top, _stack
+from ._probe import probe
 from ._tree import Path, tensors
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
@@ -25,6 +26,9 @@ __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
 
 @dataclass
 class ReplayCall:
+    """One watched call seen by a replay. Finiteness is read lazily: only the calls the analysis
+    looks at pay the host reads."""
+
     module: nn.Module
     name: str
     ordinal: int
@@ -32,13 +36,37 @@ class ReplayCall:
     parent: int
     inputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
     outputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
-    out_bad: list[bool] = field(default_factory=list)
-    in_bad: list[bool] = field(default_factory=list)
-    in_nan: list[bool] = field(default_factory=list)
-    params_bad: list[str] = field(default_factory=list)
     in_keys: list[tuple[int, Path]] = field(default_factory=list)
     out_keys: list[tuple[int, Path]] = field(default_factory=list)
     done: int = -1  # completion order
+    _out_bad: list[bool] | None = None
+    _in_bad: list[bool] | None = None
+    _in_nan: list[bool] | None = None
+    _params_bad: list[str] | None = None
+
+    @property
+    def out_bad(self) -> list[bool]:
+        if self._out_bad is None:
+            self._out_bad = bad_flags([t for _, t in self.outputs])
+        return self._out_bad
+
+    @property
+    def in_bad(self) -> list[bool]:
+        if self._in_bad is None:
+            self._in_bad = bad_flags([t for _, t in self.inputs])
+        return self._in_bad
+
+    @property
+    def in_nan(self) -> list[bool]:
+        if self._in_nan is None:
+            self._in_nan = [b and bool(torch.isnan(t).any()) for b, (_, t) in zip(self.in_bad, self.inputs)]
+        return self._in_nan
+
+    @property
+    def params_bad(self) -> list[str]:
+        if self._params_bad is None:
+            self._params_bad = [n for n, p in _own_tensors(self.module) if _bad(p)]
+        return self._params_bad
 
 
 @dataclass
@@ -50,11 +78,34 @@ class Replay:
     param_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     error: str | None = None
 
+    def read_outputs(self) -> None:
+        """Every call's output flags in one batch: one host read for the whole replay."""
+        todo = [c for c in self.calls if c._out_bad is None]
+        flat = bad_flags([t for c in todo for _, t in c.outputs])
+        i = 0
+        for c in todo:
+            c._out_bad = flat[i:i + len(c.outputs)]
+            i += len(c.outputs)
+
 
 def _bad(t: torch.Tensor) -> bool:
     if not (t.is_floating_point() or t.is_complex()):
         return False
     return not bool(torch.isfinite(t).all())
+
+
+def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
+    """Which tensors hold a non-finite value: probe sums in one read, exact checks on suspects."""
+    idx = [i for i, t in enumerate(ts) if (t.is_floating_point() or t.is_complex()) and t.numel()]
+    out = [False] * len(ts)
+    if not idx:
+        return out
+    with torch.no_grad():
+        sums = _stack([probe(ts[i]) for i in idx])
+        suspects = (~torch.isfinite(sums)).tolist()
+    for i, s in zip(idx, suspects):
+        out[i] = s and _bad(ts[i])  # a finite tensor whose sum overflowed is not bad
+    return out
 
 
 @contextlib.contextmanager
@@ -132,13 +183,8 @@ def replay_top(
         c = calls[stack.pop()]
         c.done = len(order)
         order.append(c.ordinal)
-        with torch.no_grad():
-            c.inputs = [(p, t) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
-            c.in_bad = [_bad(t) for _, t in c.inputs]
-            c.in_nan = [b and bool(torch.isnan(t).any()) for b, (_, t) in zip(c.in_bad, c.inputs)]
-            c.outputs = [(p, t) for p, t in tensors(output)]
-            c.out_bad = [_bad(t) for _, t in c.outputs]
-            c.params_bad = [n for n, p in _own_tensors(module) if _bad(p)]
+        c.inputs = list(tensors((args, kwargs if isinstance(kwargs, dict) else {})))
+        c.outputs = list(tensors(output))
         if want_grad and torch.is_grad_enabled():
             for p, t in c.outputs:
                 if t.requires_grad and (t.is_floating_point() or t.is_complex()):
