@@ -270,7 +270,8 @@ class Hunt:
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._paused or torch.compiler.is_compiling():
             return  # inside a compiled graph only _post_compiled runs
-        name = self._name_of(module)
+        names = self._names
+        name = names.get(module) if names is not None else self._name_of(module)
         if name is None:
             orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
             if not isinstance(orig, nn.Module) or self._names is None:
@@ -489,11 +490,15 @@ class Hunt:
         return loss
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        log = self._log
+        params, grads = [], []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                gr = p.grad
+                if gr is not None:
+                    params.append(p)
+                    grads.append(gr.to_dense() if gr.is_sparse else gr)
         if grads:
-            log.vectors.append((fused_probe([g.to_dense() if g.is_sparse else g for g in grads]), ("grad", i, params)))
+            self._log.vectors.append((fused_probe(grads), ("grad", i, params)))
         self._end_step(advance=False)
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

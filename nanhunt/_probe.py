@@ -40,8 +40,15 @@ def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros(0)
-    if tensors[0].device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
-        return torch.stack([probe(t) for t in tensors])
+    if tensors[0].device.type == "cpu":
+        try:
+            with torch.no_grad():  # one context for the list, no detach per tensor
+                return torch.stack([
+                    t.sum() if t.dtype is _F32 else (torch.view_as_real(t) if t.is_complex() else t).sum(dtype=_F32)
+                    for t in tensors
+                ])
+        except RuntimeError:  # tensors on several devices
+            pass
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
