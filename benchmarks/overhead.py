@@ -13,6 +13,7 @@ machine noise is shared, and a ratio is the median per-step time of a variant ov
   plain      no instrumentation
   full       nanhunt.watch(model, optimizer=opt, on_find="record")    (+ hunt.check(loss))
   sentinel   the same with mode="sentinel"
+  ops        the same with mode="ops" (every aten op probed: a debugging setting; step time only)
   naive      the article's forward hook on every module: isnan(out).any() or isinf(out).any()
   anomaly    torch.autograd.detect_anomaly(check_nan=True)
   hf         transformers.debug_utils.DebugUnderflowOverflow(model)
@@ -56,12 +57,13 @@ from torch import nn
 import nanhunt
 
 MODELS = ("gpt2", "cnn", "mlp")
-VARIANTS = ("plain", "full", "sentinel", "naive", "anomaly", "hf")
+VARIANTS = ("plain", "full", "sentinel", "ops", "naive", "anomaly", "hf")
 NANHUNT = ("full", "sentinel")
 TITLES = {
     "plain": "plain ms/step",
     "full": "nanhunt full",
     "sentinel": "nanhunt sentinel",
+    "ops": "nanhunt ops",
     "naive": "naive hook",
     "anomaly": "detect_anomaly",
     "hf": "HF DebugUO",
@@ -154,6 +156,12 @@ def variant(name: str, bench: Bench, on_find: str = "record") -> Iterator[Any]:
         yield None
     elif name in NANHUNT:
         hunt = nanhunt.watch(model, optimizer=opt, on_find=on_find, mode=name)
+        try:
+            yield hunt
+        finally:
+            hunt.close()
+    elif name == "ops":  # every aten op checked from the start: a debugging setting, for its cost only
+        hunt = nanhunt.watch(model, optimizer=opt, on_find=on_find, mode="ops")
         try:
             yield hunt
         finally:
