@@ -1,0 +1,63 @@
+"""The replay: faithful when the value is reproducible, honest when it is not, invisible to the run."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import nanhunt
+
+
+class Flaky(nn.Module):
+    """A transient fault: NaN on one call only (a flaky device, a race) — a replay sees finite values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.calls += 1
+        if self.calls == 2:
+            y = y.clone()
+            y[1, 2] = float("nan")
+        return y
+
+
+def test_a_value_the_replay_cannot_reproduce_is_reported_as_such():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Flaky(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for _ in range(3):
+            model(torch.randn(5, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert (f.phase, f.module, f.module_type, f.step) == ("forward", "1", "Flaky", 1)
+    assert f.reproducible is False
+    assert "nondeterminism" in f.hint and "hardware" in f.hint
+    assert f.op is None  # no op-level claim from a replay that did not see it
+
+
+def test_replay_restores_batchnorm_statistics_and_the_rng_stream():
+    def run(watch: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 1))
+        hunt = nanhunt.watch(model, on_find="record") if watch else None  # no optimizer: step = root call
+        for step in range(3):
+            x = torch.randn(6, 4)
+            if step == 1:
+                x[2, 1] = float("inf")  # a hit at step 1: the analysis replays this step
+            model(x).sum().backward()
+            model.zero_grad()  # the bad gradients are dropped, training goes on
+        if hunt is not None:
+            hunt.close()
+            assert hunt.first is not None and hunt.first.step == 1
+        return model[1].running_mean.clone(), model[1].num_batches_tracked.clone(), torch.rand(3)
+
+    plain, watched = run(False), run(True)
+    assert torch.equal(plain[0], watched[0]) or (plain[0].isnan() == watched[0].isnan()).all()
+    assert torch.equal(plain[1], watched[1])
+    assert torch.equal(plain[2], watched[2])  # the user's RNG stream goes on exactly as without us
