@@ -535,12 +535,14 @@ class Hunt:
             before = h._steps_applied if h is not None else 0
             if h is not None and getattr(scaler, "_scale", None) is not None:
                 h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
-            try:
-                return orig(optimizer, *args, **kwargs)
-            finally:
-                if h is not None and not h._closed and h._steps_applied == before:
-                    h._skipped_steps += 1
-                    h._drop_backward()
+            out = orig(optimizer, *args, **kwargs)
+            if h is not None and not h._closed and h._steps_applied == before:
+                # the scaler skipped the step: its scaled gradients overflowed, as expected. The
+                # iteration still ends here (its forward is checked), without counting a step.
+                h._skipped_steps += 1
+                h._drop_backward()
+                h._end_step(advance=False)
+            return out
 
         step.__nanhunt__ = True  # type: ignore[attr-defined]
         scaler.step = step

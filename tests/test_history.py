@@ -1,0 +1,66 @@
+"""The magnitude history and the early warnings, from real runs (not synthetic reports)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+
+
+def test_history_is_bounded_and_has_every_stat():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, optimizer=opt, history=4, stats_every=1) as hunt:
+        for _ in range(10):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    h = hunt.report.history
+    assert h["steps"] == [6, 7, 8, 9]  # the last `history` steps, whatever the run length
+    assert {"0", "1", "2"} <= set(h["modules"])
+    i = h["modules"].index("1")
+    assert all(isinstance(v, float) and v > 0 for v in h["absmax"][i])
+    assert all(0.0 <= v <= 1.0 for v in h["zeros"][i])
+    assert h["headroom"][i][-1] > 1e30  # float32: far from its max
+    json.dumps(hunt.report.to_dict(), allow_nan=False)  # plain, JSON-ready data
+
+
+def test_fp16_activation_near_its_max_is_an_early_warning_not_a_finding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    with torch.no_grad():
+        for lin, w in zip(model, (1.0, 250.0)):
+            lin.weight.fill_(w)
+            lin.bias.zero_()
+    with nanhunt.watch(model, on_find="record", stats_every=1) as hunt:
+        out = model(torch.full((2, 4), 10.0, dtype=torch.float16))  # 4 * 10 = 40, then 4 * 250 * 40
+    assert out.max().item() == 40000.0  # finite, within 2x of float16's 65504
+    assert hunt.findings == []
+    kinds = {(w["kind"], w["module"]) for w in hunt.report.warnings}
+    assert ("near_overflow", "1") in kinds
+
+
+def test_geometric_growth_and_a_falling_loss_scale_are_warned():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    with nanhunt.watch(model, optimizer=opt, scaler=scaler, on_find="record", stats_every=1) as hunt:
+        for k in range(6):
+            with torch.no_grad():
+                model[0].weight.mul_(4.0)  # the layer's output grows x4 per step
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.ones(2, 4))
+            loss = F.mse_loss(out.float(), torch.zeros(2, 2)) * 1e4
+            scaler.scale(loss).backward()  # huge scale: fp16 gradients overflow, the scaler backs off
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    kinds = {w["kind"] for w in hunt.report.warnings}
+    assert "scale_falling" in kinds
+    assert any(w["kind"] == "growth" and w["module"] == "0" for w in hunt.report.warnings)
