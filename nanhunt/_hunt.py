@@ -330,6 +330,9 @@ class Hunt:
         ci = c.index
         if c.depth and type(module) in _PASSTHROUGH:
             items: Any = ()
+            if self._stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
+                log.stats.append(stats(output))  # sampled steps only: keeps the heatmap whole
+                log.stats_rows.append((c.name, str(output.dtype)[6:], output.numel()))
         else:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
