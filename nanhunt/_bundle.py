@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 import sys
-import tempfile
 import warnings
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._files import atomic_write
 from ._finding import Finding
 from ._tree import format_path, tensors
 
@@ -184,17 +184,7 @@ def save(
         "grad_enabled": bool(grad_enabled),
         "finding": _json_plain(fd),
     }
-    p = os.fspath(path)
-    fdesc, tmp = tempfile.mkstemp(prefix=".nanhunt-", suffix=".pt", dir=os.path.dirname(os.path.abspath(p)))
-    os.close(fdesc)
-    try:
-        torch.save(bundle, tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return p
+    return atomic_write(path, ".pt", lambda tmp: torch.save(bundle, tmp))
 
 
 def _json_plain(v: Any) -> Any:

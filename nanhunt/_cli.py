@@ -178,10 +178,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     extra = {}
     if ns.bundle:
-        from ._hunt import _check_writable
+        from ._files import check_writable
 
         try:
-            extra["bundle"] = _check_writable(rank_path(ns.bundle), (".pt",), "--bundle")
+            extra["bundle"] = check_writable(rank_path(ns.bundle), (".pt",), "--bundle")
         except (ValueError, PermissionError) as e:
             _err(str(e))
             return EXIT_USAGE

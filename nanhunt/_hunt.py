@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _analyze
+from . import _analyze, _dist
+from ._files import check_writable
 from ._finding import Finding, NonFiniteError
 from ._history import History, stats
 from ._hooks import GlobalHooks
@@ -121,15 +122,15 @@ class Hunt:
         if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         self._report_path = _check_report_path(report)
-        self._bundle_path = _check_writable(bundle, (".pt",), "bundle") if bundle is not None else None
+        self._bundle_path = check_writable(bundle, (".pt",), "bundle") if bundle is not None else None
 
         self.on_find = on_find
         self.mode = mode
         self.replay = replay
         self.history = history
-        self.rank = rank if rank is not None else _dist_rank()
+        self.rank = rank if rank is not None else _dist.rank()
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
-        self.distributed = (_dist_group() is not None) if distributed is None else bool(distributed)
+        self.distributed = (_dist.group() is not None) if distributed is None else bool(distributed)
         self.step = 0
         self.findings: list[Finding] = []
         self._root: nn.Module | None = model
@@ -577,10 +578,10 @@ class Hunt:
         found: list[Finding] = []
         try:
             flag = log.bad_flag()
-            group = _dist_group() if self.distributed and collective else None
+            group = _dist.group() if self.distributed and collective else None
             if group is not None:  # one collective folded into the step's single sync
                 local = flag if flag is not None else torch.zeros((), dtype=torch.bool)
-                any_rank = _all_ranks_max(local)
+                any_rank = _dist.all_ranks_max(local)
                 if not any_rank:
                     return
                 bad = flag is not None and bool(flag)
@@ -595,7 +596,7 @@ class Hunt:
                 finally:
                     self._paused = False
             if group is not None:
-                found = _gather_findings(found, self.rank)
+                found = _dist.gather_findings(found, self.rank)
         finally:
             log.release()
         if found:
@@ -694,24 +695,7 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 def _check_report_path(report: Any) -> str | None:
     if report is None:
         return None
-    return _check_writable(report, (".json", ".html", ".txt"), "report")
-
-
-def _check_writable(value: Any, suffixes: tuple[str, ...], what: str) -> str:
-    """A path we will write at the moment of failure: checked now, not then."""
-    try:
-        path = os.fspath(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a path, got {type(value).__name__}") from None
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix not in suffixes:
-        raise ValueError(f"{what} must end in {', '.join(suffixes)}; got {path!r}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{what} {path!r}: folder {parent!r} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise PermissionError(f"{what} {path!r} is not writable")
-    return path
+    return check_writable(report, (".json", ".html", ".txt"), "report")
 
 
 def _forget_compiled() -> None:
@@ -725,39 +709,6 @@ def _forget_compiled() -> None:
 
     if counters["stats"]["unique_graphs"]:
         dynamo.reset()
-
-
-def _dist_group() -> Any:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
-def _all_ranks_max(flag: torch.Tensor) -> bool:
-    """OR of every rank's flag: one all_reduce, then the step's one host read."""
-    dist = torch.distributed
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = flag.to(device=dev, dtype=torch.int32).reshape(1)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0])
-
-
-def _gather_findings(found: list[Finding], rank: int | None) -> list[Finding]:
-    """After a hit on some rank: every rank gets every rank's findings of this step."""
-    dist = torch.distributed
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [f.to_dict() for f in found])
-    own = list(found)
-    others = [Finding.from_dict(d) for r, fs in enumerate(everyone) if r != rank for d in (fs or [])]
-    return own + others
-
-
-def _dist_rank() -> int | None:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return None
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

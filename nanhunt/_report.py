@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from ._files import atomic_write
 from ._finding import Finding
 
 __all__ = ["Report", "SCHEMA"]
@@ -92,17 +92,11 @@ class Report:
             data = self.to_text()
         else:
             raise ValueError(f"report path must end in .json, .html or .txt; got {p!r}")
-        folder = os.path.dirname(os.path.abspath(p))
-        fd, tmp = tempfile.mkstemp(prefix=".nanhunt-", suffix=suffix, dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as fh:
                 fh.write(data)
-            os.replace(tmp, p)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return p
+
+        return atomic_write(p, suffix, write)
 
     def __str__(self) -> str:
         return self.to_text()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .._hunt import Hunt, watch
-from .._report import Report
+from ._common import HuntOwner
 
 _INSTALL = "pip install 'nanhunt[lightning]'"
 
@@ -99,7 +99,7 @@ def _scaler_of(trainer: Any) -> Any:
     return None
 
 
-class NanHunt(*_BASES):  # type: ignore[misc]
+class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
     """A Lightning ``Callback`` that runs ``nanhunt.watch`` over the fit. See the module docstring.
 
     ``watch_options`` are those of :func:`nanhunt.watch` except ``model`` and ``optimizer``, which
@@ -119,17 +119,6 @@ class NanHunt(*_BASES):  # type: ignore[misc]
         self.check_loss = check_loss
         self.hunt: Hunt | None = None
         self._eval_only = False
-
-    # ------------------------------------------------------------------ public
-    @property
-    def report(self) -> Report | None:
-        """The current (or last) watch's report; ``None`` before any fit started."""
-        return self.hunt.report if self.hunt is not None else None
-
-    def close(self) -> None:
-        """Stop watching; idempotent. Raises a pending ``NonFiniteError`` in raise mode."""
-        if self.hunt is not None:
-            self.hunt.close()
 
     # ------------------------------------------------------------------ fit
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:

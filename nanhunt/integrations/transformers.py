@@ -31,7 +31,7 @@ import torch
 
 from .._finding import Finding, NonFiniteError
 from .._hunt import Hunt, watch
-from .._report import Report
+from ._common import HuntOwner
 
 _INSTALL = "pip install 'nanhunt[transformers]'"
 
@@ -72,7 +72,7 @@ class _RaiseClosing:
         raise NonFiniteError(finding, hunt.report)
 
 
-class NanHuntCallback(TrainerCallback):
+class NanHuntCallback(HuntOwner, TrainerCallback):
     """A ``transformers.TrainerCallback`` that runs ``nanhunt.watch`` over ``trainer.train()``.
 
     ``watch_options`` are those of :func:`nanhunt.watch` except ``model`` and ``optimizer``, which
@@ -90,17 +90,6 @@ class NanHuntCallback(TrainerCallback):
             raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
         self.watch_options = watch_options
         self.hunt: Hunt | None = None
-
-    # ------------------------------------------------------------------ public
-    @property
-    def report(self) -> Report | None:
-        """The current (or last) watch's report; ``None`` before training started."""
-        return self.hunt.report if self.hunt is not None else None
-
-    def close(self) -> None:
-        """Stop watching; idempotent. Raises a pending ``NonFiniteError`` in raise mode."""
-        if self.hunt is not None:
-            self.hunt.close()
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
