@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _analyze, _dist
+from ._compiled import CompiledChecks, forget_compiled
 from ._files import check_writable
 from ._finding import Finding, NonFiniteError
 from ._history import History, stats
@@ -36,7 +37,6 @@ _ON_FIND = ("raise", "warn", "record")
 _MODES = ("full", "sentinel", "ops")
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
-_COMPILED_SLOTS = 4096  # (module, output) pairs checked inside compiled graphs
 
 # Modules whose output can be non-finite only if their input is: their outputs are not probed
 # (a memory pass each) when they run inside a watched module. A non-finite input was either
@@ -151,14 +151,12 @@ class Hunt:
         self._after_step: dict[int, dict[int, int]] = {}
         self._bad_grads_step = -1
         self._round: set[int] = set()
-        self._cbuf: torch.Tensor | None = None
-        self._slots: dict[tuple[str, Any], int] = {}
-        self._slot_meta: list[tuple[str, str, Any]] = []
+        self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
             self._build_names()
             first = next(model.parameters(), None)
-            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=first.device if first is not None else "cpu")
-        _forget_compiled()  # graphs compiled before watch() would silently skip the hooks
+            self._compiled = CompiledChecks(first.device if first is not None else "cpu")
+        forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = stats_every
         self._per_module = mode != "sentinel"
         self._stats_on = self._per_module and history > 0
@@ -388,31 +386,19 @@ class Hunt:
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
 
-    # torch.compile: inside a graph, a branch-free write into a device buffer, one slot per
-    # (module, output path), assigned at trace time. No list, no dict, no sync: no graph break.
+    # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
-        names, buf = self._names, self._cbuf
-        if names is None or buf is None or self._paused:
+        names, comp = self._names, self._compiled
+        if names is None or comp is None or self._paused:
             return
         name = names.get(module)
         if name is None or module in self._ignored:
             return
-        for path, t in tensors(output):
-            if not is_checked(t) or t.device != buf.device:
-                continue
-            slot = self._slots.get((name, path))
-            if slot is None:
-                if len(self._slots) >= buf.numel():
-                    continue
-                slot = self._slots[(name, path)] = len(self._slots)
-                self._slot_meta.append((name, type(module).__name__, path))
-            with torch.no_grad():
-                buf[slot].add_(probe(t))
+        comp.record(name, type(module).__name__, output)
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
-        if self._cbuf is None:
-            dev = next((t.device for _, t in tensors(args)), torch.device("cpu"))
-            self._cbuf = torch.zeros(_COMPILED_SLOTS, device=dev)
+        if self._compiled is None:
+            self._compiled = CompiledChecks(next((t.device for _, t in tensors(args)), torch.device("cpu")))
 
     def _key(self, t: torch.Tensor) -> int:
         """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
@@ -567,9 +553,9 @@ class Hunt:
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
                 log.vectors.append((fused_probe([p.grad for p in params if p.grad is not None]), ("grad", -1, params)))
-        if self._slots and self._cbuf is not None:
-            log.vectors.append((self._cbuf[: len(self._slots)].clone(), ("compiled", list(self._slot_meta))))
-            self._cbuf.zero_()
+        drained = self._compiled.drain() if self._compiled is not None else None
+        if drained is not None:
+            log.vectors.append(drained)
         step = self.step
         if advance:
             self.step += 1
@@ -656,10 +642,9 @@ class Hunt:
             self._opts = []
             self._names = None
             self._ignored = set()
-            if self._slots:
-                _forget_compiled()  # compiled graphs traced our hooks in: drop them with us
-            self._cbuf = None
-            self._slots = {}
+            if self._compiled is not None and self._compiled.slots:
+                forget_compiled()  # compiled graphs traced our hooks in: drop them with us
+            self._compiled = None
             if self._report_path is not None:
                 self._write_report()
 
@@ -696,19 +681,6 @@ def _check_report_path(report: Any) -> str | None:
     if report is None:
         return None
     return check_writable(report, (".json", ".html", ".txt"), "report")
-
-
-def _forget_compiled() -> None:
-    """Make torch.compile retrace: graphs compiled without (or with) our hooks must not run on."""
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
-    from torch._dynamo.utils import counters
-
-    if counters["stats"]["unique_graphs"]:
-        dynamo.reset()
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
