@@ -162,7 +162,7 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             out.append(f)
     compiled = [(meta, flags) for (_v, meta), flags in zip(log.vectors, vbad) if meta[0] == "compiled" and any(flags)]
     if (hunt.mode == "sentinel" or compiled) and not any(f.phase in ("forward", "backward") for f in out):
-        out[:0] = _sentinel_findings(ctx, True)
+        out[:0] = _sentinel_findings(ctx)
     if compiled and not any(f.phase == "forward" for f in out):
         out[:0] = [_compiled_finding(ctx, *compiled[0])]
     grads_bad = any(meta[0] == "grad" and any(flags) for (_v, meta), flags in zip(log.vectors, vbad))
@@ -488,7 +488,7 @@ def _grad_input_name(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- sentinel
-def _sentinel_findings(ctx: _Ctx, hit: bool) -> list[Finding]:
+def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):
         r = ctx.replay(ti, backward=False)

@@ -1,10 +1,10 @@
 """`watch()` and `Hunt`: the hooks, the step's bookkeeping and its single sync.
 
 Hot path (every watched module call): one device-side sum per floating output tensor, appended
-to the step's log, plus one gradient hook per distinct tensor that requires grad. Nothing is read
-back to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when
-no optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
-non-finite. Only then is the step analysed (`_analyze`) and, if needed, replayed (`_replay`).
+to the step's log (per-module gradient hooks only with ``grad_hooks=True``). Nothing is read back
+to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when no
+optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
+non-finite. Only then is the step analysed (`_analyze`) and replayed (`_replay`, `_oplevel`).
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past 
 # (a memory pass each) when they run inside a watched module. A non-finite input was either
 # probed as the output of the module that made it, or is caught further on (the next module, the
 # enclosing one, the gradients) and localised by the replay, which checks every call.
+# (Not here: anything that scales (SELU, LeakyReLU/PReLU with a slope that may exceed 1) or writes a
+# user constant (Threshold), which can overflow or write an infinity from finite inputs.)
 _PASSTHROUGH: frozenset[type[nn.Module]] = frozenset({
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh, nn.Threshold, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid,
-    nn.Softsign, nn.GELU, nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.SELU, nn.Hardswish, nn.PReLU,
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid, nn.Softsign, nn.GELU,
+    nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.Hardswish,
     nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Identity,
 })
@@ -68,9 +70,14 @@ def watch(
     """Watch ``model`` (and ``optimizer``) for the first NaN/Inf. See ``Hunt``.
 
     Extra options (``**more``):
-      ``mode="full"`` (per-module checks in forward and backward) or ``"sentinel"`` (only checked
-      tensors, gradients, parameters and optimizer state; localised by replay on a hit);
-      ``replay=True`` (replay the failing call to find the element, cause and op).
+      ``mode``: ``"full"`` (every module's outputs, gradients, parameters, optimizer state; the
+      default), ``"sentinel"`` (only checked tensors, gradients and sampled parameters/state; a hit
+      is localised by replay: the cheapest) or ``"ops"`` (full plus every aten op: for debugging);
+      ``replay=True`` (replay the failing call to find the element, cause and op);
+      ``grad_hooks=False`` (per-module gradient hooks always on, instead of a backward replay);
+      ``optimizer_every`` (read parameters/state after every N-th step: 1 in full, 10 in sentinel);
+      ``stats_every=10`` (sample the magnitude history); ``bundle="first.pt"`` (save the first
+      failing call for ``nanhunt replay``); ``distributed`` (default: on when several ranks run).
     """
     return Hunt(model, optimizer, on_find=on_find, scaler=scaler, ignore=ignore, history=history,
                 report=report, **more)
@@ -167,7 +174,6 @@ class Hunt:
 
             for name in ("_pre", "_post", "_on_grad", "_pre_step", "_post_step", "check", "_end_step", "_closure"):
                 setattr(self, name, quietly(self, getattr(self, name)))
-        self._reported = False
         self._handles: list[Any] = []
 
         if self._per_module:
@@ -230,7 +236,7 @@ class Hunt:
         log = self._log
         log.sums.append(probe(tensor))
         log.meta.append(("chk", name, tensor.detach()))
-        if self._per_module and tensor.requires_grad and torch.is_grad_enabled():
+        if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
             k = self._key(tensor)
             log.tensors[k].consumers.append((-1, (name,)))
         return tensor
@@ -448,7 +454,6 @@ class Hunt:
             output, kwargs = kwargs, {}
         if self._stack and self._stack[-1].module is module:
             c = self._stack.pop()
-            c.first = len(self._log.sums)
             if torch.is_grad_enabled():  # for a backward replay: the gradients arriving at the output
                 top = self._log.tops[c.top]
                 for path, t in tensors(output):

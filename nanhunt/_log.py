@@ -23,7 +23,7 @@ class Call:
 
     __slots__ = (
         "module", "name", "call", "depth", "parent", "top", "ordinal", "index",
-        "first", "paths", "outs", "in_keys", "out_keys",
+        "paths", "outs", "in_keys", "out_keys",
     )
 
     def __init__(self, module: nn.Module, name: str, call: int, depth: int, parent: int, top: int, ordinal: int):
@@ -35,7 +35,6 @@ class Call:
         self.top = top  # index into StepLog.tops
         self.ordinal = ordinal  # watched-module calls since its top-level call began
         self.index = -1  # this call's index in StepLog.calls
-        self.first = -1  # index of its first output entry in StepLog.sums
         self.paths: list[Path] = []
         self.outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self.in_keys: list[tuple[int, Path]] = []
