@@ -510,10 +510,10 @@ class Hunt:
             self.step += 1
             self._round = set()
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
-        # Parameters and state are read in full only every `optimizer_every` steps (and on every
-        # hit, by the analysis): a poisoned weight shows in the next forward anyway, and reading
-        # three copies of the model every step is the largest cost there is (benchmarks/).
-        # versions are free to read: on a hit they tell the optimizer's writes from later ones
+        # Parameters and state are read every `optimizer_every` steps (1 in full mode, 10 in
+        # sentinel, where reading three copies of the model each step would be most of its cost)
+        # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
+        # optimizer's writes from the user's.
         self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
         if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
             items, tens = _optimizer_tensors(opt)
