@@ -39,18 +39,12 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
         else:
             mask = ~torch.isfinite(t)
             vals = t
+        r = torch.view_as_real(t) if t.is_complex() else t  # complex: both parts count
         counts = {
-            "nan": int(torch.isnan(vals).sum()) if not t.is_complex() else int(torch.isnan(torch.view_as_real(t)).sum()),
-            "+inf": int((vals == math.inf).sum()),
-            "-inf": int((vals == -math.inf).sum()),
+            "nan": int(torch.isnan(r).sum()),
+            "+inf": int((r == math.inf).sum()),
+            "-inf": int((r == -math.inf).sum()),
         }
-        if t.is_complex():
-            r = torch.view_as_real(t)
-            counts = {
-                "nan": int(torch.isnan(r).sum()),
-                "+inf": int((r == math.inf).sum()),
-                "-inf": int((r == -math.inf).sum()),
-            }
         if t.dim() == 0:
             return ((), float(vals), counts) if bool(mask) else (None, None, counts)
         flat = mask.reshape(-1).nonzero()
