@@ -127,11 +127,7 @@ class AutoWatch:
             self._owned[sub] = module
         for opt in list(self._pending):
             self._attach(opt)
-        # the hunt's own hooks were registered during this call: let it see this call too
-        if hunt.mode == "full":
-            hunt._pre(module, args)
-        else:
-            hunt._root_pre(module, args, {})
+        hunt._join(module, args)  # its hooks were registered during this call: let it see the call too
 
     # ---------------------------------------------------------------- optimizers
     def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -196,9 +192,8 @@ class AutoWatch:
                 torch.optim.Optimizer.__init__ = self._orig_init  # type: ignore[method-assign]
                 self._orig_init = None
             for _, hunt in self.hunts:
-                for cb in (hunt.on_find,):
-                    if isinstance(cb, _OnFind):
-                        cb.mode = "record"
+                if isinstance(hunt.on_find, _OnFind):
+                    hunt.on_find.mode = "record"
                 try:
                     hunt.close()
                 except NonFiniteError:

@@ -13,6 +13,8 @@ import sys
 import traceback
 from typing import Any
 
+from ._render import print_report
+
 __all__ = ["main"]
 
 EXIT_FOUND = 3
@@ -82,12 +84,6 @@ def _err(msg: str) -> None:
     print(f"nanhunt: {msg}", file=sys.stderr)
 
 
-def _print_report(report: Any, stream: Any) -> None:
-    from ._demo import _print_report
-
-    _print_report(report, stream)
-
-
 # ---------------------------------------------------------------- show
 def _cmd_show(ns: argparse.Namespace) -> int:
     from ._report import Report
@@ -97,7 +93,7 @@ def _cmd_show(ns: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         _err(f"cannot read report {ns.report!r}: {e}")
         return EXIT_USAGE
-    _print_report(report, sys.stdout)
+    print_report(report, sys.stdout)
     if ns.html:
         try:
             report.save(_with_suffix(ns.html, ".html"))
@@ -232,7 +228,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             _err(f"cannot write the report to {report_path!r}: {e}")
     if report.findings:
         print("", file=sys.stderr)
-        _print_report(report, sys.stderr)
+        print_report(report, sys.stderr)
         if report_path is not None:
             print(f"\nnanhunt: report written to {report_path}", file=sys.stderr)
         return EXIT_FOUND

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._render import print_report
+
 __all__ = ["TinyGPT", "train", "main"]
 
 VOCAB, WIDTH, LAYERS, SEQ, BATCH, LR, SHIFT = 16, 32, 2, 16, 32, 0.1, 3  # as TinyGPT's defaults
@@ -178,7 +180,7 @@ def main(out: str = "nanhunt-demo.html", steps: int | None = None, report: str |
     finally:
         bar.close()
     print(f"({time.monotonic() - t0:.1f} s)\n", file=err)
-    _print_report(result)
+    print_report(result)
     if result.first is None:
         print(f"\nNo NaN/Inf in {steps} steps: the demo needs more steps to blow up.", file=err)
         return 1
@@ -191,17 +193,3 @@ def main(out: str = "nanhunt-demo.html", steps: int | None = None, report: str |
     if report:
         print(f"report: {os.path.abspath(result.save(report))}", file=err)
     return 0
-
-
-def _print_report(report: Any, stream: Any = None) -> None:
-    """Print with rich when installed and writing to a terminal; plain text otherwise."""
-    stream = stream or sys.stdout
-    if stream.isatty():
-        try:
-            from rich.console import Console
-        except ImportError:
-            pass
-        else:
-            Console(file=stream).print(report)
-            return
-    print(report, file=stream)

@@ -61,8 +61,10 @@ class Finding:
         return self.module if self.module else "<model>"
 
     def summary(self) -> str:
-        """The one-paragraph answer."""
-        return summarize(self)
+        """The one-paragraph answer (the `NonFiniteError` message)."""
+        from ._render import paragraph
+
+        return paragraph(self)
 
     def __str__(self) -> str:
         return self.summary()
@@ -76,58 +78,6 @@ def _json_float(v: float | None) -> float | str | None:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return v
-
-
-def _kind(f: Finding) -> str:
-    if f.value is None:
-        return "NaN/Inf"
-    if math.isnan(f.value):
-        return "NaN"
-    return "+Inf" if f.value > 0 else "-Inf"
-
-
-_PHASE_WORDS = {
-    "forward": "in the forward of",
-    "backward": "in the backward of",
-    "grad": "in the accumulated gradient of",
-    "optimizer": "after the optimizer step, in",
-    "check": "in the checked tensor",
-}
-
-_CAUSE_WORDS = {
-    "created": "It was born here: the inputs and parameters were finite.",
-    "input": "It was fed in: an input was already non-finite.",
-    "parameter": "A parameter or buffer of this module was already non-finite (poisoned weights).",
-    "unknown": "Whether it was born here or fed in could not be told.",
-}
-
-
-def summarize(f: Finding) -> str:
-    where = f"`{f.where}` ({f.module_type})" if f.phase != "check" else f"`{f.module}`"
-    idx = "" if f.index is None else "[" + ", ".join(map(str, f.index)) + "]"
-    val = "" if f.value is None else f" = {_json_float(f.value)}"
-    c = f.counts
-    counts = (
-        f"{c.get('nan', 0)} nan, {c.get('+inf', 0)} +inf, {c.get('-inf', 0)} -inf" if c else "counts unknown"
-    )
-    shape = "(" + ", ".join(map(str, f.shape)) + ("," if len(f.shape) == 1 else "") + ")"
-    parts = [
-        f"First {_kind(f)} {_PHASE_WORDS.get(f.phase, f.phase)} {where} at step {f.step}, call {f.call}: "
-        f"{f.tensor}{idx}{val} (shape {shape}, {f.dtype}; {counts})."
-    ]
-    if f.op:
-        at = f" at {f.source}" if f.source else ""
-        parts.append(f"Created by {f.op}{at}.")
-    if len(f.chain) > 1:
-        parts.append("Path: " + " -> ".join(f.chain) + ".")
-    parts.append(_CAUSE_WORDS.get(f.cause, ""))
-    if f.rank is not None:
-        parts.append(f"Rank {f.rank}.")
-    if f.reproducible is False:
-        parts.append("Replaying the step did not reproduce it.")
-    if f.hint:
-        parts.append(f.hint)
-    return " ".join(p for p in parts if p)
 
 
 class NonFiniteError(FloatingPointError):

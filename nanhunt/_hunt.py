@@ -430,6 +430,14 @@ class Hunt:
         if info.keep_grad:
             info.grad = g
 
+    def _join(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A call already under way when this hunt started (``nanhunt run`` discovers roots from
+        inside their first call): record it as if the hunt's own pre-hook had seen it."""
+        if self._per_module:
+            self._pre(module, args)
+        else:
+            self._root_pre(module, args, {})
+
     # sentinel mode: only the root's calls are recorded, for the replay
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._paused or self._stack:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html as _html
 import math
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from ._finding import Finding
     from ._report import Report
 
-__all__ = ["text", "html", "rich_renderables", "headline", "details"]
+__all__ = ["text", "html", "rich_renderables", "headline", "details", "paragraph", "print_report"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -123,6 +124,21 @@ def headline(f: Finding) -> str:
 def _shape(shape: Any) -> str:
     shape = tuple(shape)
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def paragraph(f: Finding) -> str:
+    """The one-paragraph answer: the headline, then shape and counts, the road, the hint."""
+    parts = [headline(f)]
+    if f.dtype:
+        counts = ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf")) if f.counts else "counts unknown"
+        parts.append(f"{f.tensor} has shape {_shape(f.shape)}, {f.dtype}; {counts}.")
+    if len(f.chain) > 1:
+        parts.append("Road: " + " -> ".join(f.chain) + ".")
+    if f.reproducible is False:
+        parts.append("Replaying the step did not reproduce it.")
+    if f.hint:
+        parts.append(f.hint)
+    return " ".join(parts)
 
 
 def details(f: Finding) -> list[tuple[str, str]]:
@@ -436,3 +452,17 @@ def html(report: Report) -> str:
         parts.append("</table>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def print_report(report: Report, stream: Any = None) -> None:
+    """Print with rich when installed and writing to a terminal; plain text otherwise."""
+    stream = stream or sys.stdout
+    if stream.isatty():
+        try:
+            from rich.console import Console
+        except ImportError:
+            pass
+        else:
+            Console(file=stream).print(report)
+            return
+    print(report, file=stream)

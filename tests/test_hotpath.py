@@ -51,6 +51,9 @@ def test_backward_creator_found_with_and_without_per_module_hooks(grad_hooks):
     assert (f.phase, f.module, f.tensor, f.cause) == ("backward", "1", "grad_input[0]", "created")
     assert f.op == "SqrtBackward0"
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    message = str(ei.value)  # the one-paragraph summary a person reads
+    assert message == f.summary() and message.startswith("First NaN: backward of `1` (SqrtAtZero) at step 0")
+    assert "SqrtBackward0" in message and "float32" in message
 
 
 def test_per_module_hooks_locate_backward_even_without_a_replay():
