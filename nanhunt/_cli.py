@@ -24,11 +24,6 @@ EXIT_USAGE = 2
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if ns.command in ("demo", "show", "replay"):
-        import warnings
-
-        # torch's CPU wheel without numpy says so on a first tensor conversion: not ours to show
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if ns.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
