@@ -1,8 +1,8 @@
 """nanhunt: find the first NaN/Inf in a PyTorch run, and where it was born."""
 
-from ._bundle import replay
 from ._finding import Finding, NonFiniteError
-from ._hunt import Hunt, NonFiniteWarning, watch
+from ._locate import replay
+from ._record import Hunt, NonFiniteWarning, watch
 from ._report import Report
 
 __all__ = ["watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning", "replay", "__version__"]

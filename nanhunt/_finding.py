@@ -62,7 +62,7 @@ class Finding:
 
     def summary(self) -> str:
         """The one-paragraph answer (the `NonFiniteError` message)."""
-        from ._render import paragraph
+        from ._words import paragraph
 
         return paragraph(self)
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from nanhunt import Finding
-from nanhunt._bundle import BundleError, load, replay, save, save_from_top
 from nanhunt._cli import main
+from nanhunt._locate.bundle import BundleError, load, replay, save, save_from_top
 
 
 def overflow_stack() -> nn.Module:
@@ -160,7 +160,7 @@ def test_cli_replay(tmp_path, capsys):
 
 
 def test_save_from_top_bundles_the_inner_call(tmp_path):
-    from nanhunt._log import Top
+    from nanhunt._steplog import Top
 
     root = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Dropout(0.5)).train()
     with torch.no_grad():

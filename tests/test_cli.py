@@ -14,8 +14,8 @@ from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optim_mod
 
 from nanhunt import Report
-from nanhunt._auto import AutoWatch
-from nanhunt._cli import main, rank_path
+from nanhunt._cli.auto import AutoWatch
+from nanhunt._cli.main import main, rank_path
 
 LOG_OF_ZERO = '''
 import sys

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
-from nanhunt import _oplevel
+from nanhunt._locate import oplevel as _oplevel
 
 HERE = os.path.abspath(__file__)
 with open(HERE) as _f:

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from nanhunt import Finding, Report
-from nanhunt._render import headline, heatmap_svg, html, text
+from nanhunt._report.render import heatmap_svg, html, text
+from nanhunt._words import headline
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 REGEN = os.environ.get("NANHUNT_REGEN_GOLDEN") == "1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .._hunt import Hunt
+from .._record import Hunt
 from .._report import Report
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._hunt import Hunt, watch
+from .._record import Hunt, Options, watch
 from ._common import HuntOwner
 
 _INSTALL = "pip install 'nanhunt[lightning]'"
@@ -112,9 +112,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
         bad = [k for k in _RESERVED if k in watch_options]
         if bad:
             raise TypeError(f"NanHunt takes the model and optimizers from the Trainer; do not pass {', '.join(bad)}")
-        on_find = watch_options.get("on_find", "raise")
-        if not (callable(on_find) or on_find in ("raise", "warn", "record")):  # fail now, not inside fit()
-            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
+        Options.make(**watch_options)  # a bad option fails now, not inside fit()
         self.watch_options = watch_options
         self.check_loss = check_loss
         self.hunt: Hunt | None = None
@@ -215,8 +213,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
         hunt = self.hunt
         if hunt is None or hunt.closed:
             return
-        exc_type = type(exception) if exception is not None else RuntimeError
-        hunt.__exit__(exc_type, exception, None)  # records a pending finding, never raises it
+        hunt.close(raise_pending=False)  # records a pending finding, never raises it
 
 
 def _fitting(trainer: Any) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .._finding import Finding, NonFiniteError
-from .._hunt import Hunt, watch
+from .._record import Hunt, Options, watch
 from ._common import HuntOwner
 
 _INSTALL = "pip install 'nanhunt[transformers]'"
@@ -68,7 +68,7 @@ class _RaiseClosing:
             return
         self.raised = True
         # the step's record is already taken; closing as if by an exception: no collective, no raise
-        hunt.__exit__(NonFiniteError, None, None)
+        hunt.close(raise_pending=False)
         raise NonFiniteError(finding, hunt.report)
 
 
@@ -85,9 +85,7 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
             raise TypeError(
                 f"NanHuntCallback takes the model and optimizer from the Trainer; do not pass {', '.join(bad)}"
             )
-        on_find = watch_options.get("on_find", "raise")
-        if not (callable(on_find) or on_find in ("raise", "warn", "record")):  # fail now, not inside train()
-            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
+        Options.make(**watch_options)  # a bad option fails now, not inside train()
         self.watch_options = watch_options
         self.hunt: Hunt | None = None
 
@@ -126,4 +124,4 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
             return
         if isinstance(hunt.on_find, _RaiseClosing):
             hunt.on_find.raised = True
-        hunt.__exit__(RuntimeError, None, None)
+        hunt.close(raise_pending=False)

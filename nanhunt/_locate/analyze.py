@@ -8,69 +8,42 @@ themselves, the inputs and parameters, and whether the value is reproducible.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
 import torch
 from torch import nn
 
-from . import _hints, _oplevel
-from ._finding import Finding
-from ._log import StepLog, Top
-from ._probe import probe, version
-from ._replay import Replay, ReplayCall, replay_top
-from ._tree import Path, format_path
+from .._finding import Finding
+from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, StepView, Top
+from .._tensors import (
+    Path,
+    dtype_name,
+    element,
+    format_path,
+    is_bad,
+    optimizer_tensors,
+    own_tensors,
+    probe,
+    tensors,
+    version,
+)
+from . import bundle as _bundle
+from . import hints as _hints
+from . import oplevel as _oplevel
+from .replay import Replay, ReplayCall, replay_top
 
-if TYPE_CHECKING:
-    from ._hunt import Hunt
-
-__all__ = ["analyze", "element"]
-
-
-def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
-    """First non-finite element (row-major), its value, and counts over the whole tensor."""
-    with torch.no_grad():
-        t = t.detach()
-        if t.is_complex():
-            parts = torch.view_as_real(t)
-            bad = ~torch.isfinite(parts)
-            mask = bad.any(-1)
-            vals = torch.where(bad[..., 0], parts[..., 0], parts[..., 1])
-        else:
-            mask = ~torch.isfinite(t)
-            vals = t
-        r = torch.view_as_real(t) if t.is_complex() else t  # complex: both parts count
-        counts = {
-            "nan": int(torch.isnan(r).sum()),
-            "+inf": int((r == math.inf).sum()),
-            "-inf": int((r == -math.inf).sum()),
-        }
-        if t.dim() == 0:
-            return ((), float(vals), counts) if bool(mask) else (None, None, counts)
-        flat = mask.reshape(-1).nonzero()
-        if flat.numel() == 0:
-            return None, None, counts
-        i = int(flat[0, 0])
-        index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape))
-        return index, float(vals.reshape(-1)[i]), counts
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def _is_bad(t: torch.Tensor | None) -> bool:
-    return t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+__all__ = ["analyze"]
 
 
 class _Ctx:
     """What the analysis of one step needs from the hunt."""
 
-    def __init__(self, log: StepLog, hunt: Hunt, step: int):
-        self.log = log
-        self.hunt = hunt
-        self.step = step
-        self.names: dict[nn.Module, str] = hunt._names or (hunt._build_names() if hunt._root is not None else {})
+    def __init__(self, view: StepView):
+        self.view = view
+        self.log = view.log
+        self.step = view.step
+        self.names = view.names
         self._params: dict[int, tuple[str, str, nn.Module]] | None = None
         self._replays: dict[tuple[int, bool], Replay | None] = {}
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
@@ -79,7 +52,7 @@ class _Ctx:
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
             self._params = {}
-            root = self.hunt._root
+            root = self.view.root
             if root is not None:
                 for mname, m in root.named_modules():
                     for pname, q in m.named_parameters(recurse=False):
@@ -93,7 +66,7 @@ class _Ctx:
             return self._replays[key]
         r = None
         top = self.log.tops[top_i]
-        if self.hunt.replay and _replayable(top):
+        if self.view.replay and _replayable(top):
             grads = None
             params = None
             if backward:
@@ -105,20 +78,19 @@ class _Ctx:
 
 
 def _replayable(top: Top) -> bool:
-    from ._tree import tensors
-
     return top.kwargs is not None and [version(t) for _, t in tensors(top.args)] == top.versions
 
 
-def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
+def analyze(view: StepView) -> list[Finding]:
     """Findings of one step, in order of occurrence: at most one per phase."""
-    ctx = _Ctx(log, hunt, step)
+    ctx = _Ctx(view)
+    log = view.log
     sbad, vbad = log.bad_flags()
     out: list[Finding] = []
     # post-step checks of the previous step happened before anything else in this log
-    for (vec, meta), flags in zip(log.vectors, vbad):
-        if meta[0] == "optim" and any(flags):
-            f = _optimizer_finding(ctx, meta, flags)
+    for (_vec, entry), flags in zip(log.vectors, vbad):
+        if isinstance(entry, OptimState) and any(flags):
+            f = _optimizer_finding(ctx, entry, flags)
             if f is not None:
                 out.append(f)
                 break
@@ -128,13 +100,15 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             out.append(f)
     firsts: dict[str, int] = {}
     for i, bad in enumerate(sbad):
-        if bad and log.meta[i][0] not in firsts:
-            firsts[log.meta[i][0]] = i
+        if bad and log.meta[i].kind not in firsts:
+            firsts[log.meta[i].kind] = i
     op_call = None
     if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
-        ci = log.meta[firsts.pop("op")][3]
+        op_entry = log.meta[firsts.pop("op")]
+        assert isinstance(op_entry, Op)
+        ci = op_entry.call
         op_call = log.calls[ci] if ci >= 0 else None
-        own = next((i for i, m in enumerate(log.meta) if m[0] == "fwd" and m[1] == ci and sbad[i]), None)
+        own = next((i for i, m in enumerate(log.meta) if isinstance(m, Fwd) and m.call == ci and sbad[i]), None)
         if own is not None and own > firsts["fwd"]:
             firsts["fwd"] = own
     firsts.pop("op", None)
@@ -154,12 +128,12 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
             f = _backward_finding(ctx, i, sbad)
         if f is not None:
             out.append(f)
-    compiled = [(meta, flags) for (_v, meta), flags in zip(log.vectors, vbad) if meta[0] == "compiled" and any(flags)]
-    if (hunt.mode == "sentinel" or compiled) and not any(f.phase in ("forward", "backward") for f in out):
+    compiled = [(e, flags) for (_v, e), flags in zip(log.vectors, vbad) if isinstance(e, CompiledSlots) and any(flags)]
+    if (view.mode == "sentinel" or compiled) and not any(f.phase in ("forward", "backward") for f in out):
         out[:0] = _sentinel_findings(ctx)
     if compiled and not any(f.phase == "forward" for f in out):
         out[:0] = [_compiled_finding(ctx, *compiled[0])]
-    grads_bad = any(meta[0] == "grad" and any(flags) for (_v, meta), flags in zip(log.vectors, vbad))
+    grads_bad = any(isinstance(e, Grads) and any(flags) for (_v, e), flags in zip(log.vectors, vbad))
     if grads_bad and not any(f.phase in ("forward", "backward") for f in out):
         # no per-module gradient hooks (the default): find the backward's creator by replay
         for ti, top in enumerate(log.tops):
@@ -168,31 +142,27 @@ def analyze(log: StepLog, hunt: Hunt, step: int) -> list[Finding]:
                 if fb is not None:
                     out.append(fb)
                     break
-    for (vec, meta), flags in zip(log.vectors, vbad):
-        if meta[0] == "grad" and any(flags):
-            f = _grad_finding(ctx, meta, flags, earlier=bool(out))
+    for (_vec, entry), flags in zip(log.vectors, vbad):
+        if isinstance(entry, Grads) and any(flags):
+            f = _grad_finding(ctx, entry, flags, earlier=bool(out))
             if f is not None:
                 out.append(f)
                 break
-    ops = [log.meta[i] for i, b in enumerate(sbad) if b and log.meta[i][0] == "op"]
+    ops = [m for m, b in zip(log.meta, sbad) if b and isinstance(m, Op)]
     return [_with_op(_finish(ctx, f), ops) for f in out]
 
 
-def _with_op(f: Finding, ops: list[tuple[Any, ...]]) -> Finding:
+def _with_op(f: Finding, ops: list[Op]) -> Finding:
     """mode="ops": the first non-finite op of the finding's phase, known without any replay."""
-    import dataclasses
-
-    first = next((m for m in ops if (m[2] is not None) == (f.phase == "backward")), None)
+    first = next((m for m in ops if (m.node is not None) == (f.phase == "backward")), None)
     if first is None or f.phase not in ("forward", "backward") or f.op is not None:
         return f
-    return dataclasses.replace(f, op=first[2] or first[1])
+    return dataclasses.replace(f, op=first.node or first.op)
 
 
 def _finish(ctx: _Ctx, f: Finding) -> Finding:
-    import dataclasses
-
     where = ctx.where.get(id(f))
-    if where is not None and f.reproducible and ctx.hunt.replay:
+    if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
         if phase == "forward":
@@ -202,35 +172,33 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
-    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.hunt.rank)
-    if where is not None and where[0] == "forward" and ctx.hunt._bundle_path and not ctx.hunt.findings:
+    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.view.rank)
+    if where is not None and where[0] == "forward" and ctx.view.bundle:
         _save_bundle(ctx, where, f)
     return f
 
 
 def _save_bundle(ctx: _Ctx, where: tuple[str, int, int, Path], f: Finding) -> None:
     """The first finding's failing call, its inputs, state and RNG: a file to hand to a colleague."""
-    from . import _bundle
-
     try:
-        _bundle.save_from_top(ctx.hunt._bundle_path or "", top=ctx.log.tops[where[1]], names=ctx.names,
+        _bundle.save_from_top(ctx.view.bundle or "", top=ctx.log.tops[where[1]], names=ctx.names,
                               ordinal=where[2], finding=f)
     except Exception as e:  # never break the user's run over a bundle
-        import warnings
-
         warnings.warn(f"nanhunt could not write the repro bundle: {e}", stacklevel=2)
 
 
 # ---------------------------------------------------------------- forward
 def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     log = ctx.log
-    _, ci, j = log.meta[i]
+    entry = log.meta[i]
+    assert isinstance(entry, Fwd)
+    ci, j = entry.call, entry.out
     c = log.calls[ci]
     path = c.paths[j]
     ref, ver = c.outs[j]
     alive = ref()
     tensor = alive if alive is not None and version(alive) == ver else None
-    if tensor is not None and not _is_bad(tensor):
+    if tensor is not None and not is_bad(tensor):
         return None  # a finite sum that overflowed: not a finding
     r = ctx.replay(c.top, backward=False)
     rc = _match(r, c.ordinal, c.module)
@@ -239,9 +207,9 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     name, module, call = c.name, c.module, c.call
     if r is not None and r.error is None:
         again = dict(rc.outputs).get(path) if rc is not None else None
-        if again is not None and not _is_bad(again) and not bool(torch.isfinite(probe(again))):
+        if again is not None and not is_bad(again) and not bool(torch.isfinite(probe(again))):
             return None  # finite values whose sum overflowed: not a finding
-        first = _first_bad_forward(r, ctx.hunt._ignored)
+        first = _first_bad_forward(r, ctx.view.ignored)
         seen = {x.ordinal for x in log.calls if x.top == c.top}
         if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in seen
                 and _within(r, first, c.ordinal)):
@@ -257,7 +225,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
                 name, module = rc.name, rc.module
                 call = _call_index(ctx, c.top, rc)
             tensor = dict(rc.outputs).get(path, tensor)
-    if cause == "unknown" and any(_is_bad(p) for _, p in _own(module)):
+    if cause == "unknown" and any(is_bad(p) for _, p in own_tensors(module)):
         cause = "parameter"
     if tensor is None:
         return _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
@@ -265,16 +233,12 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     f = Finding(
         phase="forward", module=name, module_type=type(module).__name__,
         tensor=format_path("output", path), step=ctx.step, call=call, index=index, value=value,
-        counts=counts, shape=tuple(tensor.shape), dtype=_dtype(tensor), cause=cause,
+        counts=counts, shape=tuple(tensor.shape), dtype=dtype_name(tensor), cause=cause,
         reproducible=reproducible,
     )
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
     return f
-
-
-def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(), *module.named_buffers()]
 
 
 def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | None:
@@ -361,15 +325,17 @@ def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, c
 
 # ---------------------------------------------------------------- check
 def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
-    _, name, t = ctx.log.meta[i]
-    if not _is_bad(t):
+    entry = ctx.log.meta[i]
+    assert isinstance(entry, Chk)
+    name, t = entry.name, entry.tensor
+    if not is_bad(t):
         return None
     index, value, counts = element(t)
-    fwd_bad = any(m[0] == "fwd" for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
+    fwd_bad = any(isinstance(m, Fwd) for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
     return Finding(
         phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,
-        call=sum(1 for m in ctx.log.meta[:i] if m[0] == "chk" and m[1] == name), index=index,
-        value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+        call=sum(1 for m in ctx.log.meta[:i] if isinstance(m, Chk) and m.name == name), index=index,
+        value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
         cause="input" if fwd_bad else "created",
     )
 
@@ -410,7 +376,9 @@ def _backward_culprit(
 
 def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
     log = ctx.log
-    k0 = log.meta[i][1]
+    entry = log.meta[i]
+    assert isinstance(entry, Bwd)
+    k0 = entry.tensor
     # which top-level call's graph: the one whose calls touched the tensor
     info = log.tensors[k0]
     cis = [ci for ci, _ in info.producers + info.consumers if ci >= 0]
@@ -422,7 +390,7 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
     if f is not None:
         return f
     # no replay: attribute from the log alone (no element)
-    events = [(m[1], b) for m, b in zip(log.meta, sbad) if m[0] == "bwd"]
+    events = [(m.tensor, b) for m, b in zip(log.meta, sbad) if isinstance(m, Bwd)]
     got = _backward_culprit(events, [c for c in log.calls if c.top == top_i])
     reproducible = False if r is not None and r.error is None else None
     if got is not None:
@@ -434,14 +402,14 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
 def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | None:
     if r is None or r.error is not None or not r.grads:
         return None
-    events = [(k, _is_bad(g)) for k, g in r.grads]
+    events = [(k, is_bad(g)) for k, g in r.grads]
     if not any(b for _, b in events):
         return None
     got = _backward_culprit(events, r.calls)
     if got is None:
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
-    grad = next(g for kk, g in r.grads if kk == k and _is_bad(g))
+    grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
     if rc.params_bad:
         cause = "parameter"
     index, value, counts = element(grad)
@@ -449,7 +417,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         phase="backward", module=rc.name, module_type=type(rc.module).__name__,
         tensor=_grad_input_name(path), step=ctx.step,
         call=_call_index(ctx, top_i, rc), index=index, value=value, counts=counts,
-        shape=tuple(grad.shape), dtype=_dtype(grad), cause=cause, reproducible=True,
+        shape=tuple(grad.shape), dtype=dtype_name(grad), cause=cause, reproducible=True,
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     return f
@@ -459,7 +427,7 @@ def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | 
     """The gradient arriving at the model's output was already non-finite: made outside it."""
     log = ctx.log
     top = log.tops[top_i]
-    g = next((log.tensors[k].grad for k in top.out_keys if _is_bad(log.tensors[k].grad)), None)
+    g = next((log.tensors[k].grad for k in top.out_keys if is_bad(log.tensors[k].grad)), None)
     name = ctx.names.get(top.module, "")
     if g is None:
         return _partial(ctx, "backward", name, top.module, "grad_output", 0, "unknown", reproducible)
@@ -467,7 +435,7 @@ def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | 
     return Finding(
         phase="backward", module=name, module_type=type(top.module).__name__, tensor="grad_output",
         step=ctx.step, call=0, index=index, value=value, counts=counts, shape=tuple(g.shape),
-        dtype=_dtype(g), cause="input", reproducible=reproducible,
+        dtype=dtype_name(g), cause="input", reproducible=reproducible,
         hint="The gradient arriving at the model's output was already non-finite: it was made by "
         "the code after the model (the loss). Pass the loss to hunt.check(loss) to see it.",
     )
@@ -486,7 +454,7 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):
         r = ctx.replay(ti, backward=False)
-        first = _first_bad_forward(r, ctx.hunt._ignored) if r is not None and r.error is None else None
+        first = _first_bad_forward(r, ctx.view.ignored) if r is not None and r.error is None else None
         if r is None or first is None:
             continue
         cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
@@ -495,7 +463,7 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
         f = Finding(
             phase="forward", module=rc.name, module_type=type(rc.module).__name__,
             tensor=format_path("output", path), step=ctx.step, call=_call_index(ctx, ti, rc),
-            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
             cause=cause, reproducible=True,
         )
         ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
@@ -508,12 +476,12 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     return []
 
 
-def _compiled_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Finding:
+def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Finding:
     """Inside a compiled graph, without a replay: the module and output, nothing finer."""
-    name, mtype, path = meta[1][flags.index(True)]
-    root = ctx.hunt._root
+    name, mtype, path = entry.slots[flags.index(True)]
+    root = ctx.view.root
     module = root.get_submodule(name) if root is not None else None
-    poisoned = module is not None and any(_is_bad(p) for _, p in _own(module))
+    poisoned = module is not None and any(is_bad(p) for _, p in own_tensors(module))
     return Finding(
         phase="forward", module=name, module_type=mtype, tensor=format_path("output", path),
         step=ctx.step, call=0, index=None, value=None, counts={}, shape=(), dtype="",
@@ -524,45 +492,42 @@ def _compiled_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Fi
 
 
 # ---------------------------------------------------------------- grad / optimizer
-def _grad_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool], earlier: bool) -> Finding | None:
-    params = meta[2]
-    for p, b in zip(params, flags):
-        if not b or p.grad is None or not _is_bad(p.grad):
+def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> Finding | None:
+    for p, b in zip(entry.params, flags):
+        if not b or p.grad is None or not is_bad(p.grad):
             continue
         mname, pname, m = ctx.param_owner(p)
         g = p.grad
         index, value, counts = element(g)
-        cause = "input" if earlier else ("parameter" if _is_bad(p) else "created")
+        cause = "input" if earlier else ("parameter" if is_bad(p) else "created")
         return Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
-            shape=tuple(g.shape), dtype=_dtype(g), cause=cause,
+            shape=tuple(g.shape), dtype=dtype_name(g), cause=cause,
         )
     return None
 
 
 def _optimizer_now(ctx: _Ctx) -> Finding | None:
     """On a hit: are the parameters or optimizer state non-finite after the last step()?"""
-    from ._hunt import _optimizer_tensors
-
-    hunt = ctx.hunt
-    if not hunt._steps_applied:
+    view = ctx.view
+    if not view.steps_applied:
         return None  # no step() yet: whatever is non-finite was not made by the optimizer
     last = max(ctx.step - 1, 0)
-    for i, opt in enumerate(hunt._opts):
-        items, tens = _optimizer_tensors(opt)
-        after = hunt._after_step.get(i, {})
+    for i, opt in enumerate(view.optimizers):
+        items, tens = optimizer_tensors(opt)
+        after = view.after_step.get(i, {})
         # a parameter written since its last step() (by the user) is not the optimizer's doing
-        flags = [_is_bad(t) and (bool(sk) or after.get(id(p)) == p._version) for (p, sk), t in zip(items, tens)]
+        flags = [is_bad(t) and (bool(sk) or after.get(id(p)) == p._version) for (p, sk), t in zip(items, tens)]
         if any(flags):
-            return _optimizer_finding(ctx, ("optim", i, last, items, tens, hunt._bad_grads_step == last), flags)
+            return _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
     return None
 
 
-def _optimizer_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> Finding | None:
-    _, _, step, items, tens, fed = meta
-    for (p, sk), t, b in zip(items, tens, flags):
-        if not b or not _is_bad(t):
+def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Finding | None:
+    step, fed = entry.step, entry.fed
+    for (p, sk), t, b in zip(entry.items, entry.tensors, flags):
+        if not b or not is_bad(t):
             continue
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
@@ -570,7 +535,7 @@ def _optimizer_finding(ctx: _Ctx, meta: tuple[Any, ...], flags: list[bool]) -> F
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
-            value=value, counts=counts, shape=tuple(t.shape), dtype=_dtype(t),
+            value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
             cause="input" if fed else "created", hint=_hints.optimizer_hint(pname, sk, fed),
         )
     return None

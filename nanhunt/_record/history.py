@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._tensors import dtype_max
+
 __all__ = ["History", "stats"]
 
 
@@ -67,7 +69,7 @@ class History:
         out: dict[str, Any] = {"steps": steps, "modules": modules, "dtype": dtypes,
                                "absmax": [], "rms": [], "zeros": [], "headroom": []}
         for name in modules:
-            fmax = _finfo_max(dtypes[name])
+            fmax = dtype_max(dtypes[name])
             cells = [ps.get(name) for ps in per_step]
             out["absmax"].append([_num(r[0]) if r else None for r in cells])
             out["rms"].append([_num(r[1]) if r else None for r in cells])
@@ -86,7 +88,7 @@ class History:
             for name, row in zip(hist["modules"], hist["absmax"]):
                 dtype = hist["dtype"][name]
                 vals = [v for v in row if isinstance(v, (int, float)) and math.isfinite(v)]
-                fmax = _finfo_max(dtype)
+                fmax = dtype_max(dtype)
                 if dtype in ("float16", "bfloat16") and vals and fmax and vals[-1] >= fmax / 2:
                     out.append({"kind": "near_overflow", "module": name, "step": steps[-1],
                                 "message": f"`{name or '<model>'}` output abs-max {vals[-1]:.4g} is within 2x of "
@@ -106,12 +108,6 @@ class History:
                                        + " (gradients keep overflowing)."})
         return out
 
-
-def _finfo_max(dtype: str) -> float | None:
-    try:
-        return float(torch.finfo(getattr(torch, dtype)).max)
-    except (AttributeError, TypeError):
-        return None
 
 
 def _num(v: float) -> float | str:

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._files import atomic_write
-from ._finding import Finding
-from ._tree import format_path, tensors
+from .._files import atomic_write
+from .._finding import Finding
+from .._tensors import element, format_path, tensors
+from .replay import faithful
 
 __all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
 
@@ -212,14 +213,13 @@ def save_from_top(
     ordinal: int,
     finding: Finding | dict[str, Any] | None,
 ) -> str:
-    """Bundle the ``ordinal``-th watched module call inside the top-level call ``top`` (a `_log.Top`).
+    """Bundle the ``ordinal``-th watched module call inside the top-level call ``top`` (a `_steplog.Top`).
 
-    The top-level call is re-run under ``_replay.faithful`` (the user's RNG and buffers are put back
+    The top-level call is re-run under ``replay.faithful`` (the user's RNG and buffers are put back
     afterwards) only up to the entry of that call, where its args, kwargs, RNG state, autocast and
     grad mode are taken; ``ordinal`` counts watched-module calls (modules in ``names``) in call order,
-    as ``_replay.replay_top`` numbers them.
+    as ``replay.replay_top`` numbers them.
     """
-    from ._replay import faithful
 
     got: dict[str, Any] = {}
     seen = [0]
@@ -370,7 +370,6 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
     ``module`` is your own instance of the failing class; the saved ``state_dict`` is loaded into it.
     The saved RNG state, autocast and grad mode are restored around the call and put back after.
     """
-    from ._analyze import element
 
     data = bundle if isinstance(bundle, dict) else load(bundle)
     if isinstance(bundle, dict) and data.get("format") != FORMAT:

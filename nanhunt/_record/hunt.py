@@ -1,40 +1,38 @@
-"""`watch()` and `Hunt`: the hooks, the step's bookkeeping and its single sync.
+"""`Hunt`: the hooks, the step's bookkeeping and its single sync.
 
 Hot path (every watched module call): one device-side sum per floating output tensor, appended
 to the step's log (per-module gradient hooks only with ``grad_hooks=True``). Nothing is read back
 to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when no
 optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
-non-finite. Only then is the step analysed (`_analyze`) and replayed (`_replay`, `_oplevel`).
+non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate.locate`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _analyze, _dist
-from ._compiled import CompiledChecks, forget_compiled
-from ._files import check_writable
-from ._finding import Finding, NonFiniteError
-from ._history import History, stats
-from ._hooks import GlobalHooks
-from ._log import Call, StepLog, TensorInfo, Top
-from ._probe import fused_probe, is_checked, probe, version
-from ._report import Report
-from ._tree import tensors
+from .._finding import Finding, NonFiniteError
+from .._hooks import GlobalHooks
+from .._locate import locate
+from .._report import Report
+from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
+from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
+from . import dist as _dist
+from .compiled import CompiledChecks, forget_compiled
+from .history import History, stats
+from .options import Options
+from .probe import fused_probe
 
-__all__ = ["watch", "Hunt", "NonFiniteWarning"]
+__all__ = ["Hunt", "NonFiniteWarning"]
 
-_ON_FIND = ("raise", "warn", "record")
-_MODES = ("full", "sentinel", "ops")
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 
@@ -56,94 +54,31 @@ class NonFiniteWarning(RuntimeWarning):
     """Emitted for each finding when ``on_find="warn"``."""
 
 
-def watch(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-    *,
-    on_find: str | Callable[[Finding], Any] = "raise",
-    scaler: Any = None,
-    ignore: Iterable[str] = (),
-    history: int = 32,
-    report: str | os.PathLike[str] | None = None,
-    **more: Any,
-) -> Hunt:
-    """Watch ``model`` (and ``optimizer``) for the first NaN/Inf. See ``Hunt``.
-
-    Extra options (``**more``):
-      ``mode``: ``"full"`` (every module's outputs, gradients, parameters, optimizer state; the
-      default), ``"sentinel"`` (only checked tensors, gradients and sampled parameters/state; a hit
-      is localised by replay: the cheapest) or ``"ops"`` (full plus every aten op: for debugging);
-      ``replay=True`` (replay the failing call to find the element, cause and op);
-      ``grad_hooks=False`` (per-module gradient hooks always on, instead of a backward replay);
-      ``optimizer_every`` (read parameters/state after every N-th step: 1 in full, 10 in sentinel);
-      ``stats_every=10`` (sample the magnitude history); ``bundle="first.pt"`` (save the first
-      failing call for ``nanhunt replay``); ``distributed`` (default: on when several ranks run).
-    """
-    return Hunt(model, optimizer, on_find=on_find, scaler=scaler, ignore=ignore, history=history,
-                report=report, **more)
-
-
 class Hunt:
-    """A running watch. Use as a context manager or call :meth:`close`."""
+    """A running watch (made by `nanhunt.watch()`). Use as a context manager or call :meth:`close`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: Any = None,
-        *,
-        on_find: str | Callable[[Finding], Any] = "raise",
-        scaler: Any = None,
-        ignore: Iterable[str] = (),
-        history: int = 32,
-        report: str | os.PathLike[str] | None = None,
-        mode: str = "full",
-        replay: bool = True,
-        rank: int | None = None,
-        stats_every: int = 10,
-        distributed: bool | None = None,
-        bundle: str | os.PathLike[str] | None = None,
-        grad_hooks: bool = False,
-        optimizer_every: int | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any = None, options: Options | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
         opts = _optimizers(optimizer)
-        if not (callable(on_find) or on_find in _ON_FIND):
-            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}")
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}; got {mode!r}")
-        if isinstance(ignore, str):
-            ignore = (ignore,)
-        ignore = tuple(ignore)
-        for p in ignore:
-            if not isinstance(p, str):
-                raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
-        if not isinstance(history, int) or isinstance(history, bool) or history < 0:
-            raise ValueError(f"history must be an int >= 0 (steps kept); got {history!r}")
-        if optimizer_every is None:  # exact in full mode; sentinel reads the weights every 10 steps
-            optimizer_every = 10 if mode == "sentinel" else 1
-        if not isinstance(optimizer_every, int) or isinstance(optimizer_every, bool) or optimizer_every < 0:
-            raise ValueError(f"optimizer_every must be an int >= 0 (0: only on a hit); got {optimizer_every!r}")
-        if not isinstance(stats_every, int) or isinstance(stats_every, bool) or stats_every < 1:
-            raise ValueError(f"stats_every must be an int >= 1 (sample magnitudes every N steps); got {stats_every!r}")
-        if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
-        self._report_path = _check_report_path(report)
-        self._bundle_path = check_writable(bundle, (".pt",), "bundle") if bundle is not None else None
+        o = options if options is not None else Options.make()
+        self.options = o
+        self._report_path = o.report
+        self._bundle_path = o.bundle
 
-        self.on_find = on_find
-        self.mode = mode
-        self.replay = replay
-        self.history = history
-        self.rank = rank if rank is not None else _dist.rank()
+        self.on_find = o.on_find
+        self.mode = o.mode
+        self.replay = o.replay
+        self.history = o.history
+        self.rank = o.rank if o.rank is not None else _dist.rank()
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
-        self.distributed = (_dist.group() is not None) if distributed is None else bool(distributed)
+        self.distributed = (_dist.group() is not None) if o.distributed is None else o.distributed
         self.step = 0
         self.findings: list[Finding] = []
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
-        self._scaler = scaler
-        self._ignore = ignore
+        self._scaler = o.scaler
+        self._ignore = o.ignore
         self._names: dict[nn.Module, str] | None = None
         self._ignored: set[nn.Module] = set()
         self._log = StepLog()
@@ -152,9 +87,9 @@ class Hunt:
         self._closed = False
         self._steps_applied = 0
         self._skipped_steps = 0
-        self._history = History(history)
-        self._grad_hooks = bool(grad_hooks) or mode == "ops"
-        self._optimizer_every = optimizer_every
+        self._history = History(o.history)
+        self._grad_hooks = o.grad_hooks
+        self._optimizer_every = o.optimizer_every
         self._after_step: dict[int, dict[int, int]] = {}
         self._bad_grads_step = -1
         self._round: set[int] = set()
@@ -164,16 +99,9 @@ class Hunt:
             first = next(model.parameters(), None)
             self._compiled = CompiledChecks(first.device if first is not None else "cpu")
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
-        self._stats_every = stats_every
-        self._per_module = mode != "sentinel"
-        self._stats_on = self._per_module and history > 0
-        self._quiet = 0
-        self._ops_mode: Any = None
-        if mode == "ops":
-            from ._ops import OpsMode, quietly
-
-            for name in ("_pre", "_post", "_on_grad", "_pre_step", "_post_step", "check", "_end_step", "_closure"):
-                setattr(self, name, quietly(self, getattr(self, name)))
+        self._stats_every = o.stats_every
+        self._per_module = o.mode != "sentinel"
+        self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = []
 
         if self._per_module:
@@ -184,11 +112,8 @@ class Hunt:
         self._opts = []
         for opt in opts:
             self.add_optimizer(opt)
-        if scaler is not None:
-            self._wrap_scaler(scaler)
-        if mode == "ops":
-            self._ops_mode = OpsMode(self)
-            self._ops_mode.__enter__()
+        if o.scaler is not None:
+            self._wrap_scaler(o.scaler)
 
     # ------------------------------------------------------------------ public
     @property
@@ -235,15 +160,20 @@ class Hunt:
             return tensor
         log = self._log
         log.sums.append(probe(tensor))
-        log.meta.append(("chk", name, tensor.detach()))
+        log.meta.append(Chk(name, tensor.detach()))
         if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
             k = self._key(tensor)
             log.tensors[k].consumers.append((-1, (name,)))
         return tensor
 
-    def close(self) -> None:
-        """Stop watching; idempotent. Raises a pending `NonFiniteError` in raise mode."""
-        self._close(raise_pending=True)
+    def close(self, *, raise_pending: bool = True) -> None:
+        """Stop watching; idempotent. Nothing of the hunt stays behind (hooks, references).
+
+        In raise mode a finding still pending (made at this last sync) raises `NonFiniteError`,
+        unless ``raise_pending=False``: then it is only recorded, and no collective is issued
+        (for a run that is already leaving: integrations, exceptions).
+        """
+        self._close(raise_pending=raise_pending)
 
     def __enter__(self) -> Hunt:
         return self
@@ -359,7 +289,7 @@ class Hunt:
             ref = weakref.ref(t)
             seen[key] = ref
             sums.append(probe(t))
-            meta.append(("fwd", ci, len(paths)))
+            meta.append(Fwd(ci, len(paths)))
             if self._stats_on and not paths and t.numel():
                 log.stats.append(stats(t))
                 log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
@@ -425,7 +355,7 @@ class Hunt:
         if g is None or log is not self._log or self._paused or not is_checked(g):
             return
         log.sums.append(probe(g))
-        log.meta.append(("bwd", i))
+        log.meta.append(Bwd(i))
         info = log.tensors[i]
         if info.keep_grad:
             info.grad = g
@@ -501,7 +431,7 @@ class Hunt:
                     params.append(p)
                     grads.append(gr.to_dense() if gr.is_sparse else gr)
         if grads:
-            self._log.vectors.append((fused_probe(grads), ("grad", i, params)))
+            self._log.vectors.append((fused_probe(grads), Grads(i, params)))
         self._end_step(advance=False)
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -524,10 +454,10 @@ class Hunt:
         # optimizer's writes from the user's.
         self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
         if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
-            items, tens = _optimizer_tensors(opt)
+            items, tens = optimizer_tensors(opt)
             if tens:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
-                self._log.vectors.append((fused_probe(tens), ("optim", i, step, items, tens, fed)))
+                self._log.vectors.append((fused_probe(tens), OptimState(i, step, items, tens, fed)))
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
@@ -553,10 +483,10 @@ class Hunt:
     def _drop_backward(self) -> None:
         """The scaler skipped this step: its non-finite scaled gradients are expected."""
         log = self._log
-        keep = [i for i, m in enumerate(log.meta) if m[0] != "bwd"]
+        keep = [i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)]
         log.sums = [log.sums[i] for i in keep]
         log.meta = [log.meta[i] for i in keep]
-        log.vectors = [v for v in log.vectors if v[1][0] != "grad"]
+        log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
 
     def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = True) -> None:
         """The step's single sync; analysis and `on_find` only on a hit."""
@@ -565,7 +495,7 @@ class Hunt:
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
-                log.vectors.append((fused_probe([p.grad for p in params if p.grad is not None]), ("grad", -1, params)))
+                log.vectors.append((fused_probe([p.grad for p in params if p.grad is not None]), Grads(-1, params)))
         drained = self._compiled.drain() if self._compiled is not None else None
         if drained is not None:
             log.vectors.append(drained)
@@ -591,7 +521,7 @@ class Hunt:
             if bad:
                 self._paused = True
                 try:
-                    found = _analyze.analyze(log, self, step)
+                    found = locate(self._view(log, step))
                 finally:
                     self._paused = False
             if group is not None:
@@ -622,6 +552,17 @@ class Hunt:
         except OSError as e:  # never break the user's run over a report
             warnings.warn(f"nanhunt could not write the report to {self._report_path}: {e}", stacklevel=3)
 
+    def _view(self, log: StepLog, step: int) -> StepView:
+        """The read-only view of this step that the analysis gets (on a hit only)."""
+        names = self._names if self._names is not None else (self._build_names() if self._root is not None else {})
+        return StepView(
+            log=log, step=step, root=self._root, names=names, ignored=frozenset(self._ignored),
+            mode=self.mode, replay=self.replay, rank=self.rank, optimizers=tuple(self._opts),
+            after_step=self._after_step, steps_applied=self._steps_applied,
+            bad_grads_step=self._bad_grads_step,
+            bundle=self._bundle_path if not self.findings else None,
+        )
+
     def _meta(self) -> dict[str, Any]:
         return {
             "steps": self.step,
@@ -640,42 +581,27 @@ class Hunt:
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
                                collective=raise_pending)
         finally:
-            if self._ops_mode is not None:
-                self._ops_mode.__exit__(None, None, None)
-                self._ops_mode = None
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self._log.release()
-            self._stack.clear()
-            if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
-                del self._scaler.step
-            self._scaler = None
-            self._root = None
-            self._opts = []
-            self._names = None
-            self._ignored = set()
-            if self._compiled is not None and self._compiled.slots:
-                forget_compiled()  # compiled graphs traced our hooks in: drop them with us
-            self._compiled = None
-            if self._report_path is not None:
-                self._write_report()
+            self._release()
 
-
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
-    """Every floating parameter and state tensor of ``opt``: ``(param, state key or "")``, tensor."""
-    items: list[tuple[torch.Tensor, str]] = []
-    tens: list[torch.Tensor] = []
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if is_checked(p) and p.numel():
-                tens.append(p)
-                items.append((p, ""))
-            for sk, sv in opt.state.get(p, {}).items():
-                if isinstance(sv, torch.Tensor) and sv.dim() > 0 and is_checked(sv) and not sv.is_sparse:
-                    tens.append(sv)
-                    items.append((p, sk))
-    return items, tens
+    def _release(self) -> None:
+        """Remove every hook and drop every reference (the end of `close()`)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._log.release()
+        self._stack.clear()
+        if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
+            del self._scaler.step
+        self._scaler = None
+        self._root = None
+        self._opts = []
+        self._names = None
+        self._ignored = set()
+        if self._compiled is not None and self._compiled.slots:
+            forget_compiled()  # compiled graphs traced our hooks in: drop them with us
+        self._compiled = None
+        if self._report_path is not None:
+            self._write_report()
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -689,11 +615,6 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
             )
     return opts
 
-
-def _check_report_path(report: Any) -> str | None:
-    if report is None:
-        return None
-    return check_writable(report, (".json", ".html", ".txt"), "report")
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from ._finding import Finding
+from .._finding import Finding
+from .._tensors import dtype_max
 
 __all__ = ["hint", "optimizer_hint"]
 
@@ -47,12 +46,6 @@ _BACKWARD = {
 }
 
 
-def _max(dtype: str) -> float | None:
-    try:
-        return float(torch.finfo(getattr(torch, dtype)).max)
-    except (AttributeError, TypeError):
-        return None
-
 
 def _op_key(op: str) -> str:
     base = op.split(".")[1] if op.startswith("aten.") else op
@@ -78,10 +71,10 @@ def hint(f: Finding) -> str:
         else:
             why = _OPS.get(_op_key(f.op))
             if why:
-                mx = _max(f.dtype)
+                mx = dtype_max(f.dtype)
                 extra = f" ({f.dtype}'s largest finite value is {mx:g})" if mx and "overflow" in why else ""
                 return why[0].upper() + why[1:] + extra + "."
-    mx = _max(f.dtype) if f.dtype else None
+    mx = dtype_max(f.dtype) if f.dtype else None
     if f.value is not None and math.isinf(f.value) and f.dtype in ("float16", "bfloat16") and mx:
         return f"Overflow past {f.dtype}'s largest finite value ({mx:g}); compute this in float32 or scale it down."
     if f.phase == "grad":
@@ -91,7 +84,7 @@ def hint(f: Finding) -> str:
         return ("NaN from finite inputs: typically 0/0, inf - inf or inf * 0 — e.g. a softmax over a fully "
                 "masked row, a normalisation of a zero vector, or log/sqrt of a negative number.")
     if f.value is not None and math.isinf(f.value):
-        big = _max(f.dtype)
+        big = dtype_max(f.dtype)
         why = f" ({f.dtype}'s largest finite value is {big:g})" if big else ""
         return f"Inf from finite inputs: an overflow past the dtype's max{why}, x/0 or log(0)."
     return ""

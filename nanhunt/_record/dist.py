@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ._finding import Finding
+from .._finding import Finding
 
 __all__ = ["group", "rank", "all_ranks_max", "gather_findings"]
 

@@ -1,34 +1,15 @@
-"""Device-side probes: one small tensor per checked tensor, non-finite iff the tensor has a
-non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
-exactly before it becomes a finding). No probe reads anything back to the host."""
+"""Fused device-side probes for many tensors at once (gradients, parameters, optimizer state).
+
+One small tensor per checked tensor, non-finite iff the tensor has a non-finite element (single
+tensors: ``_tensors.probe``). No probe reads anything back to the host."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["probe", "fused_probe", "is_checked", "version"]
+__all__ = ["fused_probe"]
 
 _F32 = torch.float32
-
-
-def version(t: torch.Tensor) -> int:
-    """``t._version``; -1 for inference tensors (``torch.inference_mode``), which have no counter."""
-    return -1 if t.is_inference() else t._version
-
-
-def is_checked(t: torch.Tensor) -> bool:
-    """Only floating and complex tensors can hold NaN/Inf."""
-    return t.is_floating_point() or t.is_complex()
-
-
-def probe(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim float32 tensor on ``t``'s device, outside autograd."""
-    t = t.detach()  # cheaper than a no_grad context per call
-    if t.dtype is _F32:
-        return t.sum()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.sum(dtype=_F32)
 
 
 def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ._probe import is_checked, probe
-from ._tree import tensors
+from .._steplog import CompiledSlots
+from .._tensors import is_checked, probe, tensors
 
 __all__ = ["CompiledChecks", "forget_compiled"]
 
@@ -41,13 +41,13 @@ class CompiledChecks:
             with torch.no_grad():
                 buf[slot].add_(probe(t))
 
-    def drain(self) -> tuple[torch.Tensor, tuple[Any, ...]] | None:
+    def drain(self) -> tuple[torch.Tensor, CompiledSlots] | None:
         """This step's slots (for the sync), and a zeroed buffer for the next step. No host read."""
         if not self.slots:
             return None
         values = self.buf[: len(self.slots)].clone()
         self.buf.zero_()
-        return values, ("compiled", list(self.meta))
+        return values, CompiledSlots(list(self.meta))
 
 
 def forget_compiled() -> None:

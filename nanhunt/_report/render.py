@@ -23,146 +23,14 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._words import details, element_text, fmt, headline, num
+
 if TYPE_CHECKING:
-    from ._finding import Finding
-    from ._report import Report
+    from .report import Report
 
-__all__ = ["text", "html", "rich_renderables", "headline", "details", "paragraph", "print_report"]
-
-_KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
-
-_PHASE = {
-    "forward": "forward of",
-    "backward": "backward of",
-    "grad": "accumulated gradient of",
-    "optimizer": "optimizer step, in",
-    "check": "checked tensor",
-}
-
-_CAUSE = {
-    "created": "born here",
-    "input": "fed in by a non-finite input",
-    "parameter": "from a non-finite parameter or buffer (poisoned weights)",
-    "unknown": "origin unknown",
-}
+__all__ = ["text", "html", "rich_renderables", "print_report"]
 
 _NONE_FOUND = "nanhunt: no NaN/Inf found."
-
-
-# ------------------------------------------------------------------ plain data helpers
-def _num(v: Any) -> float | None:
-    """A history or finding value as a float (``"inf"``/``"nan"`` strings included); else None."""
-    if v is None or isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        try:
-            return float(v)
-        except ValueError:
-            return None
-    return None
-
-
-def _fmt(v: Any) -> str:
-    x = _num(v)
-    if x is None:
-        return "—"
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    if 1e-3 <= abs(x) < 1e5:
-        return f"{x:.4g}"
-    return f"{x:.3e}"
-
-
-def _kind(f: Finding) -> str:
-    v = _num(f.value)
-    if v is None:
-        c = f.counts or {}
-        for k in ("nan", "+inf", "-inf"):
-            if c.get(k):
-                return _KIND[k]
-        return "NaN/Inf"
-    if math.isnan(v):
-        return "NaN"
-    return "+Inf" if v > 0 else "-Inf"
-
-
-def _where(f: Finding) -> str:
-    if f.phase == "check":
-        return f"`{f.module}`"
-    return f"`{f.module or '<model>'}` ({f.module_type})"
-
-
-def _element(f: Finding) -> str:
-    idx = "" if f.index is None else "[" + ", ".join(map(str, f.index)) + "]"
-    val = "" if f.value is None else f" = {_fmt(f.value)}"
-    return f"{f.tensor}{idx}{val}"
-
-
-def headline(f: Finding) -> str:
-    """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``."""
-    phase = _PHASE.get(f.phase, f.phase)
-    s = f"First {_kind(f)}: {phase} {_where(f)} at step {f.step}"
-    if f.call:
-        s += f" (call {f.call})"
-    s += f" — {_element(f)}"
-    tail = _CAUSE.get(f.cause, f.cause)
-    if f.op:
-        tail += f" in {f.op}" if f.cause == "created" else f"; created in {f.op}"
-        if f.source:
-            tail += f" at {f.source}"
-    if f.rank is not None:
-        tail += f" (rank {f.rank})"
-    return f"{s}, {tail}."
-
-
-def _shape(shape: Any) -> str:
-    shape = tuple(shape)
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def paragraph(f: Finding) -> str:
-    """The one-paragraph answer: the headline, then shape and counts, the road, the hint."""
-    parts = [headline(f)]
-    if f.dtype:
-        counts = ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf")) if f.counts else "counts unknown"
-        parts.append(f"{f.tensor} has shape {_shape(f.shape)}, {f.dtype}; {counts}.")
-    if len(f.chain) > 1:
-        parts.append("Road: " + " -> ".join(f.chain) + ".")
-    if f.reproducible is False:
-        parts.append("Replaying the step did not reproduce it.")
-    if f.hint:
-        parts.append(f.hint)
-    return " ".join(parts)
-
-
-def details(f: Finding) -> list[tuple[str, str]]:
-    """The finding as (label, value) rows, in reading order."""
-    rows = [
-        ("phase", f.phase),
-        ("module", f"{f.module or '<model>'} ({f.module_type})" if f.phase != "check" else f.module),
-        ("tensor", f"{f.tensor}  shape {_shape(f.shape)}  {f.dtype}"),
-        ("step", f"{f.step}  (call {f.call})"),
-    ]
-    if f.index is not None:
-        rows.append(("element", f"[{', '.join(map(str, f.index))}] = {_fmt(f.value)}"))
-    if f.counts:
-        rows.append(("counts", ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf"))))
-    rows.append(("cause", f"{f.cause} — {_CAUSE.get(f.cause, '')}"))
-    if f.op:
-        rows.append(("op", f.op + (f" at {f.source}" if f.source else "")))
-    elif f.source:
-        rows.append(("source", f.source))
-    if f.rank is not None:
-        rows.append(("rank", str(f.rank)))
-    if f.reproducible is not None:
-        rows.append(("replayed", "reproduced" if f.reproducible else "did NOT reproduce"))
-    return rows
 
 
 def _warning_line(w: Any) -> str:
@@ -290,7 +158,7 @@ def _matrix(history: dict[str, Any], key: str, n_rows: int, n_cols: int) -> list
     out: list[list[float | None]] = []
     for r in range(n_rows):
         row = raw[r] if isinstance(raw, list) and r < len(raw) and isinstance(raw[r], list) else []
-        out.append([_num(row[c]) if c < len(row) else None for c in range(n_cols)])
+        out.append([num(row[c]) if c < len(row) else None for c in range(n_cols)])
     return out
 
 
@@ -361,9 +229,9 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) ->
             if j == len(steps_shown):  # the extra column of the finding's step
                 v = math.nan if i == mrow else None
             at = steps_shown[j] if j < len(steps_shown) else (mark[1] if mark else "")
-            tip = [f"{name} @ step {at}", f"abs-max {_fmt(v)}"]
+            tip = [f"{name} @ step {at}", f"abs-max {fmt(v)}"]
             if j < len(steps_shown):
-                tip.append(f"rms {_fmt(rms[r][c])}, zeros {_fmt(zeros[r][c])}, headroom {_fmt(headroom[r][c])}")
+                tip.append(f"rms {fmt(rms[r][c])}, zeros {fmt(zeros[r][c])}, headroom {fmt(headroom[r][c])}")
                 if dtypes.get(modules[r]):
                     tip.append(str(dtypes[modules[r]]))
             out.append(
@@ -386,8 +254,8 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) ->
         v = 10 ** (lo + (hi - lo) * k / 9)
         out.append(f'<rect x="{label_w + k * 14}" y="{ly}" width="14" height="10" fill="{_colour(v, lo, hi)}"/>')
     out.append(f'<text x="{label_w - 6}" y="{ly + 9}" font-size="10" text-anchor="end" fill="#556">'
-               f'{_fmt(10 ** lo)}</text>')
-    out.append(f'<text x="{label_w + 146}" y="{ly + 9}" font-size="10" fill="#556">{_fmt(10 ** hi)} (log scale)</text>')
+               f'{fmt(10 ** lo)}</text>')
+    out.append(f'<text x="{label_w + 146}" y="{ly + 9}" font-size="10" fill="#556">{fmt(10 ** hi)} (log scale)</text>')
     lx = label_w + 290
     out.append(f'<rect x="{lx}" y="{ly}" width="14" height="10" fill="#111111"/>')
     out.append(f'<text x="{lx + 18}" y="{ly + 9}" font-size="10" fill="#556">nan/inf</text>')
@@ -447,7 +315,7 @@ def html(report: Report) -> str:
         for g in report.findings:
             parts.append(
                 f"<tr><td>{g.step}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
-                f"<td class='mono'>{e(_element(g))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
+                f"<td class='mono'>{e(element_text(g))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")

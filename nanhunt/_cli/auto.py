@@ -31,9 +31,9 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
-from ._finding import Finding, NonFiniteError
-from ._hunt import Hunt, NonFiniteWarning, watch
-from ._report import Report
+from .._finding import Finding, NonFiniteError
+from .._record import Hunt, NonFiniteWarning, watch
+from .._report import Report
 
 __all__ = ["AutoWatch"]
 

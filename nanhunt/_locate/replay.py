@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._hooks import GlobalHooks
-from ._log import Top, _stack
-from ._probe import probe
-from ._tree import Path, tensors
+from .._hooks import GlobalHooks
+from .._steplog import Top
+from .._tensors import Path, is_bad, own_tensors, probe, stack_probes, tensors
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
 
@@ -65,7 +64,7 @@ class ReplayCall:
     @property
     def params_bad(self) -> list[str]:
         if self._params_bad is None:
-            self._params_bad = [n for n, p in _own_tensors(self.module) if _bad(p)]
+            self._params_bad = [n for n, p in own_tensors(self.module) if is_bad(p)]
         return self._params_bad
 
 
@@ -88,12 +87,6 @@ class Replay:
             i += len(c.outputs)
 
 
-def _bad(t: torch.Tensor) -> bool:
-    if not (t.is_floating_point() or t.is_complex()):
-        return False
-    return not bool(torch.isfinite(t).all())
-
-
 def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
     """Which tensors hold a non-finite value: probe sums in one read, exact checks on suspects."""
     idx = [i for i, t in enumerate(ts) if (t.is_floating_point() or t.is_complex()) and t.numel()]
@@ -101,10 +94,10 @@ def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
     if not idx:
         return out
     with torch.no_grad():
-        sums = _stack([probe(ts[i]) for i in idx])
+        sums = stack_probes([probe(ts[i]) for i in idx])
         suspects = (~torch.isfinite(sums)).tolist()
     for i, s in zip(idx, suspects):
-        out[i] = s and _bad(ts[i])  # a finite tensor whose sum overflowed is not bad
+        out[i] = s and is_bad(ts[i])  # a finite tensor whose sum overflowed is not bad
     return out
 
 
@@ -245,7 +238,3 @@ def _roots(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.T
         if not any(o.grad_fn is not None and o.grad_fn in reach[j] for j in range(len(pairs)) if j != i)
     ]
 
-
-def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=True)
-    yield from module.named_buffers(recurse=True)

@@ -37,11 +37,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ._hooks import GlobalHooks
-from ._log import Top
-from ._probe import version
-from ._replay import faithful
-from ._tree import Path, get_path, tensors
+from .._hooks import GlobalHooks
+from .._steplog import Top
+from .._tensors import Path, get_path, tensors, version
+from .replay import faithful
 
 __all__ = ["OpOrigin", "locate_forward", "locate_backward"]
 

@@ -1,6 +1,6 @@
 """`Report`: the findings, the magnitude history and the early warnings, as plain data.
 
-Rendering lives elsewhere (`_render`): this module only holds data and writes files atomically.
+Rendering lives elsewhere (`render`): this module only holds data and writes files atomically.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ._files import atomic_write
-from ._finding import Finding
+from .._files import atomic_write
+from .._finding import Finding
+from .render import html, rich_renderables, text
 
 __all__ = ["Report", "SCHEMA"]
 
@@ -71,13 +72,9 @@ class Report:
         return json.dumps(self.to_dict(), indent=2, allow_nan=False, default=_plain)
 
     def to_text(self) -> str:
-        from ._render import text
-
         return text(self)
 
     def to_html(self) -> str:
-        from ._render import html
-
         return html(self)
 
     def save(self, path: str | os.PathLike[str]) -> str:
@@ -92,6 +89,7 @@ class Report:
             data = self.to_text()
         else:
             raise ValueError(f"report path must end in .json, .html or .txt; got {p!r}")
+
         def write(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as fh:
                 fh.write(data)
@@ -105,8 +103,6 @@ class Report:
         return f"<nanhunt.Report findings={len(self.findings)} first={self.first.module if self.first else None!r}>"
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
-        from ._render import rich_renderables
-
         yield from rich_renderables(self)
 
 

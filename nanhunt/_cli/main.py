@@ -13,7 +13,7 @@ import sys
 import traceback
 from typing import Any
 
-from ._render import print_report
+from .._report import print_report
 
 __all__ = ["main"]
 
@@ -81,7 +81,7 @@ def _err(msg: str) -> None:
 
 # ---------------------------------------------------------------- show
 def _cmd_show(ns: argparse.Namespace) -> int:
-    from ._report import Report
+    from .._report import Report
 
     try:
         report = Report.load(ns.report)
@@ -106,7 +106,7 @@ def _with_suffix(path: str, suffix: str) -> str:
 
 # ---------------------------------------------------------------- replay
 def _cmd_replay(ns: argparse.Namespace) -> int:
-    from ._bundle import BundleError, replay
+    from .._locate import BundleError, replay
 
     try:
         result = replay(ns.bundle, device=ns.device)
@@ -122,7 +122,7 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- demo
 def _cmd_demo(ns: argparse.Namespace) -> int:
-    from . import _demo
+    from . import demo as _demo
 
     try:
         out = _with_suffix(ns.out, ".html")
@@ -174,7 +174,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
     extra = {}
     if ns.bundle:
-        from ._files import check_writable
+        from .._files import check_writable
 
         try:
             extra["bundle"] = check_writable(rank_path(ns.bundle), (".pt",), "--bundle")
@@ -182,8 +182,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             _err(str(e))
             return EXIT_USAGE
 
-    from ._auto import AutoWatch
-    from ._finding import NonFiniteError
+    from .._finding import NonFiniteError
+    from .auto import AutoWatch
 
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *ns.args]

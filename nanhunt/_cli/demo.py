@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._render import print_report
+from .._report import print_report
 
 __all__ = ["TinyGPT", "train", "main"]
 

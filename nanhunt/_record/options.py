@@ -1,0 +1,90 @@
+"""The options of `watch()`, validated in one place.
+
+`watch()` names every option as a keyword (so `help()`, IDEs and type checkers see them); it
+hands them to :meth:`Options.make`, which checks each once and gives a clear error naming the
+option. The integrations call it too, so a bad option fails when the callback is made, not
+inside ``fit()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .._files import check_writable
+from .._finding import Finding
+
+__all__ = ["Options", "ON_FIND", "MODES"]
+
+ON_FIND = ("raise", "warn", "record")
+MODES = ("full", "sentinel", "ops")
+
+
+@dataclass(frozen=True)
+class Options:
+    on_find: str | Callable[[Finding], Any] = "raise"
+    scaler: Any = None
+    ignore: tuple[str, ...] = ()
+    history: int = 32
+    report: str | None = None  # checked path
+    mode: str = "full"
+    replay: bool = True
+    grad_hooks: bool = False
+    optimizer_every: int = 1
+    stats_every: int = 10
+    bundle: str | None = None  # checked path
+    distributed: bool | None = None
+    rank: int | None = None
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        on_find: str | Callable[[Finding], Any] = "raise",
+        scaler: Any = None,
+        ignore: Iterable[str] | str = (),
+        history: int = 32,
+        report: str | os.PathLike[str] | None = None,
+        mode: str = "full",
+        replay: bool = True,
+        grad_hooks: bool = False,
+        optimizer_every: int | None = None,
+        stats_every: int = 10,
+        bundle: str | os.PathLike[str] | None = None,
+        distributed: bool | None = None,
+        rank: int | None = None,
+    ) -> Options:
+        if not (callable(on_find) or on_find in ON_FIND):
+            raise ValueError(
+                f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        patterns = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+        for p in patterns:
+            if not isinstance(p, str):
+                raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
+        _int("history", history, 0, "steps kept")
+        if optimizer_every is None:  # exact in full mode; sentinel reads the weights every 10 steps
+            optimizer_every = 10 if mode == "sentinel" else 1
+        _int("optimizer_every", optimizer_every, 0, "0: only on a hit")
+        _int("stats_every", stats_every, 1, "sample magnitudes every N steps")
+        if scaler is not None and not (hasattr(scaler, "step") and hasattr(scaler, "update")):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
+        if rank is not None:
+            _int("rank", rank, 0, "this process's rank")
+        return cls(
+            on_find=on_find, scaler=scaler, ignore=patterns, history=history,
+            report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
+            mode=mode, replay=bool(replay), grad_hooks=bool(grad_hooks) or mode == "ops",
+            optimizer_every=optimizer_every, stats_every=stats_every,
+            bundle=check_writable(bundle, (".pt",), "bundle") if bundle is not None else None,
+            distributed=None if distributed is None else bool(distributed), rank=rank,
+        )
+
+
+def _int(name: str, v: Any, low: int, meaning: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ValueError(f"{name} must be an int >= {low} ({meaning}); got {v!r}")

@@ -1,0 +1,260 @@
+"""The step log: what the hot path records during one step, as typed records, and the one
+read-only view of it that the analysis after a hit is given.
+
+``_record`` writes it; ``_locate`` reads it (through :class:`StepView`); nothing here reads a
+value from the device except :meth:`StepLog.bad_flags`, which runs only after the step's single
+sync (:meth:`StepLog.bad_flag`) said something was non-finite.
+
+Entries, one per device-side probe in ``StepLog.sums`` (``StepLog.meta`` holds them in order):
+:class:`Fwd` (a watched call's output), :class:`Chk` (``hunt.check``), :class:`Bwd` (a gradient
+arriving at a hooked tensor), :class:`Op` (an aten op, ``mode="ops"``). Fused checks, one probe
+vector each (``StepLog.vectors``): :class:`Grads` (accumulated ``.grad``), :class:`OptimState`
+(parameters and optimizer state after a ``step()``), :class:`CompiledSlots` (outputs checked
+inside compiled graphs).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._tensors import Path, stack_probes
+
+__all__ = [
+    "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
+    "Fwd", "Chk", "Bwd", "Op", "Grads", "OptimState", "CompiledSlots",
+]
+
+
+class Call:
+    """One call of one watched module during the step."""
+
+    __slots__ = (
+        "module", "name", "call", "depth", "parent", "top", "ordinal", "index",
+        "paths", "outs", "in_keys", "out_keys",
+    )
+
+    def __init__(self, module: nn.Module, name: str, call: int, depth: int, parent: int, top: int, ordinal: int):
+        self.module = module
+        self.name = name
+        self.call = call
+        self.depth = depth
+        self.parent = parent  # index of the enclosing Call in StepLog.calls, -1 at top level
+        self.top = top  # index into StepLog.tops
+        self.ordinal = ordinal  # watched-module calls since its top-level call began
+        self.index = -1  # this call's index in StepLog.calls
+        self.paths: list[Path] = []
+        self.outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self.in_keys: list[tuple[int, Path]] = []
+        self.out_keys: list[tuple[int, Path]] = []
+
+
+class Top:
+    """A top-level call of a watched module: enough to replay it faithfully."""
+
+    __slots__ = (
+        "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
+        "out_keys", "calls",
+    )
+
+    def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
+                 cuda_rng: list[torch.Tensor] | None, autocast: tuple[Any, ...], grad_enabled: bool):
+        self.module = module
+        self.args = args
+        self.kwargs: dict[str, Any] | None = None
+        self.versions: list[int] = []
+        self.rng = rng
+        self.cuda_rng = cuda_rng
+        self.autocast = autocast
+        self.grad_enabled = grad_enabled
+        self.out_keys: list[int] = []
+        self.calls = 0
+
+
+@dataclass
+class TensorInfo:
+    """A tensor that got a gradient hook: who made it and who used it."""
+
+    producers: list[tuple[int, Path]] = field(default_factory=list)  # (call index, output path)
+    consumers: list[tuple[int, Path]] = field(default_factory=list)  # (call index, input path)
+    grad: torch.Tensor | None = None  # kept only for gradients arriving at a top-level output
+    keep_grad: bool = False
+    ref: Any = None
+
+
+# ------------------------------------------------------------------ entries (one probe each)
+class Fwd:
+    """Output number ``out`` of the watched call ``StepLog.calls[call]``."""
+
+    kind = "fwd"
+    __slots__ = ("call", "out")
+
+    def __init__(self, call: int, out: int) -> None:
+        self.call = call
+        self.out = out
+
+
+class Chk:
+    """A tensor given to ``hunt.check(tensor, name)``."""
+
+    kind = "chk"
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        self.name = name
+        self.tensor = tensor
+
+
+class Bwd:
+    """A gradient arriving at the hooked tensor ``StepLog.tensors[tensor]``."""
+
+    kind = "bwd"
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: int) -> None:
+        self.tensor = tensor
+
+
+class Op:
+    """Output ``out`` of one aten op (``mode="ops"``): in backward, ``node`` is the autograd node."""
+
+    kind = "op"
+    __slots__ = ("op", "node", "call", "out")
+
+    def __init__(self, op: str, node: str | None, call: int, out: int) -> None:
+        self.op = op
+        self.node = node
+        self.call = call  # the innermost watched call in forward, else -1
+        self.out = out
+
+
+Entry = Fwd | Chk | Bwd | Op
+
+
+# ------------------------------------------------------------------ fused checks (a vector each)
+class Grads:
+    """The accumulated ``.grad`` of ``params`` (optimizer ``opt``'s, or the model's when -1)."""
+
+    kind = "grad"
+    __slots__ = ("opt", "params")
+
+    def __init__(self, opt: int, params: Sequence[torch.Tensor]) -> None:
+        self.opt = opt
+        self.params = params
+
+
+class OptimState:
+    """Parameters and state of optimizer ``opt`` after its ``step()`` number ``step``."""
+
+    kind = "optim"
+    __slots__ = ("opt", "step", "items", "tensors", "fed")
+
+    def __init__(self, opt: int, step: int, items: list[tuple[torch.Tensor, str]],
+                 tensors: list[torch.Tensor], fed: bool) -> None:
+        self.opt = opt
+        self.step = step
+        self.items = items  # (parameter, state key or "") per tensor
+        self.tensors = tensors
+        self.fed = fed  # the step was given non-finite gradients (not raise mode)
+
+
+class CompiledSlots:
+    """Slots of the compiled-graph buffer: (module name, class name, output path) each."""
+
+    kind = "compiled"
+    __slots__ = ("slots",)
+
+    def __init__(self, slots: list[tuple[str, str, Path]]) -> None:
+        self.slots = slots
+
+
+Vector = Grads | OptimState | CompiledSlots
+
+
+class StepLog:
+    """Everything recorded since the last sync."""
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] = []
+        self.meta: list[Entry] = []
+        self.vectors: list[tuple[torch.Tensor, Vector]] = []  # fused checks (grads, params, state)
+        self.calls: list[Call] = []
+        self.tops: list[Top] = []
+        self.tensors: list[TensorInfo] = []
+        self.keys: dict[tuple[int, int], int] = {}
+        self.handles: list[Any] = []
+        self.counts: dict[nn.Module, int] = {}
+        self.ignored: set[tuple[int, int]] = set()
+        self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
+        self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
+        self.stats_rows: list[tuple[str, str, int]] = []
+        self.root_calls = 0
+
+    def __len__(self) -> int:
+        return len(self.sums) + len(self.vectors)
+
+    def bad_flag(self) -> torch.Tensor | None:
+        """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
+        parts = []
+        if self.sums:
+            parts.append(torch.isfinite(stack_probes(self.sums)).all())
+        for v, _ in self.vectors:
+            parts.append(torch.isfinite(v).all())
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return ~parts[0]
+        dev = parts[0].device
+        return ~torch.stack([p.to(dev, non_blocking=True) for p in parts]).all()
+
+    def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
+        """After a hit: which entries are non-finite (more syncs, allowed now)."""
+        s = (~torch.isfinite(stack_probes(self.sums))).tolist() if self.sums else []
+        v = [(~torch.isfinite(t)).tolist() for t, _ in self.vectors]
+        return s, v
+
+    def release(self) -> None:
+        """Drop every reference and remove every tensor hook of the step."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.sums.clear()
+        self.meta.clear()
+        self.vectors.clear()
+        self.calls.clear()
+        self.tops.clear()
+        self.tensors.clear()
+        self.keys.clear()
+        self.counts.clear()
+        self.ignored.clear()
+        self.probed.clear()
+        self.stats.clear()
+        self.stats_rows.clear()
+
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What the analysis after a hit may see of the hunt: one step's log and the watch's settings.
+
+    Built by the hunt only on a hit; ``_locate`` reads it and nothing else (never the ``Hunt``).
+    """
+
+    log: StepLog
+    step: int  # the training step the log belongs to
+    root: nn.Module | None
+    names: dict[nn.Module, str]  # qualified name of every watched module
+    ignored: frozenset[nn.Module]  # modules matching `ignore` globs
+    mode: str
+    replay: bool  # re-run the failing call to localise (element, cause, op)
+    rank: int | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    after_step: dict[int, dict[int, int]]  # per optimizer: parameter id -> version after its last step()
+    steps_applied: int  # step() calls that ran (all optimizers)
+    bad_grads_step: int  # the last step that was given non-finite gradients, else -1
+    bundle: str | None  # where to save the failing call (only for the hunt's first finding)

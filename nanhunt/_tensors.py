@@ -1,0 +1,172 @@
+"""Tensor helpers every layer shares (a leaf: imports only torch).
+
+- Output trees: walk any output structure (tensors, tuples, lists, dicts — Hugging Face
+  ``ModelOutput`` is one —, namedtuples, dataclasses) down to its tensors, with a path a person
+  can read (tuples of keys, formatted only when a finding needs them).
+- Non-finite tests: :func:`is_checked`, :func:`is_bad`, :func:`element`, :func:`dtype_max`.
+- Probes: :func:`probe` (one device-side sum, no host read), :func:`stack_probes`.
+- A module's and an optimizer's own tensors: :func:`own_tensors`, :func:`optimizer_tensors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
+    "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors",
+]
+
+_F32 = torch.float32
+
+_MAX_DEPTH = 32
+Path = tuple[Any, ...]
+
+
+def tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, torch.Tensor]]:
+    """Yield ``(path, tensor)`` for every tensor in ``obj``, in a stable order."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from tensors(v, (*path, k), depth + 1)
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        for k in obj._fields:
+            yield from tensors(getattr(obj, k), (*path, _Attr(k)), depth + 1)
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from tensors(v, (*path, i), depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors(getattr(obj, f.name, None), (*path, _Attr(f.name)), depth + 1)
+
+
+class _Attr(str):
+    """A path step that is an attribute (namedtuple field, dataclass field)."""
+
+
+def format_path(root: str, path: Path) -> str:
+    out = root
+    for k in path:
+        if isinstance(k, _Attr):
+            out += f".{k}"
+        elif isinstance(k, str):
+            out += f"[{k!r}]"
+        else:
+            out += f"[{k}]"
+    return out
+
+
+def get_path(obj: Any, path: Path) -> Any:
+    for k in path:
+        obj = getattr(obj, k) if isinstance(k, _Attr) else obj[k]
+    return obj
+
+
+# ------------------------------------------------------------------ non-finite tests
+def is_checked(t: torch.Tensor) -> bool:
+    """Only floating and complex tensors can hold NaN/Inf."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def is_bad(t: torch.Tensor | None) -> bool:
+    """Does ``t`` hold a non-finite value? (Exact; reads the answer back to the host.)"""
+    return t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+
+
+def version(t: torch.Tensor) -> int:
+    """``t._version``; -1 for inference tensors (``torch.inference_mode``), which have no counter."""
+    return -1 if t.is_inference() else t._version
+
+
+def probe(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float32 tensor on ``t``'s device, outside autograd: non-finite iff ``t`` has a
+    non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
+    exactly before it becomes a finding). Reads nothing back to the host."""
+    t = t.detach()  # cheaper than a no_grad context per call
+    if t.dtype is _F32:
+        return t.sum()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.sum(dtype=_F32)
+
+
+def stack_probes(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Stack 0-dim probes; probes on several devices (model parallel) meet on the first one."""
+    try:
+        return torch.stack(ts)
+    except RuntimeError:
+        dev = ts[0].device
+        return torch.stack([t.to(dev) for t in ts])
+
+
+def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
+    """First non-finite element (row-major), its value, and counts over the whole tensor."""
+    with torch.no_grad():
+        t = t.detach()
+        if t.is_complex():
+            parts = torch.view_as_real(t)
+            bad = ~torch.isfinite(parts)
+            mask = bad.any(-1)
+            vals = torch.where(bad[..., 0], parts[..., 0], parts[..., 1])
+        else:
+            mask = ~torch.isfinite(t)
+            vals = t
+        r = torch.view_as_real(t) if t.is_complex() else t  # complex: both parts count
+        counts = {
+            "nan": int(torch.isnan(r).sum()),
+            "+inf": int((r == math.inf).sum()),
+            "-inf": int((r == -math.inf).sum()),
+        }
+        if t.dim() == 0:
+            return ((), float(vals), counts) if bool(mask) else (None, None, counts)
+        flat = mask.reshape(-1).nonzero()
+        if flat.numel() == 0:
+            return None, None, counts
+        i = int(flat[0, 0])
+        index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape))
+        return index, float(vals.reshape(-1)[i]), counts
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """``"float32"`` for ``torch.float32``."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def dtype_max(dtype: str) -> float | None:
+    """The largest finite value of a floating dtype named like ``"float16"``; else None."""
+    try:
+        return float(torch.finfo(getattr(torch, dtype)).max)
+    except (AttributeError, TypeError):
+        return None
+
+
+# ------------------------------------------------------------------ own tensors
+def own_tensors(module: nn.Module, recurse: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """A module's parameters and buffers, by name."""
+    return [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
+    """Every floating parameter and state tensor of ``opt``: ``(param, state key or "")``, tensor."""
+    items: list[tuple[torch.Tensor, str]] = []
+    tens: list[torch.Tensor] = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if is_checked(p) and p.numel():
+                tens.append(p)
+                items.append((p, ""))
+            for sk, sv in opt.state.get(p, {}).items():
+                if isinstance(sv, torch.Tensor) and sv.dim() > 0 and is_checked(sv) and not sv.is_sparse:
+                    tens.append(sv)
+                    items.append((p, sk))
+    return items, tens
