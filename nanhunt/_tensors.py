@@ -20,7 +20,7 @@ from torch import nn
 
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
-    "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors",
+    "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local",
 ]
 
 _F32 = torch.float32
@@ -80,7 +80,17 @@ def is_checked(t: torch.Tensor) -> bool:
 
 def is_bad(t: torch.Tensor | None) -> bool:
     """Does ``t`` hold a non-finite value? (Exact; reads the answer back to the host.)"""
-    return t is not None and (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
+    if t is None or not (t.is_floating_point() or t.is_complex()):
+        return False
+    return not bool(torch.isfinite(local(t)).all())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's own shard (FSDP2 parameters, gradients and optimizer state are DTensors):
+    judged where it lives. Reading a DTensor reduction would issue a collective on this rank alone."""
+    if type(t).__name__ == "DTensor":
+        return t.to_local().detach()  # type: ignore[attr-defined]
+    return t
 
 
 def version(t: torch.Tensor) -> int:
@@ -92,7 +102,7 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim float32 tensor on ``t``'s device, outside autograd: non-finite iff ``t`` has a
     non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
     exactly before it becomes a finding). Reads nothing back to the host."""
-    t = t.detach()  # cheaper than a no_grad context per call
+    t = local(t).detach()  # cheaper than a no_grad context per call
     if t.dtype is _F32:
         return t.sum()
     if t.is_complex():
@@ -110,9 +120,13 @@ def stack_probes(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
-    """First non-finite element (row-major), its value, and counts over the whole tensor."""
+    """First non-finite element (row-major), its value, and counts over the whole tensor.
+
+    A sharded tensor (DTensor): the element of this rank's shard, at its index in the whole
+    tensor; counts over the shard."""
+    offset = _shard_offset(t)
     with torch.no_grad():
-        t = t.detach()
+        t = local(t).detach()
         if t.is_complex():
             parts = torch.view_as_real(t)
             bad = ~torch.isfinite(parts)
@@ -134,7 +148,21 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
             return None, None, counts
         i = int(flat[0, 0])
         index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape))
+        if offset is not None:
+            index = tuple(a + b for a, b in zip(index, offset))
         return index, float(vals.reshape(-1)[i]), counts
+
+
+def _shard_offset(t: torch.Tensor) -> tuple[int, ...] | None:
+    if type(t).__name__ != "DTensor":
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)  # type: ignore[attr-defined]
+        return tuple(int(x) for x in offset)
+    except Exception:  # another torch's layout: the shard's own index
+        return None
 
 
 def dtype_name(t: torch.Tensor) -> str:

@@ -1,66 +1,268 @@
-"""torch.distributed: every rank stops at the same step and sees every rank's findings."""
+"""torch.distributed on real process groups (gloo, CPU): DDP, FSDP2, torchrun, dead and silent ranks,
+uneven shards, reductions that overflow. Each scenario runs its ranks with a hard time limit
+(tests/ranks.py): a hang fails the test instead of blocking the suite."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import re
+import subprocess
 import sys
+import textwrap
+import time
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import nanhunt
 
+from . import ranks, zoo
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed"),
+]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _raised(e: nanhunt.NonFiniteError, hunt: Any) -> dict[str, Any]:
+    return {"raised_at": hunt.step, "first": e.finding.to_dict(), "findings": [f.to_dict() for f in e.report.findings]}
+
+
+# ---------------------------------------------------------------------------- DDP, 4 ranks
+def _ddp_nan_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    model = zoo.mlp(0, d_in=8, d_hidden=16)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    torch.manual_seed(100 + rank)
+    out: dict[str, Any] = {"raised_at": None}
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.watch(ddp, optimizer=opt, dist_timeout=30) as hunt:
+        for step in range(5):
+            x = torch.randn(4, 8)
+            if rank == 2 and step == 3:
+                x[1, 5] = float("nan")  # one bad sample on one rank
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out.update(_raised(info.value, hunt))
+    out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
+def test_ddp_four_ranks_every_rank_names_the_rank_with_the_bad_sample(tmp_path):
+    res = ranks.run(_ddp_nan_on_one_rank, 4, str(tmp_path), limit=60)
+    for r in res:
+        assert r is not None and r["raised_at"] == 3, r
+        first = r["first"]
+        assert (first["rank"], first["phase"], first["module"], first["cause"]) == (2, "forward", "0", "input"), first
+        assert first["step"] == 3
+        # rank 0, 1, 3 received the NaN only through the all-reduce: no finding of theirs
+        assert {f["rank"] for f in r["findings"]} == {2}, r["findings"]
+        assert r["weights_finite"]  # raised before the optimizer applied the poisoned step
+    assert len({json.dumps(r["findings"], sort_keys=True) for r in res}) == 1  # the same report everywhere
+
+
+# ---------------------------------------------------------------------------- FSDP2, 2 ranks
+def _fsdp2(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = zoo.mlp(0, d_in=8, d_hidden=16)
+    fully_shard(model[0])
+    fully_shard(model[3])
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(100 + rank)
+    out: dict[str, Any] = {}
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.watch(model, optimizer=opt, dist_timeout=30) as hunt:
+        for step in range(4):
+            x = torch.randn(4, 8)
+            if rank == 1 and step == 2:
+                x[3, 1] = float("inf")
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out.update(_raised(info.value, hunt))
+    out["names"] = sorted(n for n, _ in model.named_parameters())
+    out["sharded"] = type(model[0].weight).__name__
+    return out
+
+
+def test_fsdp2_two_ranks_names_module_and_rank_without_gathering(tmp_path):
+    res = ranks.run(_fsdp2, 2, str(tmp_path), limit=60)
+    for r in res:
+        assert r is not None
+        assert r["names"] == ["0.bias", "0.weight", "3.bias", "3.weight"] and r["sharded"] == "DTensor"
+        assert r["raised_at"] == 2
+        first = r["first"]
+        assert (first["rank"], first["phase"], first["module"], first["module_type"]) == (1, "forward", "0", "Linear")
+        # no replay under FSDP2 (it would all-gather on one rank alone): module-level, cause unknown
+        assert first["reproducible"] is None and first["cause"] == "unknown" and first["step"] == 2
+        assert {f["rank"] for f in r["findings"]} == {1}, r["findings"]
+    assert res[0]["findings"] == res[1]["findings"]
+
+
+# ---------------------------------------------------------------------------- float16 reduction overflow
+def _sum_then_average(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations
+    """A user's DDP comm hook that sums first and divides after (as many hand-rolled ones do)."""
+    n = dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(n))
+
+
+def _fp16_overflow_case(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1).half()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, _sum_then_average)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    out: dict[str, Any] = {"local_grad": None}
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.watch(ddp, optimizer=opt, dist_timeout=30) as hunt:
+        for step in range(3):
+            value = 1.0 if step < 2 else 300.0  # each rank's weight gradient: 128 * 300 = 38400 (finite)
+            x = torch.full((128, 4), value, dtype=torch.float16)
+            ddp(x).sum().backward()  # summed over the ranks before dividing: 76800 > 65504 = inf
+            opt.step()
+            opt.zero_grad()
+    out.update(_raised(info.value, hunt))
+    return out
+
+
+def test_float16_gradients_that_overflow_only_when_summed_are_a_reduced_grad_finding(tmp_path):
+    res = ranks.run(_fp16_overflow_case, 2, str(tmp_path), limit=60)
+    for r in res:
+        assert r is not None and r["raised_at"] == 2
+        first = r["first"]
+        assert first["phase"] == "grad" and first["tensor"] == "weight.grad (reduced)", first
+        assert first["value"] == "inf" and first["dtype"] == "float16" and first["cause"] == "created"
+        assert first["rank"] == 0  # the same reduced gradient on every rank: reported once
+        assert [f["tensor"] for f in r["findings"] if f["phase"] == "grad"] == ["weight.grad (reduced)"]
+    assert res[0]["findings"] == res[1]["findings"]
+
+
+# ---------------------------------------------------------------------------- a clean run is untouched
+def _train(watched: bool, rank: int) -> list[torch.Tensor]:
+    model = zoo.mlp(0, d_in=8, d_hidden=16)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    hunt = nanhunt.watch(ddp, optimizer=opt, dist_timeout=30) if watched else None
+    torch.manual_seed(100 + rank)
+    for _ in range(6):
+        ddp(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if hunt is not None:
+        hunt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _bit_identical(rank: int, world: int) -> dict[str, Any]:
+    plain = _train(False, rank)
+    watched = _train(True, rank)
+    again = _train(False, rank)
+    return {"same": all(zoo.bit_equal(a, b) for a, b in zip(plain, watched)),
+            "control": all(zoo.bit_equal(a, b) for a, b in zip(plain, again))}
+
+
+def test_a_clean_ddp_run_is_bit_identical_with_and_without_nanhunt(tmp_path):
+    res = ranks.run(_bit_identical, 2, str(tmp_path), limit=60)
+    for r in res:
+        assert r == {"same": True, "control": True}
+
+
+# ---------------------------------------------------------------------------- uneven inference shards
+def _uneven(rank: int, world: int) -> dict[str, Any]:
+    model = zoo.mlp(0).eval()
+    batches = 3 if rank == 0 else 2  # uneven shards, no optimizer
+    with nanhunt.watch(model, on_find="record", dist_timeout=30) as hunt, torch.no_grad():
+        for b in range(batches):
+            x = torch.randn(5, 4)
+            if rank == 1 and b == 1:
+                x[2, 0] = float("inf")
+            model(x)
+        total = torch.tensor([float(batches)])
+        dist.all_reduce(total)  # the user's own collective: must pair with the other rank's
+        dist.barrier()
+    return {"total": total.item(), "findings": [(f.rank, f.phase, f.step) for f in hunt.findings]}
+
+
+def test_uneven_inference_shards_add_no_collective_and_the_users_own_still_pairs(tmp_path):
+    res = ranks.run(_uneven, 2, str(tmp_path), limit=60)
+    assert res[0] == {"total": 5.0, "findings": []}
+    assert res[1] == {"total": 5.0, "findings": [[1, "forward", 1]]}
+
+
+# ---------------------------------------------------------------------------- dead and silent ranks
+def _silent_ranks(rank: int, world: int) -> dict[str, Any]:
+    model = zoo.mlp(rank)  # each rank trains its own model: the only collective is nanhunt's
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    t0 = time.monotonic()
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
-        result: dict = {"rank": rank, "raised_at": None}
-        try:
-            with nanhunt.watch(ddp, optimizer=opt) as hunt:
-                for step in range(5):
-                    x = torch.randn(4, 8)
-                    if rank == 1 and step == 2:
-                        x[1, 3] = float("nan")  # bad data on one rank only
-                    loss = ddp(x).pow(2).mean()
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-        except nanhunt.NonFiniteError as e:
-            result["raised_at"] = hunt.step
-            result["first"] = e.finding.to_dict()
-            result["findings"] = [f.to_dict() for f in e.report.findings]
-        result["steps_done"] = hunt.step
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(result, fh)
-    finally:
-        dist.destroy_process_group()
+        with nanhunt.watch(model, optimizer=opt, dist_timeout=4) as hunt:
+            for step in range(4):
+                model(torch.randn(3, 4)).sum().backward()
+                if step == 2 and rank == 1:
+                    os._exit(0)  # dies mid-step
+                if step == 2 and rank == 2:
+                    time.sleep(30)  # stops answering
+                opt.step()
+                opt.zero_grad()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "after": time.monotonic() - t0, "message": str(e), "step": hunt.step}
+    return {"ranks": None}
 
 
-@pytest.mark.skipif(not dist.is_available() or sys.platform == "win32", reason="needs torch.distributed")
-def test_all_ranks_raise_at_the_same_step_with_every_ranks_findings(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
-    assert r0["raised_at"] == r1["raised_at"] == 2  # both stop at step 2, before applying it
-    for r in (r0, r1):
-        ranks = {f["rank"] for f in r["findings"]}
-        assert 1 in ranks, r["findings"]
-        fwd = [f for f in r["findings"] if f["rank"] == 1 and f["phase"] == "forward"]
-        assert fwd and fwd[0]["module"] == "module.0" and fwd[0]["cause"] == "input"
-    assert r1["first"]["rank"] == 1
+def test_a_rank_that_dies_and_one_that_hangs_are_named_within_dist_timeout(tmp_path):
+    res = ranks.run(_silent_ranks, 4, str(tmp_path), limit=40, wait_for=(0, 3))
+    for r in (res[0], res[3]):
+        assert r is not None and r["ranks"] == [1, 2], r
+        assert r["step"] == 2
+        assert r["after"] < 4 + 2.0, r  # within dist_timeout (plus the model's own steps)
+        assert "ranks 1, 2 did not answer within dist_timeout=4 s" in r["message"]
+
+
+# ---------------------------------------------------------------------------- nanhunt run under torchrun
+_SCRIPT = """
+import os, torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+ddp = nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+torch.manual_seed(1 + rank)
+for step in range(4):
+    x = torch.randn(4, 8)
+    if rank == 1 and step == 2:
+        x[0, 0] = float("nan")
+    ddp(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("never here", flush=True)
+"""
+
+
+def test_nanhunt_run_under_torchrun_one_merged_report_and_exit_3_on_every_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(_SCRIPT))
+    report = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--log-dir", str(tmp_path / "logs"), "--redirects", "3", "-m", "nanhunt", "run",
+           "--report", str(report), "--dist-timeout", "30", str(script)]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert report.exists() and not (tmp_path / "r.rank1.json").exists()  # one report, from rank 0
+    data = json.loads(report.read_text())
+    assert data["first"]["rank"] == 1 and data["first"]["module"] == "0" and data["first"]["step"] == 2
+    assert {f["rank"] for f in data["findings"]} == {1}
+    for r in (0, 1):
+        err = next((tmp_path / "logs").rglob(f"attempt_0/{r}/stderr.log")).read_text()
+        assert "never here" not in err
+        assert ("nanhunt: report written to" in err) == (r == 0)  # rank 0 prints the merged report
+    codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", p.stderr + p.stdout))
+    assert codes == {"0": "3", "1": "3"}, p.stderr[-3000:]

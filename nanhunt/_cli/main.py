@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run SCRIPT as `python SCRIPT ARGS...` would, watching every module it calls at "
                        "the top level and every optimizer it steps. Exits 3 after a NaN/Inf, printing the answer; "
                        "otherwise with the script's own status. Under torchrun: "
-                       "`torchrun --no-python ... nanhunt run train.py` (the report path gets a .rankN suffix).")
+                       "`torchrun ... -m nanhunt run train.py`: every rank is watched, rank 0 prints and writes "
+                       "the report with every rank's findings, and every rank exits 3 after a finding.")
     r.add_argument("--report", metavar="PATH", help="write the report here (.json, .html or .txt)")
     r.add_argument("--on-find", choices=("raise", "warn", "record"), default="raise",
                    help="raise: stop the script at the first finding (default); warn/record: let it go on")
@@ -52,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="full: check every module (default); sentinel: cheaper, localise by replay on a hit; "
                         "ops: check every op from the start (slow)")
     r.add_argument("--history", type=int, default=32, metavar="N", help="steps of magnitude history kept (32)")
+    r.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
+                   help="under torch.distributed: seconds to wait for the other ranks before naming the silent ones "
+                        "(300)")
     r.add_argument("script", help="the Python script to run")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     r.set_defaults(func=_cmd_run)
@@ -171,6 +175,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if ns.history < 0:
         _err("--history must be >= 0")
         return EXIT_USAGE
+    if not ns.dist_timeout > 0:
+        _err("--dist-timeout must be > 0")
+        return EXIT_USAGE
 
     extra = {}
     if ns.bundle:
@@ -194,7 +201,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         sys.path.insert(0, here)
     code = 0
     raised: NonFiniteError | None = None
-    auto = AutoWatch(on_find=ns.on_find, mode=ns.mode, history=ns.history, **extra)
+    auto = AutoWatch(on_find=ns.on_find, mode=ns.mode, history=ns.history, dist_timeout=ns.dist_timeout, **extra)
     try:
         runpy.run_path(script, run_name="__main__")
     except NonFiniteError as e:
@@ -216,15 +223,50 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     report = auto.report()
     if not report.findings and raised is not None:  # the script's own nanhunt.watch raised
         report = raised.report if raised.report is not None else type(report)([raised.finding])
-    if report_path is not None:
+    report, group = _merge_ranks(report, ns.dist_timeout)
+    if group is not None and ns.report:
+        report_path = ns.report  # one report, every rank's findings, written by rank 0
+    lead = group is None or group.rank == 0
+    if report_path is not None and lead:
         try:
             report.save(report_path)
         except OSError as e:
             _err(f"cannot write the report to {report_path!r}: {e}")
     if report.findings:
-        print("", file=sys.stderr)
-        print_report(report, sys.stderr)
-        if report_path is not None:
-            print(f"\nnanhunt: report written to {report_path}", file=sys.stderr)
-        return EXIT_FOUND
+        code = EXIT_FOUND
+        if lead:
+            print("", file=sys.stderr)
+            print_report(report, sys.stderr)
+            if report_path is not None:
+                print(f"\nnanhunt: report written to {report_path}", file=sys.stderr)
+        elif group is not None:
+            _err(f"rank {group.rank}: NaN/Inf found (first on rank {report.findings[0].rank}); rank 0 has the report")
+    if group is not None:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        try:  # nobody leaves before rank 0 has written: torchrun stops the others once one exits non-zero
+            group.barrier()
+        except Exception as e:
+            _err(str(e))
+        group.close()
     return code
+
+
+def _merge_ranks(report: Any, timeout: float) -> tuple[Any, Any]:
+    """Under torch.distributed (torchrun): every rank's findings, merged in one order on every rank,
+    over a gloo group of nanhunt's own (every rank ends its run here, whatever the script did). When the
+    script destroyed its process group, or a rank does not come: this rank's own report, as before."""
+    from .._record import dist as _dist
+    from .._report import Report
+
+    if _dist.world() < 2:
+        return report, None
+    group = _dist.Group(timeout)
+    try:
+        everyone = group.gather([f.to_dict() for f in report.findings])
+    except Exception as e:
+        _err(str(e))
+        group.close()
+        return report, None
+    merged = Report(_dist.merge(everyone), history=report.history, warnings=report.warnings, meta=report.meta)
+    return merged, group

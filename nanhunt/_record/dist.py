@@ -1,44 +1,336 @@
-"""torch.distributed: one collective folded into the step's sync, and every rank's findings on a hit."""
+"""torch.distributed: nanhunt's own agreement between ranks, and gradients judged before and after reduction.
+
+- **Names.** DDP is unwrapped (`unwrap`): findings name ``0.weight``, not ``module.0.weight``, and a
+  replay runs the inner module, never DDP's forward (which would broadcast buffers on one rank).
+  FSDP2 (`fully_shard`) keeps names; its parameters, gradients and optimizer state are DTensors,
+  judged as this rank's shard (`_tensors.local`). A replay of an FSDP2 forward all-gathers
+  parameters, and the other ranks would never join it: under FSDP2 nothing is replayed
+  (`is_sharded`), the findings come from the step's log (module, output, parameter shard).
+- **The agreement** (`Group`) runs on a gloo process group of nanhunt's own, made with
+  ``dist_timeout``: it never issues a collective on the user's groups, so it cannot make them
+  unpaired. It agrees once per training step (the watched optimizer's ``step()``, which every rank
+  runs in lockstep under DDP/FSDP): one all_reduce of three int32 (this rank saw something
+  non-finite; its local gradients were non-finite before the reduction; that is unknown here).
+  Without a watched optimizer ranks may run different numbers of forwards (uneven inference
+  shards): there nothing is agreed, each rank judges its own calls. `close()` agrees nothing.
+- **A silent rank.** A rank that died or stopped answering makes the agreement fail (at once, or at
+  the group's timeout); the ranks that are still there then name the absent ones through the
+  rendezvous store and raise `SilentRankError`, all within ``dist_timeout``.
+- **Before and after reduction** (`Distributed`): a tensor hook on each parameter
+  (``register_post_accumulate_grad_hook``, which runs before DDP's reducer sees the gradient, and
+  whatever comm hook or manual all_reduce the user has) probes the local gradient; FSDP2's
+  reduce-scatter is wrapped to probe its input. At a hit, a rank whose gradients were finite before
+  the reduction drops the gradient findings it merely received (`judge`); when no rank's were
+  non-finite before it, the reduction itself overflowed: the findings' tensor ends in " (reduced)".
+- **Every rank's findings** are gathered on a hit and put in one order (`merge`), so every rank
+  raises with the same first finding: the culprit's.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import time
+import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
+from torch import nn
 
 from .._finding import Finding
+from .._tensors import probe
 
-__all__ = ["group", "rank", "all_ranks_max", "gather_findings"]
+__all__ = [
+    "SilentRankError", "Group", "Distributed", "rank", "world", "unwrap", "is_sharded", "judge", "merge",
+    "DEFAULT_TIMEOUT",
+]
 
-
-def group() -> Any:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
-def all_ranks_max(flag: torch.Tensor) -> bool:
-    """OR of every rank's flag: one all_reduce, then the step's one host read."""
-    dist = torch.distributed
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = flag.to(device=dev, dtype=torch.int32).reshape(1)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t[0])
+DEFAULT_TIMEOUT = 300.0
+REDUCED = " (reduced)"
+_PHASE_ORDER = {"optimizer": 0, "forward": 1, "check": 1, "backward": 2, "grad": 3, "checkpoint": 4}
+_made = itertools.count()  # nanhunt groups made in this process: names the store key of a failure
 
 
-def gather_findings(found: list[Finding], rank: int | None) -> list[Finding]:
-    """After a hit on some rank: every rank gets every rank's findings of this step."""
-    dist = torch.distributed
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [f.to_dict() for f in found])
-    own = list(found)
-    others = [Finding.from_dict(d) for r, fs in enumerate(everyone) if r != rank for d in (fs or [])]
-    return own + others
+class SilentRankError(RuntimeError):
+    """Ranks that died or stopped answering; ``.ranks`` lists them (empty if they could not be told)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def _dist() -> Any:
+    return torch.distributed
 
 
 def rank() -> int | None:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
+    d = _dist()
+    if d.is_available() and d.is_initialized():
+        return int(d.get_rank())
     return None
+
+
+def world() -> int:
+    d = _dist()
+    if d.is_available() and d.is_initialized():
+        return int(d.get_world_size())
+    return 1
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """DDP's inner module: names without ``module.``, replays without DDP's forward."""
+    d = _dist()
+    if d.is_available() and isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Does FSDP2 shard any part of ``model``? (Then a replay needs every rank: none is made.)"""
+    return any(_fsdp_groups(m) for m in model.modules())
+
+
+def _fsdp_groups(m: nn.Module) -> list[Any]:
+    get = getattr(m, "_get_fsdp_state", None)
+    if get is None:
+        return []
+    try:
+        return list(get()._fsdp_param_groups)
+    except Exception:
+        return []
+
+
+# ---------------------------------------------------------------------------- the group
+class Group:
+    """A gloo process group of nanhunt's own, made on first use, every collective bounded by ``timeout``.
+
+    The collective itself gets 90% of the time (at most 10 s less); the rest is for naming the ranks
+    that did not come.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.timeout = float(timeout)
+        me = rank()
+        self.rank = me if me is not None else 0
+        self._pg: Any = None
+        self._name = ""
+        self._seq = 0
+        self.broken = False
+
+    def _grace(self) -> float:
+        return min(10.0, max(0.5, 0.1 * self.timeout))
+
+    def _group(self) -> Any:
+        if self._pg is None:
+            d = _dist()
+            self._name = f"g{next(_made)}"
+            limit = timedelta(seconds=max(self.timeout - self._grace(), 0.5))
+            self._pg = self._run("connect", lambda: d.new_group(backend="gloo", timeout=limit))
+        return self._pg
+
+    def all_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over every rank of a few small ints (one all_reduce)."""
+        d = _dist()
+        t = torch.tensor(values, dtype=torch.int32)
+        pg = self._group()
+        self._run("agree", lambda: d.all_reduce(t, op=d.ReduceOp.MAX, group=pg))
+        return [int(x) for x in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        d = _dist()
+        pg = self._group()
+        out: list[Any] = [None] * d.get_world_size()
+        self._run("gather", lambda: d.all_gather_object(out, obj, group=pg))
+        return out
+
+    def barrier(self) -> None:
+        d = _dist()
+        pg = self._group()
+        self._run("barrier", lambda: d.barrier(group=pg))
+
+    def close(self) -> None:
+        pg, self._pg = self._pg, None
+        d = _dist()
+        if pg is not None and d.is_available() and d.is_initialized():
+            try:
+                d.destroy_process_group(pg)
+            except Exception:  # already gone with the default group, or broken: nothing to free
+                pass
+
+    def _run(self, what: str, fn: Any) -> Any:
+        if self.broken:
+            raise SilentRankError("nanhunt's agreement between ranks failed earlier; it is off", ())
+        self._seq += 1
+        t0 = time.monotonic()
+        try:
+            return fn()
+        except Exception as e:
+            self.broken = True
+            silent, note = self._silent(t0)
+            me = rank()
+            if silent:
+                who = ", ".join(str(r) for r in silent)
+                msg = (f"nanhunt (rank {me}): rank{'s' if len(silent) > 1 else ''} {who} did not answer within "
+                       f"dist_timeout={self.timeout:g} s ({what}): died or stopped answering{note}. Cause: {e}")
+            else:
+                msg = f"nanhunt (rank {me}): the agreement between ranks failed ({what}){note}: {e}"
+            raise SilentRankError(msg, tuple(silent)) from e
+
+    def _silent(self, t0: float) -> tuple[list[int], str]:
+        """The ranks that did not reach this failed collective: every rank that did posts its rank
+        to one store key; whoever has not posted by ``t0 + timeout`` is silent."""
+        d = _dist()
+        n = world()
+        deadline = t0 + self.timeout
+        key = f"nanhunt/{self._name}/{self._seq}"
+        have: set[int] = set()
+        try:
+            store = d.distributed_c10d._get_default_store()
+            store.append(key, f"{rank()},")
+            while True:
+                have = {int(x) for x in store.get(key).decode().split(",") if x}
+                if len(have) >= n or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as e:  # the store is gone too: rank 0 (which usually hosts it) or the launcher
+            if not have:
+                return [0], f" (the rendezvous store is unreachable: {type(e).__name__})"
+        return sorted(set(range(n)) - have), ""
+
+
+# ---------------------------------------------------------------------------- one hunt's view
+class Distributed:
+    """One hunt's part in the agreement: its group, and its gradients' state before reduction."""
+
+    def __init__(self, model: nn.Module, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.group = Group(timeout)
+        self.pre: list[torch.Tensor] = []  # probes of local gradients this step (device-side)
+        self.sharded = is_sharded(model)
+        self._handles: list[Any] = []
+        me = weakref.ref(self)
+        for p in model.parameters():
+            if p.requires_grad and type(p).__name__ != "DTensor":
+                self._handles.append(p.register_post_accumulate_grad_hook(partial_local_grad(me)))
+        for m in model.modules():
+            for g in _fsdp_groups(m):
+                self._handles.append(_CheckedReduceScatter.install(g, me))
+
+    def agree(self, flag: torch.Tensor | None, has_grads: bool) -> tuple[bool, list[int]]:
+        """This rank's answer and every rank's, from one all_reduce; the step's one host read."""
+        pre, self.pre = self.pre, []
+        parts = [flag if flag is not None else torch.zeros((), dtype=torch.bool)]
+        parts.append(~torch.isfinite(torch.stack([p.to(parts[0].device) for p in pre])).all()
+                     if pre else torch.zeros((), dtype=torch.bool, device=parts[0].device))
+        local = [bool(x) for x in torch.stack([p.to(parts[0].device) for p in parts]).tolist()]  # the one sync
+        values = [int(local[0]), int(local[1]), int(has_grads and not pre)]
+        agreed = self.group.all_max(values)
+        return local[0], [*agreed, int(local[1])]
+
+    def forget(self) -> None:
+        self.pre = []
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.pre = []
+        self.group.close()
+
+
+def partial_local_grad(me: weakref.ref[Distributed]) -> Any:
+    def hook(p: torch.Tensor) -> None:
+        d = me()
+        if d is not None and p.grad is not None:
+            d.pre.append(probe(p.grad))
+    return hook
+
+
+class _Restore:
+    def __init__(self, group: Any, ours: Any, prev: Any) -> None:
+        self.group, self.ours, self.prev = group, ours, prev
+
+    def remove(self) -> None:
+        if self.group is not None and getattr(self.group, "_reduce_scatter_comm", None) is self.ours:
+            self.group._reduce_scatter_comm = self.prev
+        self.group = self.ours = self.prev = None
+
+
+class _CheckedReduceScatter:
+    """FSDP2's reduce-scatter with a probe of its input: the rank's gradients before the reduction."""
+
+    def __init__(self, inner: Any, owner: weakref.ref[Distributed]) -> None:
+        self.inner = inner
+        self.owner = owner
+
+    @classmethod
+    def install(cls, group: Any, owner: weakref.ref[Distributed]) -> _Restore:
+        prev = group._reduce_scatter_comm
+        ours = cls(prev, owner)
+        group._reduce_scatter_comm = ours
+        return _Restore(group, ours, prev)
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        d = self.owner()
+        if d is not None:
+            d.pre.append(probe(input_tensor))
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                          async_op=async_op)
+
+
+# ---------------------------------------------------------------------------- findings
+def judge(found: list[Finding], agreed: list[int]) -> list[Finding]:
+    """This rank's findings in the light of every rank's gradients before the reduction.
+
+    ``agreed``: [anyone bad, anyone's local gradients bad, anyone's unknown, this rank's local bad].
+    """
+    found = [_plain_type(f) for f in found]
+    _, any_pre, unknown, own_pre = agreed
+    if unknown or not any(f.phase == "grad" for f in found):
+        return found
+    if any_pre:
+        if own_pre:
+            return found
+        return [f for f in found if f.phase != "grad"]  # received through the reduction: not ours
+    out = []
+    for f in found:
+        if f.phase == "grad" and not f.tensor.endswith(REDUCED):
+            f = dataclasses.replace(
+                f, tensor=f.tensor + REDUCED, cause="created",
+                hint=("finite on every rank before the gradient reduction and non-finite after it: the "
+                      "sum over ranks overflowed its dtype. Reduce in float32, or divide before summing."),
+            )
+        out.append(f)
+    return out
+
+
+def _plain_type(f: Finding) -> Finding:
+    """FSDP2 makes each sharded module an instance of a new class ``FSDP<Class>``: name the user's."""
+    if f.module_type.startswith("FSDP") and len(f.module_type) > 4 and f.module_type != "FSDPModule":
+        return dataclasses.replace(f, module_type=f.module_type[4:])
+    return f
+
+
+def merge(everyone: list[list[dict[str, Any]] | None]) -> list[Finding]:
+    """Every rank's findings in one order, the same on every rank: by step, phase (parameters and
+    state from the last step, then forward, backward, accumulated gradients), then rank. A finding seen by
+    several ranks (the same reduced gradient under DDP) is kept once, from the lowest rank."""
+    seen: set[str] = set()
+    rows = []
+    for r, fs in enumerate(everyone):
+        for i, d in enumerate(fs or ()):
+            key = json.dumps({k: v for k, v in d.items() if k != "rank"} if d.get("tensor", "").endswith(REDUCED)
+                             else d, sort_keys=True, default=str)
+            if key in seen:
+                continue
+            seen.add(key)
+            f = Finding.from_dict(d)
+            rows.append((f.step, _PHASE_ORDER.get(f.phase, 5), f.rank if f.rank is not None else r, r, i, f))
+    rows.sort(key=lambda x: x[:5])
+    return [x[5] for x in rows]

@@ -72,7 +72,13 @@ class Hunt:
         self.history = o.history
         self.rank = o.rank if o.rank is not None else _dist.rank()
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
-        self.distributed = (_dist.group() is not None) if o.distributed is None else o.distributed
+        self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
+        model = _dist.unwrap(model)  # DDP: names and replays of the inner module
+        self._dist: _dist.Distributed | None = None
+        if self.distributed and _dist.world() > 1:
+            self._dist = _dist.Distributed(model, o.dist_timeout)
+            if self._dist.sharded:
+                self.replay = False  # an FSDP2 replay would all-gather on this rank alone: every rank or none
         self.step = 0
         self.findings: list[Finding] = []
         self._root: nn.Module | None = model
@@ -102,7 +108,7 @@ class Hunt:
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
-        self._handles: list[Any] = []
+        self._handles: list[Any] = [self._dist] if self._dist is not None else []
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -136,7 +142,7 @@ class Hunt:
         step, for loops without a watched optimizer.
         """
         if not self._closed:
-            self._end_step(advance=advance)
+            self._end_step(advance=advance, collective=bool(self._opts))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
@@ -432,7 +438,7 @@ class Hunt:
                     grads.append(gr.to_dense() if gr.is_sparse else gr)
         if grads:
             self._log.vectors.append((fused_probe(grads), Grads(i, params)))
-        self._end_step(advance=False)
+        self._end_step(advance=False, collective=True)
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._paused:
@@ -474,7 +480,7 @@ class Hunt:
                 # iteration still ends here (its forward is checked), without counting a step.
                 h._skipped_steps += 1
                 h._drop_backward()
-                h._end_step(advance=False)
+                h._end_step(advance=False, collective=True)
             return out
 
         step.__nanhunt__ = True  # type: ignore[attr-defined]
@@ -488,8 +494,12 @@ class Hunt:
         log.meta = [log.meta[i] for i in keep]
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
 
-    def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = True) -> None:
-        """The step's single sync; analysis and `on_find` only on a hit."""
+    def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = False) -> None:
+        """The step's single sync; analysis and `on_find` only on a hit.
+
+        ``collective``: under torch.distributed, agree with the other ranks (`dist`): only at a
+        watched optimizer's step, which every rank runs; elsewhere each rank judges its own.
+        """
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
@@ -505,27 +515,34 @@ class Hunt:
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         found: list[Finding] = []
+        d = self._dist if collective else None
         try:
             flag = log.bad_flag()
-            group = _dist.group() if self.distributed and collective else None
-            if group is not None:  # one collective folded into the step's single sync
-                local = flag if flag is not None else torch.zeros((), dtype=torch.bool)
-                any_rank = _dist.all_ranks_max(local)
-                if not any_rank:
+            if d is not None:  # one small all_reduce on nanhunt's own group, folded into the step's sync
+                bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
+                if not agreed[0]:
                     return
-                bad = flag is not None and bool(flag)
             else:
+                if self._dist is not None:
+                    self._dist.forget()
                 bad = flag is not None and bool(flag)  # the step's one host read
                 if not bad:
                     return
+            failed: Exception | None = None
             if bad:
                 self._paused = True
                 try:
                     found = locate(self._view(log, step))
+                except Exception as e:  # the other ranks still wait for this rank's findings
+                    if d is None:
+                        raise
+                    failed = e
                 finally:
                     self._paused = False
-            if group is not None:
-                found = _dist.gather_findings(found, self.rank)
+            if d is not None:
+                found = _dist.merge(d.group.gather([f.to_dict() for f in _dist.judge(found, agreed)]))
+                if failed is not None:
+                    raise failed
         finally:
             log.release()
         if found:
@@ -577,9 +594,8 @@ class Hunt:
             return
         self._closed = True
         try:
-            if self._root is not None:  # no collective when leaving by an exception: peers may not come
-                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
-                               collective=raise_pending)
+            if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise")
         finally:
             self._release()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .._tensors import local
+
 __all__ = ["fused_probe"]
 
 _F32 = torch.float32
@@ -21,6 +23,7 @@ def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros(0)
+    tensors = [local(t) for t in tensors]  # FSDP2: each rank judges its own shard
     if tensors[0].device.type == "cpu":
         try:
             with torch.no_grad():  # one context for the list, no detach per tensor
