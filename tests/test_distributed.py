@@ -101,6 +101,9 @@ def test_fsdp2_two_ranks_names_module_and_rank_without_gathering(tmp_path):
         # no replay under FSDP2 (it would all-gather on one rank alone): module-level, cause unknown
         assert first["reproducible"] is None and first["cause"] == "unknown" and first["step"] == 2
         assert {f["rank"] for f in r["findings"]} == {1}, r["findings"]
+        # the culprit's gradient, judged on its own shard (rows 8-15 of 16), indexed in the whole tensor
+        grad = next(f for f in r["findings"] if f["phase"] == "grad")
+        assert (grad["module"], grad["tensor"], grad["index"], grad["shape"]) == ("0", "weight.grad", [8, 1], [16, 8])
     assert res[0]["findings"] == res[1]["findings"]
 
 
