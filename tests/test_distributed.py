@@ -87,6 +87,9 @@ def _fsdp2(rank: int, world: int) -> dict[str, Any]:
     out.update(_raised(info.value, hunt))
     out["names"] = sorted(n for n, _ in model.named_parameters())
     out["sharded"] = type(model[0].weight).__name__
+    # close() put FSDP2's own reduce-scatter back
+    out["comms"] = sorted({type(g._reduce_scatter_comm).__name__ for m in model.modules()
+                           if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups})
     return out
 
 
@@ -95,6 +98,7 @@ def test_fsdp2_two_ranks_names_module_and_rank_without_gathering(tmp_path):
     for r in res:
         assert r is not None
         assert r["names"] == ["0.bias", "0.weight", "3.bias", "3.weight"] and r["sharded"] == "DTensor"
+        assert r["comms"] == ["DefaultReduceScatter"]
         assert r["raised_at"] == 2
         first = r["first"]
         assert (first["rank"], first["phase"], first["module"], first["module_type"]) == (1, "forward", "0", "Linear")
@@ -158,6 +162,7 @@ def _train(watched: bool, rank: int) -> list[torch.Tensor]:
         opt.zero_grad()
     if hunt is not None:
         hunt.close()
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # nothing left behind
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -269,3 +274,10 @@ def test_nanhunt_run_under_torchrun_one_merged_report_and_exit_3_on_every_rank(t
         assert ("nanhunt: report written to" in err) == (r == 0)  # rank 0 prints the merged report
     codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", p.stderr + p.stdout))
     assert codes == {"0": "3", "1": "3"}, p.stderr[-3000:]
+
+
+def test_dist_timeout_is_validated():
+    with pytest.raises(ValueError, match="dist_timeout"):
+        nanhunt.watch(zoo.mlp(), dist_timeout=0)
+    with pytest.raises(ValueError, match="dist_timeout"):
+        nanhunt.watch(zoo.mlp(), dist_timeout="300")

@@ -285,12 +285,15 @@ class _CheckedReduceScatter:
 
 
 # ---------------------------------------------------------------------------- findings
-def judge(found: list[Finding], agreed: list[int]) -> list[Finding]:
+def judge(found: list[Finding], agreed: list[int] | None) -> list[Finding]:
     """This rank's findings in the light of every rank's gradients before the reduction.
 
-    ``agreed``: [anyone bad, anyone's local gradients bad, anyone's unknown, this rank's local bad].
+    ``agreed``: [anyone bad, anyone's local gradients bad, anyone's unknown, this rank's local bad];
+    None when nothing was agreed (no optimizer step): only the class names are made plain.
     """
     found = [_plain_type(f) for f in found]
+    if agreed is None:
+        return found
     _, any_pre, unknown, own_pre = agreed
     if unknown or not any(f.phase == "grad" for f in found):
         return found

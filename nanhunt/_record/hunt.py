@@ -543,6 +543,8 @@ class Hunt:
                 found = _dist.merge(d.group.gather([f.to_dict() for f in _dist.judge(found, agreed)]))
                 if failed is not None:
                     raise failed
+            elif self._dist is not None:
+                found = _dist.judge(found, None)
         finally:
             log.release()
         if found:
