@@ -493,6 +493,8 @@ class Hunt:
         log.sums = [log.sums[i] for i in keep]
         log.meta = [log.meta[i] for i in keep]
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
+        if self._dist is not None:
+            self._dist.forget()  # the local gradients' probes of that step go too
 
     def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = False) -> None:
         """The step's single sync; analysis and `on_find` only on a hit.
