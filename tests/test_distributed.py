@@ -281,3 +281,34 @@ def test_dist_timeout_is_validated():
         nanhunt.watch(zoo.mlp(), dist_timeout=0)
     with pytest.raises(ValueError, match="dist_timeout"):
         nanhunt.watch(zoo.mlp(), dist_timeout="300")
+
+
+def _f(rank: int, phase: str, tensor: str = "output", step: int = 3) -> dict[str, Any]:
+    return nanhunt.Finding(phase=phase, module="0", module_type="Linear", tensor=tensor, step=step, call=0,
+                           index=(0,), value=float("nan"), counts={"nan": 1, "+inf": 0, "-inf": 0}, shape=(2,),
+                           dtype="float32", cause="created", rank=rank).to_dict()
+
+
+def test_merge_puts_every_ranks_findings_in_one_order_and_keeps_a_reduced_gradient_once():
+    from nanhunt._record.dist import merge
+
+    everyone = [
+        [_f(0, "grad", "weight.grad (reduced)")],
+        [_f(1, "grad", "weight.grad (reduced)"), _f(1, "optimizer", "weight", step=2)],
+        [_f(2, "grad", "weight.grad"), _f(2, "forward")],
+    ]
+    got = [(f.rank, f.phase, f.tensor) for f in merge(everyone)]
+    assert got == [(1, "optimizer", "weight"), (2, "forward", "output"), (0, "grad", "weight.grad (reduced)"),
+                   (2, "grad", "weight.grad")]
+
+
+def test_judge_drops_gradients_received_through_the_reduction_and_names_an_overflow_in_it():
+    from nanhunt._record.dist import judge
+
+    mine = [nanhunt.Finding.from_dict(_f(0, "grad", "weight.grad"))]
+    # [anyone bad, anyone's local gradients bad, anyone's unknown, this rank's local gradients bad]
+    assert judge(mine, [1, 1, 0, 0]) == []  # another rank's gradient was bad first: not ours
+    assert judge(mine, [1, 1, 0, 1]) == mine  # ours was bad before the reduction: ours
+    assert judge(mine, [1, 1, 1, 0]) == mine  # some rank could not tell: left as found
+    (reduced,) = judge(mine, [1, 0, 0, 0])  # finite everywhere before, non-finite after
+    assert reduced.tensor == "weight.grad (reduced)" and "overflowed" in (reduced.hint or "")

@@ -37,10 +37,11 @@ def _log_model() -> nn.Module:
 
 # ---------------------------------------------------------------------------- arguments
 def test_public_names() -> None:
-    for name in ("watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning"):
+    for name in ("watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning", "SilentRankError"):
         assert name in nanhunt.__all__ and hasattr(nanhunt, name)
     assert issubclass(nanhunt.NonFiniteError, FloatingPointError)
     assert issubclass(nanhunt.NonFiniteWarning, Warning)
+    assert issubclass(nanhunt.SilentRankError, RuntimeError)
 
 
 @pytest.mark.parametrize("bad", [lambda x: x, "model", torch.zeros(3), None])
