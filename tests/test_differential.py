@@ -1,0 +1,186 @@
+"""Differential replay: every replayable finding gets a verdict a user can act on.
+
+float16 overflow (precision, with the float32 value of the op that overflowed), 0/0 and log(0) in
+float32 (numerics), a NaN only a compiled graph makes (compiler, at its op and line from the
+graph), a call that fails only on its first run (transient), identical replays that disagree
+(nondeterministic), and ``on_find="breakpoint"`` stopping inside a replay of the failing op.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+from nanhunt import Finding
+
+from . import breakpoint_recorder, zoo
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+]
+
+
+def test_float16_overflow_in_linear_is_precision_with_the_float32_value():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+    with torch.no_grad():
+        model[2].weight.fill_(900.0)  # a head whose fp16 output passes 65504
+    x = (torch.randn(3, 16) * 30).half()
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None
+    assert (f.module, f.op, f.dtype, f.verdict) == ("2", "aten.addmm.default", "float16", "precision")
+    ref = f.reference
+    with torch.no_grad():  # the same computation in float32
+        h = torch.relu(F.linear(x.float(), model[0].weight.float(), model[0].bias.float()))
+        expected = F.linear(h, model[2].weight.float(), model[2].bias.float())[f.index]
+    assert ref["op"] == "aten.addmm.default"
+    assert ref["dtype"] == "float32" and ref["limit"] == 65504.0
+    assert ref["value"] == float(expected) and abs(ref["value"]) > 65504.0
+    assert ref["failing"] == f.value
+    assert model[0].weight.dtype == torch.float16  # the user's model is untouched
+
+
+class Normalize(nn.Module):
+    """Row-normalise by the row's sum: an all-zero row is 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("case", ["0/0", "log(0)"])
+def test_float32_nan_is_numerics(case):
+    if case == "0/0":
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Normalize())
+        with torch.no_grad():
+            model[0].weight.abs_()
+        x = torch.full((2, 4), -10.0)  # a dead ReLU: every row is zero
+        op, module = "aten.div.Tensor", "2"
+    else:
+        model = zoo.lognet(0)
+        x = torch.full((2, 4), -10.0)
+        op, module = "aten.log.default", "log"
+        with torch.no_grad():
+            model.lin.bias.fill_(-1.0)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None and (f.module, f.op) == (module, op)
+    assert f.verdict == "numerics"
+    assert f.reference["dtype"] == "float32" and f.reference["op"] == op
+    d = f.to_dict()
+    json.dumps(d, allow_nan=False)  # the reference's nan/inf are written as strings
+    assert Finding.from_dict(d) == f or (Finding.from_dict(d).reference.keys() == f.reference.keys())
+
+
+class Flaky(nn.Module):
+    """A layer that writes an inf on its first run only: what a bit flip on a device looks like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.runs += 1
+        if self.runs == 1:
+            y = y.clone()
+            y[0, 1] = float("inf")
+        return y
+
+
+def test_failure_on_the_first_run_only_is_transient_and_names_the_host():
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Linear(4, 2))
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.randn(3, 4))
+    f = hunt.first
+    assert f is not None and f.reproducible is False
+    assert f.verdict == "transient"
+    assert f.reference["device"] == "cpu" and f.reference["host"] == socket.gethostname()
+    assert f.reference["replays"] >= 2
+
+
+class EveryOther(nn.Module):
+    """inf on every other run: identical replays disagree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x / 0 if self.runs % 2 else x
+
+
+def test_replays_that_disagree_are_nondeterministic():
+    model = nn.Sequential(nn.Linear(4, 4), EveryOther())
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.ones(2, 4))
+    f = hunt.first
+    assert f is not None and f.verdict == "nondeterministic"
+    assert 0 < f.reference["reproduced"] < f.reference["replays"]
+
+
+# ---------------------------------------------------------------- torch.compile
+def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line():
+    torch._dynamo.reset()
+    model, x = zoo.sharp_scores(0)
+    assert bool(torch.isfinite(model(x)).all())  # eager: finite
+    compiled = torch.compile(model, backend=zoo.naive_softmax_backend())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, on_find="record") as hunt:
+                compiled(x)
+    finally:
+        torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None
+    assert f.verdict == "compiler"
+    assert (f.module, f.module_type, f.op) == ("attn", "SharpAttention", "aten.exp.default")
+    assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
+    assert f.chain[0].startswith("aten.exp.default") and any(c.startswith("aten.div") for c in f.chain)
+    assert f.reference["config"] == "eager"
+    assert f.reproducible is True
+
+
+# ---------------------------------------------------------------- breakpoint
+def test_breakpoint_stops_inside_a_replay_of_the_failing_op(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    breakpoint_recorder.CALLS.clear()
+    model = zoo.lognet(0)
+    with torch.no_grad():
+        model.lin.bias.fill_(-1.0)
+    x = torch.full((2, 4), -10.0)
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        with nanhunt.watch(model, on_find="breakpoint"):
+            model(x)
+    assert len(breakpoint_recorder.CALLS) == 1
+    got = breakpoint_recorder.CALLS[0]
+    assert {"finding", "op", "args", "out"} <= set(got)
+    assert got["finding"] == err.value.finding
+    assert got["op"] is torch.ops.aten.log.default
+    assert bool(torch.isfinite(got["args"][0]).all()) and not bool(torch.isfinite(got["out"]).all())
+    assert torch.equal(got["op"](*got["args"]), got["out"])
+
+
+def test_breakpoint_off_with_pythonbreakpoint_0(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "0")
+    model = zoo.lognet(0)
+    with torch.no_grad():
+        model.lin.bias.fill_(-1.0)
+    with pytest.raises(nanhunt.NonFiniteError):
+        with nanhunt.watch(model, on_find="breakpoint"):
+            model(torch.full((2, 4), -10.0))
