@@ -46,6 +46,10 @@ class Finding:
         d["chain"] = list(self.chain)
         d["value"] = _json_float(self.value)
         d["reference"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.reference.items()}
+        if self.verdict:
+            from ._words import remedy
+
+            d["remedy"] = remedy(self)  # words, not a field: from_dict leaves it out
         return d
 
     @classmethod

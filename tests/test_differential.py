@@ -184,3 +184,24 @@ def test_breakpoint_off_with_pythonbreakpoint_0(monkeypatch):
     with pytest.raises(nanhunt.NonFiniteError):
         with nanhunt.watch(model, on_find="breakpoint"):
             model(torch.full((2, 4), -10.0))
+
+
+def test_nanhunt_run_pdb_stops_at_the_failing_op_then_exits_3(tmp_path, monkeypatch, capsys):
+    from nanhunt._cli.main import main
+
+    from .test_cli import LOG_OF_ZERO
+
+    (tmp_path / "helper.py").write_text("GATE_STEP = 2\n")
+    script = tmp_path / "train.py"
+    script.write_text(LOG_OF_ZERO)
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    monkeypatch.delitem(__import__("sys").modules, "helper", raising=False)
+    breakpoint_recorder.CALLS.clear()
+    rc = main(["run", "--pdb", str(script)])
+    _, err = capsys.readouterr()
+    assert rc == 3, err
+    assert len(breakpoint_recorder.CALLS) == 1
+    got = breakpoint_recorder.CALLS[0]
+    assert got["op"] is torch.ops.aten.log.default and got["finding"].module == "head"
+    assert not bool(torch.isfinite(got["out"]).all())
+    assert "verdict" in err and "numerics" in err, err

@@ -305,8 +305,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
             origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
             ref: dict[str, Any] = {"config": "eager", "dtype": f.dtype}
             if origin is not None:
-                ref["op"] = origin.op
-                ref["node"] = origin.node
+                ref.update(op=origin.op, node=origin.node, dtype=origin.dtype or f.dtype)
             if eager.output is not None and f.index is not None and tuple(eager.output.shape) == tuple(f.shape):
                 ref["value"] = float(eager.output[f.index])
                 ref["failing"] = f.value
