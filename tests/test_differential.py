@@ -205,3 +205,31 @@ def test_nanhunt_run_pdb_stops_at_the_failing_op_then_exits_3(tmp_path, monkeypa
     assert got["op"] is torch.ops.aten.log.default and got["finding"].module == "head"
     assert not bool(torch.isfinite(got["out"]).all())
     assert "verdict" in err and "numerics" in err, err
+
+
+def test_backward_sqrt_at_zero_is_numerics():
+    model = zoo.distnet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.tensor([[1.0, 2.0, 1.0, 2.0], [0.5, -1.0, 3.0, 0.0]])  # row 0: equal halves, distance 0
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        model(x).sum().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "backward" and f.module == "dist"
+    assert f.verdict == "numerics" and f.reference["dtype"] == "float32"
+
+
+def test_float16_overflow_in_backward_is_precision():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        model[1].weight.fill_(1000.0)  # the gradient through it is 1000x the one arriving
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8).half()
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        (model(x).float() * 100.0).sum().backward()  # 100 * 8 * 1000 = 8e5 > 65504
+        opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "backward", f
+    assert f.verdict == "precision", f
+    assert abs(f.reference["value"]) > 65504.0 and f.reference["limit"] == 65504.0

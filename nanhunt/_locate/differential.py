@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .._finding import Finding
 from .._hooks import GlobalHooks
 from .._steplog import StepView, Top
-from .._tensors import Path, is_bad, tensors
+from .._tensors import Path, get_path, is_bad, tensors
 from .graph import GraphOrigin, locate_graph
 from .replay import faithful
 
@@ -201,6 +201,66 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
                 t.copy_(v)
 
 
+class _Input:
+    """Global module hooks during one replay: the ``ordinal``-th watched call's input at ``path``
+    (``(0, i)`` positional, ``(1, key)`` keyword), whose gradient a backward finding reports."""
+
+    def __init__(self, names: dict[nn.Module, str], ordinal: int, path: Path) -> None:
+        self.names, self.ordinal, self.path = names, ordinal, tuple(path)
+        self.count = 0
+        self.tensor: torch.Tensor | None = None
+        self.hooks = GlobalHooks(self.pre, lambda *a: None)
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        if module not in self.names:
+            return
+        if self.count == self.ordinal:
+            try:
+                t = get_path((args, {}), self.path) if self.path[:1] == (0,) else None
+            except Exception:
+                t = None
+            self.tensor = t if isinstance(t, torch.Tensor) and t.requires_grad else None
+        self.count += 1
+
+
+def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
+                  grads: list[torch.Tensor | None], *, float32: bool = False) -> _Run:
+    """One forward + ``autograd.grad`` replay of ``top`` from the gradients that arrived at its
+    outputs; the gradient w.r.t. the ``ordinal``-th watched call's input ``path``."""
+    run = top
+    scope = _Input(names, ordinal, path)
+    try:
+        with torch.no_grad():
+            if float32:
+                run = copy.copy(top)
+                run.autocast = ()
+                run.args = _as32(top.args)
+                run.kwargs = _as32(top.kwargs or {})
+                state = {k: _as32(v) for k, v in [*top.module.named_parameters(), *top.module.named_buffers()]}
+                grads = [_as32(g) for g in grads]
+        with _reference_mode(float32, deterministic=float32), faithful(run), torch.enable_grad():
+            try:
+                if float32:
+                    out = torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
+                else:
+                    out = top.module(*run.args, **(run.kwargs or {}))
+            finally:
+                scope.hooks.remove()
+            x = scope.tensor
+            outs = [t for _, t in tensors(out) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            if x is None or not pairs:
+                return _Run(None, None, [])
+            (gx,) = torch.autograd.grad([o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True)
+        if gx is None:
+            return _Run(None, False, [])
+        return _Run(gx, is_bad(gx), [])
+    except Exception:
+        return _Run(None, None, [])
+    finally:
+        scope.hooks.remove()
+
+
 # ---------------------------------------------------------------- verdicts
 def _where_device(top: Top) -> dict[str, Any]:
     dev = next((t.device for _, t in tensors(top.args)), None)
@@ -332,13 +392,52 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
     return Examined("precision", got)
 
 
+def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
+                     grads: list[torch.Tensor | None]) -> Examined | None:
+    """The verdict on a backward finding: the gradient w.r.t. input ``path`` of the ``ordinal``-th
+    call, replayed from ``grads`` (those that arrived at ``top``'s outputs). Eager only."""
+    try:
+        runs: list[bool | None] = [f.reproducible, _run_backward(top, names, ordinal, path, grads).bad]
+        if not any(runs):
+            runs.append(_run_backward(top, names, ordinal, path, grads).bad)
+        seen = [r for r in runs if r is not None]
+        if not seen:
+            return None
+        if not any(seen):
+            return Examined("transient", {"replays": len(seen), **_where_device(top)})
+        if not all(seen):
+            return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+        low = _low_dtype(top, f)
+        if low is None:
+            return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
+        ref = _run_backward(top, names, ordinal, path, grads, float32=True)
+        if ref.bad is None:
+            return None
+        value: float | None = f.value
+        if ref.output is not None and f.index is not None and tuple(ref.output.shape) == tuple(f.shape):
+            value = float(ref.output[f.index])
+        if ref.bad:
+            return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
+        got: dict[str, Any] = {"dtype": "float32", "op": f.op, "value": value, "limit": float(torch.finfo(low).max),
+                               "failing_dtype": str(low).removeprefix("torch."), "failing": f.value}
+        return Examined("precision", got)
+    except Exception:
+        return None
+
+
 def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> Finding:
     """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
     op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding."""
-    if where is None or not view.replay or where[0] != "forward":
+    if where is None or not view.replay:
         return f
-    _, top_i, ordinal, path = where
+    phase, top_i, ordinal, path = where
     top = view.log.tops[top_i]
+    if phase == "backward":
+        if top.compiled is not None:
+            return f  # a compiled backward is not replayed as compiled (yet): no verdict
+        grads = [view.log.tensors[k].grad for k in top.out_keys]
+        e = examine_backward(top, view.names, f, ordinal, path, grads)
+        return f if e is None else dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     e = examine(top, view.names, f, ordinal, path, compiled=top.compiled,
                 prefix=view.names.get(top.module, ""), keep=view.scratch)
     if e is None:
