@@ -233,3 +233,31 @@ def test_float16_overflow_in_backward_is_precision():
     assert f is not None and f.phase == "backward", f
     assert f.verdict == "precision", f
     assert abs(f.reference["value"]) > 65504.0 and f.reference["limit"] == 65504.0
+
+
+@pytest.mark.parametrize("what", ["activation", "weight"])
+def test_autocast_float16_overflow_names_the_op_or_the_cast(what):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        if what == "activation":
+            model[2].weight.mul_(150000.0)  # each weight fits float16; their products' sums do not
+        else:
+            model[2].weight.mul_(300000.0)  # some weights pass 65504: autocast's float16 copy is inf
+    with nanhunt.watch(model, on_find="record") as hunt:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+    f = hunt.first
+    assert f is not None and f.module == "2" and f.dtype == "float16"
+    assert f.verdict == "precision"
+    ref = f.reference
+    assert ref["limit"] == 65504.0 and ref["failing_dtype"] == "float16" and abs(ref["value"]) > 65504.0
+    if what == "activation":
+        assert ref["op"] == f.op == "aten.addmm.default"
+        with torch.no_grad():
+            expected = F.linear(model[1](model[0](x)), model[2].weight, model[2].bias)[f.index]
+        assert ref["value"] == float(expected)
+    else:
+        assert ref["op"] == "aten._to_copy.default"
+        assert ref["value"] in model[2].weight

@@ -117,11 +117,18 @@ class _Trace(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[str, torch.Tensor]] = []
+        # casts down to a narrower float (autocast's, .half()): (ops before it, op, its input)
+        self.casts: list[tuple[int, str, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "").split(".")[0]
         if name in _MOVES or getattr(func, "is_view", False):
+            src = args[0] if args else None
+            if (name in ("_to_copy", "to", "copy_") and isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)
+                    and out.is_floating_point() and src.is_floating_point() and out.dtype.itemsize < src.dtype.itemsize):
+                src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else src
+                self.casts.append((len(self.ops), str(func), src.detach()))
             return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
@@ -156,6 +163,7 @@ class _Run:
     output: torch.Tensor | None  # the target call's output at the path (None: not reached)
     bad: bool | None  # None: the replay failed
     trace: list[tuple[str, torch.Tensor]]
+    casts: list[tuple[int, str, torch.Tensor]] = dataclasses.field(default_factory=list)
 
 
 def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
@@ -192,7 +200,8 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
         if not scope.done:
             return _Run(None, None, [])
         got = dict(tensors(scope.output)).get(tuple(path))
-        return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [])
+        return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [],
+                    mode.casts if mode is not None else [])
     except Exception:
         return _Run(None, None, [])
     finally:
@@ -306,15 +315,33 @@ def _value_at(t: torch.Tensor, index: tuple[int, ...] | None, limit: float | Non
 
 
 def _overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
-              f: Finding) -> dict[str, Any] | None:
+              f: Finding, casts: Sequence[tuple[int, str, torch.Tensor]] = ()) -> dict[str, Any] | None:
     """The first op whose float32 value passes the largest value of the dtype it ran in when the run
-    failed (op by op when the two runs line up; else against the failing dtype throughout)."""
+    failed (op by op when the two runs line up; else against the failing dtype throughout). A cast
+    down to that dtype (autocast's copy of a weight) counts as the op when its input did."""
+    limit = float(torch.finfo(low).max)
+    with torch.no_grad():
+        over = [c for c in casts if bool((c[2].abs() > limit).any())]
+    got = _computed_overflow(fail, ref, low, f, before=over[0][0] if over else None)
+    if got is None and over:
+        _, op, src = over[0]
+        index = f.index if tuple(src.shape) == tuple(f.shape) else None
+        value, _ = _value_at(src, index, limit)
+        got = {"dtype": str(src.dtype).removeprefix("torch."), "op": op, "value": value, "limit": limit,
+               "failing_dtype": str(low).removeprefix("torch."), "failing": math.copysign(math.inf, value)}
+    return got
+
+
+def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
+                       f: Finding, before: int | None) -> dict[str, Any] | None:
     if not ref:
         return None
     aligned = len(fail) == len(ref) and all(a[0] == b[0] for a, b in zip(fail, ref))
     with torch.no_grad():
         amax = torch.stack([t.abs().amax().float() for _, t in ref]).tolist()
     for i, (op, t) in enumerate(ref):
+        if before is not None and i >= before:
+            return None  # a cast overflowed first
         dt = fail[i][1].dtype if aligned else low
         if not dt.is_floating_point or dt.itemsize >= 4:
             continue  # computed in float32 (or wider) when it failed: it cannot have overflowed there
@@ -382,7 +409,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         if ref32.output is not None and f.index is not None and tuple(ref32.output.shape) == tuple(f.shape):
             value = float(ref32.output[f.index])
         return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
-    got = _overflow(fail.trace, ref32.trace, low, f)
+    got = _overflow(fail.trace, ref32.trace, low, f, fail.casts)
     if got is None:
         got = {"dtype": "float32", "op": f.op, "limit": float(torch.finfo(low).max),
                "failing_dtype": str(low).removeprefix("torch.")}
