@@ -299,3 +299,20 @@ def test_verdict_reference_and_remedy_in_every_format(tmp_path):
     assert "bfloat16" in d["remedy"]
     back = Report.load(path).first
     assert back is not None and back.verdict == "precision" and back.reference == f.reference
+
+
+def test_breakpoint_for_a_backward_finding_stops_in_the_backward_op(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    breakpoint_recorder.CALLS.clear()
+    model = zoo.distnet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.tensor([[1.0, 2.0, 1.0, 2.0], [0.5, -1.0, 3.0, 0.0]])
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        with nanhunt.watch(model, optimizer=opt, on_find="breakpoint"):
+            model(x).sum().backward()
+            opt.step()
+    assert err.value.finding.phase == "backward" and err.value.finding.op == "SqrtBackward0"
+    (got,) = breakpoint_recorder.CALLS
+    assert got["finding"] == err.value.finding and got["op"] is not None
+    assert not bool(torch.isfinite(got["out"]).all())
+    assert all(bool(torch.isfinite(a).all()) for a in got["args"] if isinstance(a, torch.Tensor) and a.dim())

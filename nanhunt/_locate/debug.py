@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from .._finding import Finding
 from .._steplog import StepView, Top
 from .._tensors import Path
-from .differential import _Done, _Scope
+from .differential import _Done, _run_backward, _Scope
 from .graph import node_of_frame
 from .replay import faithful
 
@@ -73,11 +73,17 @@ class _StopMode(TorchDispatchMode):
 
 def stop_at(finding: Finding, top: Top | None = None, names: dict[nn.Module, str] | None = None,
             ordinal: int = 0, path: Path = (), *, compiled: Any = None, node: str | None = None,
-            keep: Sequence[torch.Tensor] = ()) -> bool:
+            keep: Sequence[torch.Tensor] = (), grads: list[torch.Tensor | None] | None = None) -> bool:
     """Replay ``top`` and stop at the op that made ``finding``; ``True`` when that op was reached.
-    Without a replay to run (or when it does not reach the op), stop once with ``op=None``."""
+    ``grads``: a backward finding, replayed from the gradients that arrived at the outputs (the
+    stop is at the first backward op that makes a non-finite value from finite ones). Without a
+    replay to run (or when it does not reach the op), stop once with ``op=None``."""
     stopped = False
-    if top is not None and names is not None:
+    if top is not None and names is not None and grads is not None:
+        mode = _StopMode(finding)
+        _run_backward(top, names, ordinal, path, grads, mode=mode)
+        stopped = mode.stopped
+    elif top is not None and names is not None:
         saved = [t.clone() for t in keep]
         mode = _StopMode(finding, node if compiled is not None else None)
         try:
@@ -105,10 +111,13 @@ def stop_at(finding: Finding, top: Top | None = None, names: dict[nn.Module, str
 
 def stop_for(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> bool:
     """The breakpoint for finding ``f`` of this step (``where`` as the analysis keeps it)."""
-    if where is None or where[0] != "forward" or not view.replay:
+    if where is None or not view.replay:
         return stop_at(f)
-    _, top_i, ordinal, path = where
+    phase, top_i, ordinal, path = where
     top = view.log.tops[top_i]
+    if phase == "backward":
+        grads = [view.log.tensors[k].grad for k in top.out_keys]
+        return stop_at(f, top, view.names, ordinal, path, grads=grads)
     if f.verdict == "compiler" and top.compiled is not None:
         return stop_at(f, top, view.names, ordinal, path, compiled=top.compiled,
                        node=f.reference.get("node"), keep=view.scratch)

@@ -233,9 +233,11 @@ class _Input:
 
 
 def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
-                  grads: list[torch.Tensor | None], *, float32: bool = False) -> _Run:
+                  grads: list[torch.Tensor | None], *, float32: bool = False,
+                  mode: TorchDispatchMode | None = None) -> _Run:
     """One forward + ``autograd.grad`` replay of ``top`` from the gradients that arrived at its
-    outputs; the gradient w.r.t. the ``ordinal``-th watched call's input ``path``."""
+    outputs; the gradient w.r.t. the ``ordinal``-th watched call's input ``path``. ``mode``: a
+    dispatch mode on during the backward only."""
     run = top
     scope = _Input(names, ordinal, path)
     try:
@@ -260,7 +262,8 @@ def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Pat
             pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
             if x is None or not pairs:
                 return _Run(None, None, [])
-            (gx,) = torch.autograd.grad([o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True)
+            with mode if mode is not None else contextlib.nullcontext():
+                (gx,) = torch.autograd.grad([o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True)
         if gx is None:
             return _Run(None, False, [])
         return _Run(gx, is_bad(gx), [])
