@@ -10,6 +10,9 @@ backends returning ``gm.forward``), the op's graph node is the innermost frame r
 :class:`nanhunt._locate.oplevel._Recorder` and walked back from the reported element, so an intended
 ``-inf`` mask that never reaches it is not blamed. Inductor's fused kernels dispatch nothing: there
 only extern kernels are seen, and the origin may stay unknown (``None``).
+
+Cost, paid only after a hit: one more compiled forward with every op recorded (2-core CPU, a
+two-Linear model with a softmax: 8-25 ms against 1 ms for the compiled forward itself).
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -191,7 +193,3 @@ def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOri
         origin.value = {1: float("nan"), 2: float("inf"), 3: float("-inf")}.get(v)
         origin.counts = {"nan": int((code == 1).sum()), "+inf": int((code == 2).sum()), "-inf": int((code == 3).sum())}
     return origin
-
-
-def is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_orig_mod", None) is not None or getattr(module, "_compiled_call_impl", None) is not None
