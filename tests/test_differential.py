@@ -40,9 +40,10 @@ def test_float16_overflow_in_linear_is_precision_with_the_float32_value():
     assert f is not None
     assert (f.module, f.op, f.dtype, f.verdict) == ("2", "aten.addmm.default", "float16", "precision")
     ref = f.reference
-    with torch.no_grad():  # the same computation in float32
-        h = torch.relu(F.linear(x.float(), model[0].weight.float(), model[0].bias.float()))
-        expected = F.linear(h, model[2].weight.float(), model[2].bias.float())[f.index]
+    with torch.no_grad():  # the failing Linear's own computation on the inputs it got, in float32
+        h = model[1](model[0](x))
+        assert h.dtype == torch.float16 and bool(torch.isfinite(h).all())
+        expected = F.linear(h.float(), model[2].weight.float(), model[2].bias.float())[f.index]
     assert ref["op"] == "aten.addmm.default"
     assert ref["dtype"] == "float32" and ref["limit"] == 65504.0
     assert ref["value"] == float(expected) and abs(ref["value"]) > 65504.0
@@ -256,7 +257,9 @@ def test_autocast_float16_overflow_names_the_op_or_the_cast(what):
     if what == "activation":
         assert ref["op"] == f.op == "aten.addmm.default"
         with torch.no_grad():
-            expected = F.linear(model[1](model[0](x)), model[2].weight, model[2].bias)[f.index]
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = model[1](model[0](x))  # the input the failing Linear got
+            expected = F.linear(h.float(), model[2].weight, model[2].bias)[f.index]
         assert ref["value"] == float(expected)
     else:
         assert ref["op"] == "aten._to_copy.default"

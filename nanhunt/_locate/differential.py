@@ -3,16 +3,20 @@
 The failing top-level call is replayed (each replay inside :func:`nanhunt._locate.replay.faithful`:
 same inputs, RNG, grad mode; buffers and the user's RNG put back) in the failing configuration, to
 learn whether it reproduces and whether identical replays agree, then in reference configurations:
-eager instead of compiled (``torch.compiler.set_stance("force_eager")``) and float32 instead of
-float16/bfloat16 (parameters, buffers and inputs as float32 copies through
-``torch.func.functional_call``, autocast off, deterministic algorithms). In the failing and the
-float32 replay a dispatch mode records every op of the failing module call, so the two runs are
-compared op by op: the first op whose float32 value passes the largest value of the dtype it ran in
-when the run failed is the op that overflowed.
+eager instead of compiled (``torch.compiler.set_stance("force_eager")``), and float32 instead of
+float16/bfloat16: the failing module call is run alone on the inputs the replay gave it, from the
+RNG state it started at, once as it failed and once in float32 (float32 copies of that module's own
+parameters and of its inputs through ``torch.func.functional_call``, autocast off, deterministic
+algorithms), both under a dispatch mode that keeps every op's output. The two runs are compared op
+by op: the first op whose float32 value passes the largest value of the dtype it ran in when the
+run failed (or a cast down to that dtype whose input did) is the op that overflowed. Only the
+failing module's parameters are ever copied to float32.
 
 Verdicts (``Finding.verdict``): ``"numerics"`` (non-finite in float32 eager too), ``"precision"``
 (finite in float32), ``"compiler"`` (only compiled), ``"nondeterministic"`` (identical replays
 disagree), ``"transient"`` (no replay reproduces it). Runs only after a hit; never raises.
+Cost (2-core CPU): 0.5 ms for a float32 finding (one scoped replay); 190 ms of a 300 ms hit
+analysis for a float16 256-wide MLP; 360 ms of 820 ms for a tiny float16 GPT-2.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class _Scope:
         self.done = False
         self.entered = False
         self.hooks: GlobalHooks | None = None
+        # the target call itself, to run it alone: module, RNG state at its start, its inputs
+        self.module: nn.Module | None = None
+        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self.inputs: tuple[Any, Any] | None = None
 
     def __enter__(self) -> _Scope:
         self.hooks = GlobalHooks(self.pre, self.post)
@@ -97,6 +105,9 @@ class _Scope:
         target = self.count == self.ordinal
         self.count += 1
         self.depth.append(target)
+        if target:
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+            self.module, self.rng = module, (torch.get_rng_state(), cuda)
         if target and self.mode is not None:
             self.mode.__enter__()
             self.entered = True
@@ -108,6 +119,7 @@ class _Scope:
             self.leave()
             self.done = True
             self.output = output
+            self.inputs = (args, kwargs if isinstance(kwargs, dict) else {})
             raise _Done
 
 
@@ -164,6 +176,7 @@ class _Run:
     bad: bool | None  # None: the replay failed
     trace: list[tuple[str, torch.Tensor]]
     casts: list[tuple[int, str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    scope: _Scope | None = None  # the target call as the replay saw it (module, RNG, inputs)
 
 
 def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
@@ -201,13 +214,41 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
             return _Run(None, None, [])
         got = dict(tensors(scope.output)).get(tuple(path))
         return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [],
-                    mode.casts if mode is not None else [])
+                    mode.casts if mode is not None else [], scope)
     except Exception:
         return _Run(None, None, [])
     finally:
         with torch.no_grad():
             for t, v in zip(keep, saved):
                 t.copy_(v)
+
+
+def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
+    """The target call alone, on the inputs it got in a replay, from the RNG state it started at,
+    traced op by op: as it failed (the top's autocast), or in float32 (float32 copies of its own
+    parameters and inputs, autocast off). Only that module's parameters are copied."""
+    module, rng, inputs = scope.module, scope.rng, scope.inputs
+    if module is None or rng is None or inputs is None:
+        return _Run(None, None, [])
+    mode = _Trace()
+    run = copy.copy(top)
+    run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
+    run.args, run.kwargs = inputs
+    try:
+        with torch.no_grad():
+            if float32:
+                run.autocast = ()
+                run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
+                state = {k: _as32(v) for k, v in [*module.named_parameters(), *module.named_buffers()]}
+            with _reference_mode(float32, deterministic=float32), faithful(run), mode:
+                if float32:
+                    out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
+                else:
+                    out = module(*run.args, **(run.kwargs or {}))
+        got = dict(tensors(out)).get(tuple(path))
+        return _Run(got, is_bad(got) if got is not None else None, mode.ops, mode.casts)
+    except Exception:
+        return _Run(None, None, [])
 
 
 class _Input:
@@ -403,8 +444,13 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
     low = _low_dtype(top, f)
     if low is None:  # it failed in float32 (or wider) eager: the reference is the failing run itself
         return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
-    fail = _run(top, names, ordinal, path, trace=True)
-    ref32 = _run(top, names, ordinal, path, float32=True, trace=True)
+    # the failing call alone, on the inputs a replay gives it, as it failed and in float32: the
+    # reference never holds more than that module's parameters in float32 (a big model's would not fit)
+    cap = _run(top, names, ordinal, path)
+    if cap.scope is None:
+        return None
+    fail = _alone(top, cap.scope, path, float32=False)
+    ref32 = _alone(top, cap.scope, path, float32=True)
     if ref32.bad is None:
         return None
     if ref32.bad:
