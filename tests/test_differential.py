@@ -28,14 +28,17 @@ pytestmark = [
 ]
 
 
-def test_float16_overflow_in_linear_is_precision_with_the_float32_value():
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float16_overflow_in_linear_is_precision_with_the_float32_value(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).half()
     with torch.no_grad():
         model[2].weight.fill_(900.0)  # a head whose fp16 output passes 65504
     x = (torch.randn(3, 16) * 30).half()
-    with nanhunt.watch(model, on_find="record") as hunt:
-        model(x)
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        y = model(x)
+        if mode == "sentinel":
+            hunt.check(y, "logits")  # sentinel probes only checked tensors, then localises by replay
     f = hunt.first
     assert f is not None
     assert (f.module, f.op, f.dtype, f.verdict) == ("2", "aten.addmm.default", "float16", "precision")
@@ -155,6 +158,14 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line():
     assert f.chain[0].startswith("aten.exp.default") and any(c.startswith("aten.div") for c in f.chain)
     assert f.reference["config"] == "eager"
     assert f.reproducible is True
+    # nothing of the replays is left behind: hooks, modes, the deterministic flag, the stance
+    from torch.nn.modules import module as module_mod
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
+    assert not _get_current_dispatch_mode_stack()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.compiler.is_compiling() is False and bool(torch.isnan(compiled(x)).any())  # still compiled
 
 
 # ---------------------------------------------------------------- breakpoint
