@@ -138,11 +138,12 @@ def test_replays_that_disagree_are_nondeterministic():
 
 
 # ---------------------------------------------------------------- torch.compile
-def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line():
+@pytest.mark.parametrize("run", ["python", "interpreter"])
+def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run):
     torch._dynamo.reset()
     model, x = zoo.sharp_scores(0)
     assert bool(torch.isfinite(model(x)).all())  # eager: finite
-    compiled = torch.compile(model, backend=zoo.naive_softmax_backend())
+    compiled = torch.compile(model, backend=zoo.naive_softmax_backend(run))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

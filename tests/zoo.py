@@ -368,10 +368,11 @@ SHARP_SOFTMAX_LINE = next(
 )
 
 
-def naive_softmax_backend() -> Any:
-    """A legitimate ``torch.compile`` backend (AOT autograd, graphs run as Python) with a wrong
-    softmax decomposition: ``exp(x) / sum(exp(x))`` without subtracting the max, so sharp scores
-    give inf / inf = NaN where eager is finite."""
+def naive_softmax_backend(run: str = "python") -> Any:
+    """A legitimate ``torch.compile`` backend (AOT autograd; graphs run as generated Python, or
+    node by node by ``torch.fx.Interpreter`` with ``run="interpreter"``) with a wrong softmax
+    decomposition: ``exp(x) / sum(exp(x))`` without subtracting the max, so sharp scores give
+    inf / inf = NaN where eager is finite."""
     from torch._dynamo.backends.common import aot_autograd
 
     def naive_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
@@ -381,7 +382,11 @@ def naive_softmax_backend() -> Any:
     def run_as_python(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         return gm.forward
 
-    return aot_autograd(fw_compiler=run_as_python, decompositions={torch.ops.aten._softmax.default: naive_softmax})
+    def interpret(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return lambda *args: torch.fx.Interpreter(gm).run(*args)
+
+    compiler = interpret if run == "interpreter" else run_as_python
+    return aot_autograd(fw_compiler=compiler, decompositions={torch.ops.aten._softmax.default: naive_softmax})
 
 
 # ---------------------------------------------------------------------------- reference runs

@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
 from .._hooks import GlobalHooks
-from .._steplog import StepView, Top
-from .._tensors import Path, get_path, is_bad, tensors
+from .._steplog import CompiledSlots, StepView, Top
+from .._tensors import Path, format_path, get_path, is_bad, tensors
 from .graph import GraphOrigin, locate_graph
 from .replay import faithful
 
@@ -434,7 +434,9 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         eager = _run(top, names, ordinal, path, eager=True)
         if eager.bad is False:
             origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
-            ref: dict[str, Any] = {"config": "eager", "dtype": f.dtype}
+            ref: dict[str, Any] = {"config": "eager"}
+            if f.dtype:
+                ref["dtype"] = f.dtype
             if origin is not None:
                 ref.update(op=origin.op, node=origin.node, dtype=origin.dtype or f.dtype)
             if eager.output is not None and f.index is not None and tuple(eager.output.shape) == tuple(f.shape):
@@ -501,6 +503,16 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
         return None
 
 
+def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
+    """The first module (in the compiled graph's order) whose output the failing run's in-graph
+    checks saw non-finite."""
+    _, vbad = view.log.bad_flags()
+    for (_, entry), flags in zip(view.log.vectors, vbad):
+        if isinstance(entry, CompiledSlots) and any(flags):
+            return entry.slots[flags.index(True)]
+    return None
+
+
 def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> Finding:
     """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
     op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding."""
@@ -521,6 +533,11 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
     f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     o = e.origin
     if o is None:
+        slot = _first_bad_slot(view) if e.verdict == "compiler" else None
+        if slot is not None:  # no op seen (Inductor's fused kernels): the module its slot names
+            name, mtype, spath = slot
+            f = dataclasses.replace(f, module=name, module_type=mtype, tensor=format_path("output", spath),
+                                    reproducible=True, cause="created")
         return f
     known = set(view.names.values())
     module, mtype = (o.module, o.module_type) if o.module in known else (f.module, f.module_type)

@@ -6,10 +6,12 @@ makes dynamo fall back to eager, which is not what failed) and the mode sees eve
 artifact dispatches. For backends that run an FX graph in Python (``aot_eager``, ``eager``, custom
 backends returning ``gm.forward``), the op's graph node is the innermost frame running a
 ``GraphModule``: ``gm._lineno_map`` (what dynamo itself uses) maps the frame's line to the node, whose
-``stack_trace`` gives the user's line and ``nn_module_stack`` the module. Ops are recorded by
+``stack_trace`` gives the user's line and ``nn_module_stack`` the module (a backend that runs its
+graph through ``torch.fx.Interpreter`` names the node in ``run_node``'s frame). Ops are recorded by
 :class:`nanhunt._locate.oplevel._Recorder` and walked back from the reported element, so an intended
 ``-inf`` mask that never reaches it is not blamed. Inductor's fused kernels dispatch nothing: there
-only extern kernels are seen, and the origin may stay unknown (``None``).
+only extern kernels are seen, and the origin may stay unknown (``None``); the finding then names
+the module whose in-graph check failed first (``differential.judge``).
 
 Cost, paid only after a hit: one more compiled forward with every op recorded (2-core CPU, a
 two-Linear model with a softmax: 8-25 ms against 1 ms for the compiled forward itself).
@@ -80,6 +82,9 @@ def node_of_frame(depth: int = 2) -> Any:
     """The FX node a graph's generated ``forward`` is running, from the innermost such frame."""
     f: Any = sys._getframe(depth)
     while f is not None:
+        if f.f_code.co_name == "run_node" and isinstance(f.f_locals.get("self"), torch.fx.Interpreter):
+            node = f.f_locals.get("n")  # a backend that interprets its graph node by node
+            return node if isinstance(node, torch.fx.Node) else None
         if f.f_code.co_name == "forward":
             gm = f.f_locals.get("self")
             if isinstance(gm, torch.fx.GraphModule):
