@@ -535,12 +535,12 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
     if o is None:
         slot = _first_bad_slot(view) if e.verdict == "compiler" else None
         if slot is not None:  # no op seen (Inductor's fused kernels): the module its slot names
-            name, mtype, spath = slot
-            f = dataclasses.replace(f, module=name, module_type=mtype, tensor=format_path("output", spath),
+            sname, stype, spath = slot
+            f = dataclasses.replace(f, module=sname, module_type=stype, tensor=format_path("output", spath),
                                     reproducible=True, cause="created")
         return f
     known = set(view.names.values())
-    module, mtype = (o.module, o.module_type) if o.module in known else (f.module, f.module_type)
+    module, mtype = (o.module, o.module_type) if o.module in known and o.module is not None else (f.module, f.module_type)
     return dataclasses.replace(
         f, module=module, module_type=mtype or f.module_type, tensor="output" if module != f.module else f.tensor,
         op=o.op, source=o.source, chain=tuple(o.chain), cause="created", reproducible=True,
