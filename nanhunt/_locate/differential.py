@@ -333,16 +333,14 @@ def _where_device(top: Top) -> dict[str, Any]:
 
 def _low_dtype(top: Top, f: Finding) -> torch.dtype | None:
     """The reduced dtype the failing run computed in: the finding's, or autocast's."""
-    if f.dtype in REDUCED:
-        return getattr(torch, f.dtype)
+    dtype = f.dtype or next((str(p.dtype).removeprefix("torch.") for p in top.module.parameters()
+                             if p.is_floating_point()), "")  # no element known: the model's own dtype
+    if dtype in REDUCED:
+        return getattr(torch, dtype)
     for _dev, enabled, dtype in top.autocast:
         if enabled and str(dtype).removeprefix("torch.") in REDUCED:
             return dtype
     return None
-
-
-def _num(v: Any) -> float:
-    return float(v)
 
 
 def _value_at(t: torch.Tensor, index: tuple[int, ...] | None, limit: float | None = None) -> tuple[float, tuple[int, ...]]:
