@@ -34,6 +34,10 @@ class Finding:
     rank: int | None = None
     reproducible: bool | None = None
     hint: str = ""
+    # after a reference replay (_locate/differential.py): "numerics", "precision", "compiler",
+    # "nondeterministic", "transient"; and what that replay saw (plain data)
+    verdict: str | None = None
+    reference: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -41,6 +45,11 @@ class Finding:
         d["shape"] = list(self.shape)
         d["chain"] = list(self.chain)
         d["value"] = _json_float(self.value)
+        d["reference"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.reference.items()}
+        if self.verdict:
+            from ._words import remedy
+
+            d["remedy"] = remedy(self)  # words, not a field: from_dict leaves it out
         return d
 
     @classmethod
@@ -53,6 +62,7 @@ class Finding:
         v = d.get("value")
         kw["value"] = float(v) if v is not None else None
         kw["counts"] = dict(d.get("counts", {}))
+        kw["reference"] = {k: _from_json_float(v) for k, v in (d.get("reference") or {}).items()}
         return cls(**kw)
 
     @property
@@ -78,6 +88,10 @@ def _json_float(v: float | None) -> float | str | None:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return v
+
+
+def _from_json_float(v: Any) -> Any:
+    return float(v) if v in ("nan", "inf", "-inf") else v
 
 
 class NonFiniteError(FloatingPointError):

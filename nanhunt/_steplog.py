@@ -59,7 +59,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "calls",
+        "out_keys", "calls", "compiled",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -74,6 +74,7 @@ class Top:
         self.grad_enabled = grad_enabled
         self.out_keys: list[int] = []
         self.calls = 0
+        self.compiled: Any = None  # the torch.compile wrapper that ran it (what failed), else None
 
 
 @dataclass
@@ -258,3 +259,5 @@ class StepView:
     steps_applied: int  # step() calls that ran (all optimizers)
     bad_grads_step: int  # the last step that was given non-finite gradients, else -1
     bundle: str | None  # where to save the failing call (only for the hunt's first finding)
+    breakpoint: bool = False  # on_find="breakpoint": stop in a replay of the first finding's op
+    scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into

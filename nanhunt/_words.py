@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._finding import Finding
 
-__all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS"]
+__all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS",
+           "VERDICT_WORDS", "reference_text", "remedy"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -27,6 +28,15 @@ CAUSE_WORDS = {
     "parameter": "from a non-finite parameter or buffer (poisoned weights)",
     "unknown": "origin unknown",
 }
+
+VERDICT_WORDS = {
+    "numerics": "non-finite in float32 eager too: the math itself",
+    "precision": "finite in float32: the range of the reduced dtype",
+    "compiler": "only under torch.compile: eager is finite",
+    "nondeterministic": "identical replays disagree",
+    "transient": "no replay reproduces it: suspect the device",
+}
+
 
 # ------------------------------------------------------------------ plain data helpers
 def num(v: Any) -> float | None:
@@ -113,8 +123,10 @@ def paragraph(f: Finding) -> str:
         parts.append(f"{f.tensor} has shape {shape_text(f.shape)}, {f.dtype}; {counts}.")
     if len(f.chain) > 1:
         parts.append("Road: " + " -> ".join(f.chain) + ".")
-    if f.reproducible is False:
+    if f.reproducible is False and f.verdict is None:
         parts.append("Replaying the step did not reproduce it.")
+    if f.verdict:
+        parts.append(f"Verdict: {f.verdict} ({VERDICT_WORDS.get(f.verdict, '')}); {reference_text(f)}.")
     if f.hint:
         parts.append(f.hint)
     return " ".join(parts)
@@ -141,4 +153,61 @@ def details(f: Finding) -> list[tuple[str, str]]:
         rows.append(("rank", str(f.rank)))
     if f.reproducible is not None:
         rows.append(("replayed", "reproduced" if f.reproducible else "did NOT reproduce"))
+    if f.verdict:
+        rows.append(("verdict", f"{f.verdict} — {VERDICT_WORDS.get(f.verdict, '')}"))
+        rows.append(("reference", reference_text(f)))
+        rows.append(("remedy", remedy(f)))
     return rows
+
+
+# ------------------------------------------------------------------ verdicts
+def reference_text(f: Finding) -> str:
+    """What the reference replay saw, against the failing run: one line."""
+    r = f.reference
+    v, op = f.verdict, r.get("op")
+    at = f" at {op}" if op else ""
+    if v == "precision":
+        s = f"float32{at} = {_exact(r.get('value'))}"
+        if r.get("limit") is not None:
+            s += f", past {r.get('failing_dtype', 'the dtype')}'s largest value {_exact(r['limit'])}"
+        return s + f" (failing run: {fmt(r.get('failing', f.value))})"
+    if v == "numerics":
+        return f"{r.get('dtype', 'float32')} eager{at} gives {fmt(r.get('value', f.value))} too"
+    if v == "compiler":
+        node = f" (graph node {r['node']})" if r.get("node") else ""
+        val = f" = {_exact(r['value'])} (compiled: {fmt(r.get('failing', f.value))})" if "value" in r else " is finite"
+        return f"eager{at}{node}{val}"
+    device = f"{r.get('device', '?')} on host {r.get('host', '?')}" + (f", uuid {r['uuid']}" if r.get("uuid") else "")
+    if v == "nondeterministic":
+        return f"{r.get('reproduced', '?')} of {r.get('replays', '?')} identical replays reproduced it; {device}"
+    if v == "transient":
+        return f"none of {r.get('replays', '?')} replays reproduced it; {device}"
+    return ", ".join(f"{k} {fmt(x) if isinstance(x, float) else x}" for k, x in r.items())
+
+
+def _exact(v: Any) -> str:
+    """A reference value as it is (``106901.2``, ``65504``), not rounded to four digits."""
+    x = num(v)
+    return f"{x:.7g}" if x is not None and math.isfinite(x) else fmt(v)
+
+
+def remedy(f: Finding) -> str:
+    """The usual remedy for the finding's verdict (empty when there is no verdict)."""
+    v, op = f.verdict, f.reference.get("op") or f.op or "that op"
+    if v == "numerics":
+        return ("More precision will not help: guard the op's domain (clamp or add an epsilon before a "
+                "log/sqrt/division, mask after a softmax, not before it with -inf on a whole row).")
+    if v == "precision":
+        wider = " or use bfloat16 (float32's range)" if f.reference.get("failing_dtype") == "float16" else ""
+        return (f"Run {op} in float32 (keep it out of autocast, or .float() around it), or keep its inputs "
+                f"smaller (normalise before it, a smaller init, a lower learning rate){wider}.")
+    if v == "compiler":
+        return (f"Eager is finite: the compiled graph's {op} is wrong. Run that module eagerly "
+                "(torch.compiler.disable) or with another backend, and report the graph node upstream.")
+    if v == "nondeterministic":
+        return ("Make the run repeatable (torch.use_deterministic_algorithms(True), fixed seeds) and look for "
+                "state that changes between calls (a counter, a racing in-place write, uninitialised memory).")
+    if v == "transient":
+        return ("Nothing reproduces it: suspect the device (ECC errors in nvidia-smi -q, DCGM diagnostics) and "
+                "rerun the step there and on another device.")
+    return ""

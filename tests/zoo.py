@@ -7,6 +7,7 @@ the transformers models are built from tiny configs.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections import namedtuple
 from typing import Any
@@ -324,6 +325,68 @@ def bert(seed: int = 0, dropout: float = 0.1) -> nn.Module:
         attn_implementation="eager",
     )
     return BertModel(cfg)
+
+
+# ---------------------------------------------------------------------------- compile-only failures
+
+
+class SharpAttention(nn.Module):
+    """Attention weights from sharp scores (logits near 100): finite in eager, whose softmax
+    subtracts the row's max before exp."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) * 30.0
+        return torch.softmax(scores, dim=-1)  # SHARP_SOFTMAX_LINE
+
+
+class SharpScores(nn.Module):
+    """SharpAttention -> Linear head."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.attn = SharpAttention(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x))
+
+
+def sharp_scores(seed: int = 0) -> tuple[SharpScores, torch.Tensor]:
+    """The model and an input whose scores pass 88 (exp overflows in float32 past ~88.7)."""
+    torch.manual_seed(seed)
+    return SharpScores(), torch.randn(4, 8) * 3
+
+
+SHARP_SOFTMAX_LINE = next(
+    n for n, line in enumerate(inspect.getsource(SharpAttention.forward).splitlines(),
+                               SharpAttention.forward.__code__.co_firstlineno)
+    if line.endswith("# SHARP_SOFTMAX_LINE")
+)
+
+
+def naive_softmax_backend(run: str = "python") -> Any:
+    """A legitimate ``torch.compile`` backend (AOT autograd; graphs run as generated Python, or
+    node by node by ``torch.fx.Interpreter`` with ``run="interpreter"``) with a wrong softmax
+    decomposition: ``exp(x) / sum(exp(x))`` without subtracting the max, so sharp scores give
+    inf / inf = NaN where eager is finite."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def naive_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        e = torch.exp(x)
+        return e / e.sum(dim, keepdim=True)
+
+    def run_as_python(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return gm.forward
+
+    def interpret(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return lambda *args: torch.fx.Interpreter(gm).run(*args)
+
+    compiler = interpret if run == "interpreter" else run_as_python
+    return aot_autograd(fw_compiler=compiler, decompositions={torch.ops.aten._softmax.default: naive_softmax})
 
 
 # ---------------------------------------------------------------------------- reference runs

@@ -45,12 +45,13 @@ class _OnFind:
         self.owner = owner
         self.mode = mode
         self.hunt: Hunt | None = None
+        self.breakpoint = mode == "breakpoint"  # the hunt stops in a replay of the op first
 
     def __call__(self, f: Finding) -> None:
         self.owner.order.append((self.hunt, f))
         if self.mode == "warn":
             warnings.warn(f.summary(), NonFiniteWarning, stacklevel=2)
-        elif self.mode == "raise" and self.hunt is not None:
+        elif self.mode in ("raise", "breakpoint") and self.hunt is not None:
             raise NonFiniteError(f, self.owner.report())
 
 
@@ -58,8 +59,8 @@ class AutoWatch:
     """Discover and watch the script's root modules and optimizers; see the module docstring."""
 
     def __init__(self, on_find: str = "raise", **options: Any) -> None:
-        if on_find not in ("raise", "warn", "record"):
-            raise ValueError(f"on_find must be 'raise', 'warn' or 'record'; got {on_find!r}")
+        if on_find not in ("raise", "warn", "record", "breakpoint"):
+            raise ValueError(f"on_find must be 'raise', 'warn', 'record' or 'breakpoint'; got {on_find!r}")
         self.on_find = on_find
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery

@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--report", metavar="PATH", help="write the report here (.json, .html or .txt)")
     r.add_argument("--on-find", choices=("raise", "warn", "record"), default="raise",
                    help="raise: stop the script at the first finding (default); warn/record: let it go on")
+    r.add_argument("--pdb", action="store_true",
+                   help="at the first finding, Python's breakpoint() inside a replay of the failing op (locals "
+                        "finding, op, args, out; PYTHONBREAKPOINT is honoured), then stop as --on-find raise")
     r.add_argument("--bundle", metavar="PATH", help="save the first failing call here (.pt) for `nanhunt replay`")
     r.add_argument("--mode", choices=("full", "sentinel", "ops"), default="full",
                    help="full: check every module (default); sentinel: cheaper, localise by replay on a hit; "
@@ -201,7 +204,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         sys.path.insert(0, here)
     code = 0
     raised: NonFiniteError | None = None
-    auto = AutoWatch(on_find=ns.on_find, mode=ns.mode, history=ns.history, dist_timeout=ns.dist_timeout, **extra)
+    auto = AutoWatch(on_find="breakpoint" if ns.pdb else ns.on_find, mode=ns.mode, history=ns.history,
+                     dist_timeout=ns.dist_timeout, **extra)
     try:
         runpy.run_path(script, run_name="__main__")
     except NonFiniteError as e:

@@ -29,6 +29,8 @@ from .._tensors import (
     version,
 )
 from . import bundle as _bundle
+from . import debug as _debug
+from . import differential as _differential
 from . import hints as _hints
 from . import oplevel as _oplevel
 from .replay import Replay, ReplayCall, replay_top
@@ -48,6 +50,7 @@ class _Ctx:
         self._replays: dict[tuple[int, bool], Replay | None] = {}
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
         self.where: dict[int, tuple[str, int, int, Path]] = {}
+        self.stopped = False  # on_find="breakpoint" stopped already
 
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
@@ -172,7 +175,11 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
+    f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
     f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.view.rank)
+    if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
+        ctx.stopped = True
+        _debug.stop_for(ctx.view, f, where)
     if where is not None and where[0] == "forward" and ctx.view.bundle:
         _save_bundle(ctx, where, f)
     return f
@@ -228,7 +235,10 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     if cause == "unknown" and any(is_bad(p) for _, p in own_tensors(module)):
         cause = "parameter"
     if tensor is None:
-        return _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
+        f = _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
+        if rc is not None:  # for the verdict's replays (differential.judge)
+            ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
+        return f
     index, value, counts = element(tensor)
     f = Finding(
         phase="forward", module=name, module_type=type(module).__name__,

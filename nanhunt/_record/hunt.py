@@ -213,6 +213,7 @@ class Hunt:
             return  # inside a compiled graph only _post_compiled runs
         names = self._names
         name = names.get(module) if names is not None else self._name_of(module)
+        wrapper = None
         if name is None:
             orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
             if not isinstance(orig, nn.Module) or self._names is None:
@@ -220,7 +221,7 @@ class Hunt:
             name = self._names.get(orig)
             if name is None:
                 return
-            module = orig
+            wrapper, module = module, orig
             self._compiled_buffer(args)
         stack = self._stack
         log = self._log
@@ -235,6 +236,7 @@ class Hunt:
                 log = self._log
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
+            log.tops[-1].compiled = wrapper  # the compiled configuration: what a verdict replays
             parent, depth = -1, 0
         else:
             p = stack[-1]
@@ -564,7 +566,7 @@ class Hunt:
         elif self.on_find == "warn":
             for f in found:
                 warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
-        elif self.on_find == "raise" and raise_ok:
+        elif self.on_find in ("raise", "breakpoint") and raise_ok:  # breakpoint: stopped in _locate first
             raise NonFiniteError(found[0], self.report)
 
     def _write_report(self) -> None:
@@ -582,6 +584,8 @@ class Hunt:
             after_step=self._after_step, steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
             bundle=self._bundle_path if not self.findings else None,
+            breakpoint=not self.findings and (self.on_find == "breakpoint" or getattr(self.on_find, "breakpoint", False)),
+            scratch=(self._compiled.buf,) if self._compiled is not None else (),
         )
 
     def _meta(self) -> dict[str, Any]:
@@ -599,7 +603,7 @@ class Hunt:
         self._closed = True
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
-                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise")
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "breakpoint"))
         finally:
             self._release()
 

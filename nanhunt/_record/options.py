@@ -18,7 +18,7 @@ from .._finding import Finding
 
 __all__ = ["Options", "ON_FIND", "MODES"]
 
-ON_FIND = ("raise", "warn", "record")
+ON_FIND = ("raise", "warn", "record", "breakpoint")
 MODES = ("full", "sentinel", "ops")
 
 
@@ -60,7 +60,7 @@ class Options:
     ) -> Options:
         if not (callable(on_find) or on_find in ON_FIND):
             raise ValueError(
-                f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}"
+                f"on_find must be 'raise', 'warn', 'record', 'breakpoint' or a callable taking a Finding; got {on_find!r}"
             )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")

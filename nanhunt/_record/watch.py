@@ -43,7 +43,9 @@ def watch(
       optimizer: an optimizer or a list of them: parameters and state are checked after each
         ``step()``, and ``step()`` calls count the training step.
       on_find: ``"raise"`` (`NonFiniteError` at the first finding, before the optimizer applies
-        the step), ``"warn"``, ``"record"``, or a callable taking a `Finding`.
+        the step), ``"warn"``, ``"record"``, ``"breakpoint"`` (Python's ``breakpoint()`` inside a
+        replay of the failing op, locals ``finding``, ``op``, ``args``, ``out``; then raise), or a
+        callable taking a `Finding`.
       scaler: a ``torch.amp.GradScaler``; the steps it skips are expected overflows, not findings.
       ignore: glob patterns of module names whose outputs may legitimately hold Inf/NaN.
       history: how many sampled steps of per-module magnitude statistics the report keeps.

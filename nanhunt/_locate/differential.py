@@ -1,0 +1,546 @@
+"""Differential replay after a hit: what kind of failure it is, and what a reference run saw.
+
+The failing top-level call is replayed (each replay inside :func:`nanhunt._locate.replay.faithful`:
+same inputs, RNG, grad mode; buffers and the user's RNG put back) in the failing configuration, to
+learn whether it reproduces and whether identical replays agree, then in reference configurations:
+eager instead of compiled (``torch.compiler.set_stance("force_eager")``), and float32 instead of
+float16/bfloat16: the failing module call is run alone on the inputs the replay gave it, from the
+RNG state it started at, once as it failed and once in float32 (float32 copies of that module's own
+parameters and of its inputs through ``torch.func.functional_call``, autocast off, deterministic
+algorithms), both under a dispatch mode that keeps every op's output. The two runs are compared op
+by op: the first op whose float32 value passes the largest value of the dtype it ran in when the
+run failed (or a cast down to that dtype whose input did) is the op that overflowed. Only the
+failing module's parameters are ever copied to float32.
+
+Verdicts (``Finding.verdict``): ``"numerics"`` (non-finite in float32 eager too), ``"precision"``
+(finite in float32), ``"compiler"`` (only compiled), ``"nondeterministic"`` (identical replays
+disagree), ``"transient"`` (no replay reproduces it). Runs only after a hit; never raises.
+Cost (2-core CPU): 0.5 ms for a float32 finding (one scoped replay); 190 ms of a 300 ms hit
+analysis for a float16 256-wide MLP; 360 ms of 820 ms for a tiny float16 GPT-2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import socket
+import sys
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .._finding import Finding
+from .._hooks import GlobalHooks
+from .._steplog import CompiledSlots, StepView, Top
+from .._tensors import Path, format_path, get_path, is_bad, tensors
+from .graph import GraphOrigin, locate_graph
+from .replay import faithful
+
+__all__ = ["Examined", "examine", "judge", "REDUCED"]
+
+REDUCED = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+# ops that move or cast values and never compute one: left out when the two runs are aligned
+_MOVES = frozenset({"_to_copy", "to", "copy_", "clone", "contiguous", "detach", "alias", "lift_fresh",
+                    "_unsafe_view", "empty_like", "empty", "zeros_like", "ones_like"})
+
+
+@dataclass
+class Examined:
+    verdict: str
+    reference: dict[str, Any]
+    origin: GraphOrigin | None = None  # compile-only: where the graph made it
+
+
+# ---------------------------------------------------------------- replays
+class _Done(Exception):
+    """The target call has returned: the rest of the replay cannot matter."""
+
+
+class _Scope:
+    """Global module hooks during one replay: catches the output of the ``ordinal``-th watched
+    call and runs ``mode`` only inside it."""
+
+    def __init__(self, names: dict[nn.Module, str], ordinal: int, mode: TorchDispatchMode | None) -> None:
+        self.names = names
+        self.ordinal = ordinal
+        self.mode = mode
+        self.count = 0
+        self.depth: list[bool] = []
+        self.output: Any = None
+        self.done = False
+        self.entered = False
+        self.hooks: GlobalHooks | None = None
+        # the target call itself, to run it alone: module, RNG state at its start, its inputs
+        self.module: nn.Module | None = None
+        self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self.inputs: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> _Scope:
+        self.hooks = GlobalHooks(self.pre, self.post)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.leave()
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+
+    def leave(self) -> None:
+        if self.entered:
+            self.entered = False
+            assert self.mode is not None
+            self.mode.__exit__(None, None, None)
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        if module not in self.names or self.done:
+            return
+        target = self.count == self.ordinal
+        self.count += 1
+        self.depth.append(target)
+        if target:
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+            self.module, self.rng = module, (torch.get_rng_state(), cuda)
+        if target and self.mode is not None:
+            self.mode.__enter__()
+            self.entered = True
+
+    def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
+        if module not in self.names or self.done or not self.depth:
+            return
+        if self.depth.pop():
+            self.leave()
+            self.done = True
+            self.output = output
+            self.inputs = (args, kwargs if isinstance(kwargs, dict) else {})
+            raise _Done
+
+
+class _Trace(TorchDispatchMode):
+    """Every op's floating outputs (detached), to compare two runs op by op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, torch.Tensor]] = []
+        # casts down to a narrower float (autocast's, .half()): (ops before it, op, its input)
+        self.casts: list[tuple[int, str, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "").split(".")[0]
+        if name in _MOVES or getattr(func, "is_view", False):
+            src = args[0] if args else None
+            if (name in ("_to_copy", "to", "copy_") and isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor)
+                    and out.is_floating_point() and src.is_floating_point() and out.dtype.itemsize < src.dtype.itemsize):
+                src = args[1] if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) else src
+                self.casts.append((len(self.ops), str(func), src.detach()))
+            return out
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                self.ops.append((str(func), t.detach()))
+                break
+        return out
+
+
+@contextlib.contextmanager
+def _reference_mode(eager: bool, deterministic: bool) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if eager and "torch._dynamo" in sys.modules:  # nothing was compiled if dynamo never loaded
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if deterministic:
+            was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+            # the eager flag only: torch.use_deterministic_algorithms also sets Inductor's config
+            # (and imports all of dynamo to do so), and this replay runs eager
+            torch._C._set_deterministic_algorithms(True, warn_only=True)
+            stack.callback(torch._C._set_deterministic_algorithms, was, warn_only=warn_only)
+            stack.enter_context(warnings.catch_warnings())
+            warnings.simplefilter("ignore")
+        yield
+
+
+def _as32(x: Any) -> Any:
+    return tree_map(lambda t: t.detach().float().requires_grad_(t.requires_grad)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+
+
+@dataclass
+class _Run:
+    output: torch.Tensor | None  # the target call's output at the path (None: not reached)
+    bad: bool | None  # None: the replay failed
+    trace: list[tuple[str, torch.Tensor]]
+    casts: list[tuple[int, str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    scope: _Scope | None = None  # the target call as the replay saw it (module, RNG, inputs)
+
+
+def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
+         eager: bool = False, float32: bool = False, trace: bool = False, keep: Sequence[torch.Tensor] = ()) -> _Run:
+    """One replay of ``top``; what the ``ordinal``-th watched call put at output ``path``."""
+    saved = [t.clone() for t in keep]
+    mode = _Trace() if trace else None
+    scope = _Scope(names, ordinal, mode)
+    run = top
+    try:
+        with torch.no_grad():
+            if float32:
+                run = copy.copy(top)
+                run.autocast = ()
+                run.args = _as32(top.args)
+                run.kwargs = _as32(top.kwargs or {})
+                state = {k: _as32(v) for k, v in [*top.module.named_parameters(), *top.module.named_buffers()]}
+        with _reference_mode(eager or float32, deterministic=eager or float32), faithful(run):
+            if compiled is not None:
+                out = compiled(*run.args, **(run.kwargs or {}))
+                got = dict(tensors(out)).get(tuple(path)) if ordinal == 0 else None
+                if got is None:
+                    bad = any(is_bad(t) for _, t in tensors(out))
+                    return _Run(None, bad, [])
+                return _Run(got, is_bad(got), [])
+            try:
+                with scope:
+                    if float32:
+                        torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
+                    else:
+                        top.module(*run.args, **(run.kwargs or {}))
+            except _Done:
+                pass
+        if not scope.done:
+            return _Run(None, None, [])
+        got = dict(tensors(scope.output)).get(tuple(path))
+        return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [],
+                    mode.casts if mode is not None else [], scope)
+    except Exception:
+        return _Run(None, None, [])
+    finally:
+        with torch.no_grad():
+            for t, v in zip(keep, saved):
+                t.copy_(v)
+
+
+def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
+    """The target call alone, on the inputs it got in a replay, from the RNG state it started at,
+    traced op by op: as it failed (the top's autocast), or in float32 (float32 copies of its own
+    parameters and inputs, autocast off). Only that module's parameters are copied."""
+    module, rng, inputs = scope.module, scope.rng, scope.inputs
+    if module is None or rng is None or inputs is None:
+        return _Run(None, None, [])
+    mode = _Trace()
+    run = copy.copy(top)
+    run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
+    run.args, run.kwargs = inputs
+    try:
+        with torch.no_grad():
+            if float32:
+                run.autocast = ()
+                run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
+                state = {k: _as32(v) for k, v in [*module.named_parameters(), *module.named_buffers()]}
+            with _reference_mode(float32, deterministic=float32), faithful(run), mode:
+                if float32:
+                    out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
+                else:
+                    out = module(*run.args, **(run.kwargs or {}))
+        got = dict(tensors(out)).get(tuple(path))
+        return _Run(got, is_bad(got) if got is not None else None, mode.ops, mode.casts)
+    except Exception:
+        return _Run(None, None, [])
+
+
+class _Input:
+    """Global module hooks during one replay: the ``ordinal``-th watched call's input at ``path``
+    (``(0, i)`` positional, ``(1, key)`` keyword), whose gradient a backward finding reports."""
+
+    def __init__(self, names: dict[nn.Module, str], ordinal: int, path: Path) -> None:
+        self.names, self.ordinal, self.path = names, ordinal, tuple(path)
+        self.count = 0
+        self.tensor: torch.Tensor | None = None
+        self.hooks = GlobalHooks(self.pre, lambda *a: None)
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        if module not in self.names:
+            return
+        if self.count == self.ordinal:
+            try:
+                t = get_path((args, {}), self.path) if self.path[:1] == (0,) else None
+            except Exception:
+                t = None
+            self.tensor = t if isinstance(t, torch.Tensor) and t.requires_grad else None
+        self.count += 1
+
+
+def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
+                  grads: list[torch.Tensor | None], *, float32: bool = False,
+                  mode: TorchDispatchMode | None = None) -> _Run:
+    """One forward + ``autograd.grad`` replay of ``top`` from the gradients that arrived at its
+    outputs; the gradient w.r.t. the ``ordinal``-th watched call's input ``path``. ``mode``: a
+    dispatch mode on during the backward only."""
+    run = top
+    scope = _Input(names, ordinal, path)
+    try:
+        with torch.no_grad():
+            if float32:
+                run = copy.copy(top)
+                run.autocast = ()
+                run.args = _as32(top.args)
+                run.kwargs = _as32(top.kwargs or {})
+                state = {k: _as32(v) for k, v in [*top.module.named_parameters(), *top.module.named_buffers()]}
+                grads = [_as32(g) for g in grads]
+        with _reference_mode(float32, deterministic=float32), faithful(run), torch.enable_grad():
+            try:
+                if float32:
+                    out = torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
+                else:
+                    out = top.module(*run.args, **(run.kwargs or {}))
+            finally:
+                scope.hooks.remove()
+            x = scope.tensor
+            outs = [t for _, t in tensors(out) if t.requires_grad]
+            pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+            if x is None or not pairs:
+                return _Run(None, None, [])
+            with mode if mode is not None else contextlib.nullcontext():
+                (gx,) = torch.autograd.grad([o for o, _ in pairs], [x], [g for _, g in pairs], allow_unused=True)
+        if gx is None:
+            return _Run(None, False, [])
+        return _Run(gx, is_bad(gx), [])
+    except Exception:
+        return _Run(None, None, [])
+    finally:
+        scope.hooks.remove()
+
+
+# ---------------------------------------------------------------- verdicts
+def _where_device(top: Top) -> dict[str, Any]:
+    dev = next((t.device for _, t in tensors(top.args)), None)
+    if dev is None:
+        dev = next((p.device for p in top.module.parameters()), torch.device("cpu"))
+    out: dict[str, Any] = {"device": str(dev), "host": socket.gethostname()}
+    if dev.type == "cuda":
+        try:
+            i = dev.index if dev.index is not None else torch.cuda.current_device()
+            out["device"] = f"cuda:{i}"
+            out["uuid"] = str(torch.cuda.get_device_properties(i).uuid)
+            out["name"] = torch.cuda.get_device_name(i)
+        except Exception:
+            pass
+    return out
+
+
+def _low_dtype(top: Top, f: Finding) -> torch.dtype | None:
+    """The reduced dtype the failing run computed in: the finding's, or autocast's."""
+    dtype = f.dtype or next((str(p.dtype).removeprefix("torch.") for p in top.module.parameters()
+                             if p.is_floating_point()), "")  # no element known: the model's own dtype
+    if dtype in REDUCED:
+        return getattr(torch, dtype)
+    for _dev, enabled, dtype in top.autocast:
+        if enabled and str(dtype).removeprefix("torch.") in REDUCED:
+            return dtype
+    return None
+
+
+def _value_at(t: torch.Tensor, index: tuple[int, ...] | None, limit: float | None = None) -> tuple[float, tuple[int, ...]]:
+    """``t`` at ``index`` when that element is the one that matters, else the largest magnitude."""
+    if index is not None and len(index) == t.dim() and all(0 <= i < s for i, s in zip(index, t.shape)):
+        v = float(t[index])
+        if limit is None or not math.isfinite(v) or abs(v) > limit:
+            return v, tuple(index)
+    flat = t.detach().reshape(-1).float()
+    fin = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
+    i = int(fin.argmax()) if flat.numel() else 0
+    idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)) if t.dim() else ()
+    return float(t[idx]), idx
+
+
+def _overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
+              f: Finding, casts: Sequence[tuple[int, str, torch.Tensor]] = ()) -> dict[str, Any] | None:
+    """The first op whose float32 value passes the largest value of the dtype it ran in when the run
+    failed (op by op when the two runs line up; else against the failing dtype throughout). A cast
+    down to that dtype (autocast's copy of a weight) counts as the op when its input did."""
+    limit = float(torch.finfo(low).max)
+    with torch.no_grad():
+        over = [c for c in casts if bool((c[2].abs() > limit).any())]
+    got = _computed_overflow(fail, ref, low, f, before=over[0][0] if over else None)
+    if got is None and over:
+        _, op, src = over[0]
+        index = f.index if tuple(src.shape) == tuple(f.shape) else None
+        value, _ = _value_at(src, index, limit)
+        got = {"dtype": str(src.dtype).removeprefix("torch."), "op": op, "value": value, "limit": limit,
+               "failing_dtype": str(low).removeprefix("torch."), "failing": math.copysign(math.inf, value)}
+    return got
+
+
+def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
+                       f: Finding, before: int | None) -> dict[str, Any] | None:
+    if not ref:
+        return None
+    aligned = len(fail) == len(ref) and all(a[0] == b[0] for a, b in zip(fail, ref))
+    with torch.no_grad():
+        amax = torch.stack([t.abs().amax().float() for _, t in ref]).tolist()
+    for i, (op, t) in enumerate(ref):
+        if before is not None and i >= before:
+            return None  # a cast overflowed first
+        dt = fail[i][1].dtype if aligned else low
+        if not dt.is_floating_point or dt.itemsize >= 4:
+            continue  # computed in float32 (or wider) when it failed: it cannot have overflowed there
+        limit = float(torch.finfo(dt).max)
+        if not amax[i] > limit:
+            continue
+        index = f.index if tuple(t.shape) == tuple(f.shape) else None
+        value, at = _value_at(t, index, limit)
+        got: dict[str, Any] = {"dtype": "float32", "op": op, "value": value, "limit": limit,
+                               "failing_dtype": str(dt).removeprefix("torch.")}
+        if aligned and tuple(fail[i][1].shape) == tuple(t.shape):
+            got["failing"] = float(fail[i][1][at])
+        return got
+    return None
+
+
+def examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path, *,
+            compiled: Any = None, prefix: str = "", keep: Sequence[torch.Tensor] = ()) -> Examined | None:
+    """The verdict on a forward finding made in ``top`` at the ``ordinal``-th call's output ``path``.
+
+    ``compiled``: the ``torch.compile`` wrapper that ran ``top`` (the failing configuration), else
+    ``None``. ``keep``: tensors a compiled graph writes into (nanhunt's own slots), put back after.
+    """
+    try:
+        return _examine(top, names, f, ordinal, path, compiled, prefix, keep)
+    except Exception:
+        return None
+
+
+def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
+             compiled: Any, prefix: str, keep: Sequence[torch.Tensor]) -> Examined | None:
+    def failing() -> bool | None:
+        return _run(top, names, ordinal, path, compiled=compiled, keep=keep).bad
+
+    runs: list[bool | None] = [f.reproducible if compiled is None else failing(), failing()]
+    if not any(runs):
+        runs.append(failing())
+    seen = [r for r in runs if r is not None]
+    if not seen:
+        return None
+    if not any(seen):
+        return Examined("transient", {"replays": len(seen), **_where_device(top)})
+    if not all(seen):
+        return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+    if compiled is not None:
+        eager = _run(top, names, ordinal, path, eager=True)
+        if eager.bad is False:
+            origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
+            ref: dict[str, Any] = {"config": "eager"}
+            if f.dtype:
+                ref["dtype"] = f.dtype
+            if origin is not None:
+                ref.update(op=origin.op, node=origin.node, dtype=origin.dtype or f.dtype)
+            if eager.output is not None and f.index is not None and tuple(eager.output.shape) == tuple(f.shape):
+                ref["value"] = float(eager.output[f.index])
+                ref["failing"] = f.value
+            return Examined("compiler", ref, origin)
+    low = _low_dtype(top, f)
+    if low is None:  # it failed in float32 (or wider) eager: the reference is the failing run itself
+        return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
+    # the failing call alone, on the inputs a replay gives it, as it failed and in float32: the
+    # reference never holds more than that module's parameters in float32 (a big model's would not fit)
+    cap = _run(top, names, ordinal, path)
+    if cap.scope is None:
+        return None
+    fail = _alone(top, cap.scope, path, float32=False)
+    ref32 = _alone(top, cap.scope, path, float32=True)
+    if ref32.bad is None:
+        return None
+    if ref32.bad:
+        value = f.value
+        if ref32.output is not None and f.index is not None and tuple(ref32.output.shape) == tuple(f.shape):
+            value = float(ref32.output[f.index])
+        return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
+    got = _overflow(fail.trace, ref32.trace, low, f, fail.casts)
+    if got is None:
+        got = {"dtype": "float32", "op": f.op, "limit": float(torch.finfo(low).max),
+               "failing_dtype": str(low).removeprefix("torch.")}
+        if ref32.output is not None:
+            got["value"], _ = _value_at(ref32.output, f.index)
+    got.setdefault("failing", f.value)
+    return Examined("precision", got)
+
+
+def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
+                     grads: list[torch.Tensor | None]) -> Examined | None:
+    """The verdict on a backward finding: the gradient w.r.t. input ``path`` of the ``ordinal``-th
+    call, replayed from ``grads`` (those that arrived at ``top``'s outputs). Eager only."""
+    try:
+        runs: list[bool | None] = [f.reproducible, _run_backward(top, names, ordinal, path, grads).bad]
+        if not any(runs):
+            runs.append(_run_backward(top, names, ordinal, path, grads).bad)
+        seen = [r for r in runs if r is not None]
+        if not seen:
+            return None
+        if not any(seen):
+            return Examined("transient", {"replays": len(seen), **_where_device(top)})
+        if not all(seen):
+            return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+        low = _low_dtype(top, f)
+        if low is None:
+            return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
+        ref = _run_backward(top, names, ordinal, path, grads, float32=True)
+        if ref.bad is None:
+            return None
+        value: float | None = f.value
+        if ref.output is not None and f.index is not None and tuple(ref.output.shape) == tuple(f.shape):
+            value = float(ref.output[f.index])
+        if ref.bad:
+            return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
+        got: dict[str, Any] = {"dtype": "float32", "op": f.op, "value": value, "limit": float(torch.finfo(low).max),
+                               "failing_dtype": str(low).removeprefix("torch."), "failing": f.value}
+        return Examined("precision", got)
+    except Exception:
+        return None
+
+
+def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
+    """The first module (in the compiled graph's order) whose output the failing run's in-graph
+    checks saw non-finite."""
+    _, vbad = view.log.bad_flags()
+    for (_, entry), flags in zip(view.log.vectors, vbad):
+        if isinstance(entry, CompiledSlots) and any(flags):
+            return entry.slots[flags.index(True)]
+    return None
+
+
+def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> Finding:
+    """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
+    op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding."""
+    if where is None or not view.replay:
+        return f
+    phase, top_i, ordinal, path = where
+    top = view.log.tops[top_i]
+    if phase == "backward":
+        if top.compiled is not None:
+            return f  # a compiled backward is not replayed as compiled (yet): no verdict
+        grads = [view.log.tensors[k].grad for k in top.out_keys]
+        e = examine_backward(top, view.names, f, ordinal, path, grads)
+        return f if e is None else dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
+    e = examine(top, view.names, f, ordinal, path, compiled=top.compiled,
+                prefix=view.names.get(top.module, ""), keep=view.scratch)
+    if e is None:
+        return f
+    f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
+    o = e.origin
+    if o is None:
+        slot = _first_bad_slot(view) if e.verdict == "compiler" else None
+        if slot is not None:  # no op seen (Inductor's fused kernels): the module its slot names
+            sname, stype, spath = slot
+            f = dataclasses.replace(f, module=sname, module_type=stype, tensor=format_path("output", spath),
+                                    reproducible=True, cause="created")
+        return f
+    known = set(view.names.values())
+    module, mtype = (o.module, o.module_type) if o.module in known and o.module is not None else (f.module, f.module_type)
+    return dataclasses.replace(
+        f, module=module, module_type=mtype or f.module_type, tensor="output" if module != f.module else f.tensor,
+        op=o.op, source=o.source, chain=tuple(o.chain), cause="created", reproducible=True,
+        index=o.index, value=o.value, counts=dict(o.counts), shape=tuple(o.shape), dtype=o.dtype or f.dtype,
+    )

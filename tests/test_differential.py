@@ -1,0 +1,333 @@
+"""Differential replay: every replayable finding gets a verdict a user can act on.
+
+float16 overflow (precision, with the float32 value of the op that overflowed), 0/0 and log(0) in
+float32 (numerics), a NaN only a compiled graph makes (compiler, at its op and line from the
+graph), a call that fails only on its first run (transient), identical replays that disagree
+(nondeterministic), and ``on_find="breakpoint"`` stopping inside a replay of the failing op.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+from nanhunt import Finding
+
+from . import breakpoint_recorder, zoo
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float16_overflow_in_linear_is_precision_with_the_float32_value(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).half()
+    with torch.no_grad():
+        model[2].weight.fill_(900.0)  # a head whose fp16 output passes 65504
+    x = (torch.randn(3, 16) * 30).half()
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        y = model(x)
+        if mode == "sentinel":
+            hunt.check(y, "logits")  # sentinel probes only checked tensors, then localises by replay
+    f = hunt.first
+    assert f is not None
+    assert (f.module, f.op, f.dtype, f.verdict) == ("2", "aten.addmm.default", "float16", "precision")
+    ref = f.reference
+    with torch.no_grad():  # the failing Linear's own computation on the inputs it got, in float32
+        h = model[1](model[0](x))
+        assert h.dtype == torch.float16 and bool(torch.isfinite(h).all())
+        expected = F.linear(h.float(), model[2].weight.float(), model[2].bias.float())[f.index]
+    assert ref["op"] == "aten.addmm.default"
+    assert ref["dtype"] == "float32" and ref["limit"] == 65504.0
+    assert ref["value"] == float(expected) and abs(ref["value"]) > 65504.0
+    assert ref["failing"] == f.value
+    assert model[0].weight.dtype == torch.float16  # the user's model is untouched
+
+
+class Normalize(nn.Module):
+    """Row-normalise by the row's sum: an all-zero row is 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("case", ["0/0", "log(0)"])
+def test_float32_nan_is_numerics(case):
+    if case == "0/0":
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), Normalize())
+        with torch.no_grad():
+            model[0].weight.abs_()
+        x = torch.full((2, 4), -10.0)  # a dead ReLU: every row is zero
+        op, module = "aten.div.Tensor", "2"
+    else:
+        model = zoo.lognet(0)
+        x = torch.full((2, 4), -10.0)
+        op, module = "aten.log.default", "log"
+        with torch.no_grad():
+            model.lin.bias.fill_(-1.0)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None and (f.module, f.op) == (module, op)
+    assert f.verdict == "numerics"
+    assert f.reference["dtype"] == "float32" and f.reference["op"] == op
+    d = f.to_dict()
+    json.dumps(d, allow_nan=False)  # the reference's nan/inf are written as strings
+    assert Finding.from_dict(d).to_dict() == d and Finding.from_dict(d).verdict == "numerics"
+
+
+class Flaky(nn.Module):
+    """A layer that writes an inf on its first run only: what a bit flip on a device looks like."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.runs += 1
+        if self.runs == 1:
+            y = y.clone()
+            y[0, 1] = float("inf")
+        return y
+
+
+def test_failure_on_the_first_run_only_is_transient_and_names_the_host():
+    torch.manual_seed(0)
+    model = nn.Sequential(Flaky(), nn.Linear(4, 2))
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.randn(3, 4))
+    f = hunt.first
+    assert f is not None and f.reproducible is False
+    assert f.verdict == "transient"
+    assert f.reference["device"] == "cpu" and f.reference["host"] == socket.gethostname()
+    assert f.reference["replays"] >= 2
+
+
+class EveryOther(nn.Module):
+    """inf on every other run: identical replays disagree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x / 0 if self.runs % 2 else x
+
+
+def test_replays_that_disagree_are_nondeterministic():
+    model = nn.Sequential(nn.Linear(4, 4), EveryOther())
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.ones(2, 4))
+    f = hunt.first
+    assert f is not None and f.verdict == "nondeterministic"
+    assert 0 < f.reference["reproduced"] < f.reference["replays"]
+
+
+# ---------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("run", ["python", "interpreter"])
+def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run):
+    torch._dynamo.reset()
+    model, x = zoo.sharp_scores(0)
+    assert bool(torch.isfinite(model(x)).all())  # eager: finite
+    compiled = torch.compile(model, backend=zoo.naive_softmax_backend(run))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, on_find="record") as hunt:
+                compiled(x)
+    finally:
+        torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None
+    assert f.verdict == "compiler"
+    assert (f.module, f.module_type, f.op) == ("attn", "SharpAttention", "aten.exp.default")
+    assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
+    assert f.chain[0].startswith("aten.exp.default") and any(c.startswith("aten.div") for c in f.chain)
+    assert f.reference["config"] == "eager"
+    assert f.reproducible is True
+    # nothing of the replays is left behind: hooks, modes, the deterministic flag, the stance
+    from torch.nn.modules import module as module_mod
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
+    assert not _get_current_dispatch_mode_stack()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.compiler.is_compiling() is False and bool(torch.isnan(compiled(x)).any())  # still compiled
+
+
+# ---------------------------------------------------------------- breakpoint
+def test_breakpoint_stops_inside_a_replay_of_the_failing_op(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    breakpoint_recorder.CALLS.clear()
+    model = zoo.lognet(0)
+    with torch.no_grad():
+        model.lin.bias.fill_(-1.0)
+    x = torch.full((2, 4), -10.0)
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        with nanhunt.watch(model, on_find="breakpoint"):
+            model(x)
+    assert len(breakpoint_recorder.CALLS) == 1
+    got = breakpoint_recorder.CALLS[0]
+    assert {"finding", "op", "args", "out"} <= set(got)
+    assert got["finding"] == err.value.finding
+    assert got["op"] is torch.ops.aten.log.default
+    assert bool(torch.isfinite(got["args"][0]).all()) and not bool(torch.isfinite(got["out"]).all())
+    assert torch.equal(got["op"](*got["args"]), got["out"])
+
+
+def test_breakpoint_off_with_pythonbreakpoint_0(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "0")
+    model = zoo.lognet(0)
+    with torch.no_grad():
+        model.lin.bias.fill_(-1.0)
+    with pytest.raises(nanhunt.NonFiniteError):
+        with nanhunt.watch(model, on_find="breakpoint"):
+            model(torch.full((2, 4), -10.0))
+
+
+def test_nanhunt_run_pdb_stops_at_the_failing_op_then_exits_3(tmp_path, monkeypatch, capsys):
+    from nanhunt._cli.main import main
+
+    from .test_cli import LOG_OF_ZERO
+
+    (tmp_path / "helper.py").write_text("GATE_STEP = 2\n")
+    script = tmp_path / "train.py"
+    script.write_text(LOG_OF_ZERO)
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    monkeypatch.delitem(__import__("sys").modules, "helper", raising=False)
+    breakpoint_recorder.CALLS.clear()
+    rc = main(["run", "--pdb", str(script)])
+    _, err = capsys.readouterr()
+    assert rc == 3, err
+    assert len(breakpoint_recorder.CALLS) == 1
+    got = breakpoint_recorder.CALLS[0]
+    assert got["op"] is torch.ops.aten.log.default and got["finding"].module == "head"
+    assert not bool(torch.isfinite(got["out"]).all())
+    assert "verdict" in err and "numerics" in err, err
+
+
+def test_backward_sqrt_at_zero_is_numerics():
+    model = zoo.distnet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.tensor([[1.0, 2.0, 1.0, 2.0], [0.5, -1.0, 3.0, 0.0]])  # row 0: equal halves, distance 0
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        model(x).sum().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "backward" and f.module == "dist"
+    assert f.verdict == "numerics" and f.reference["dtype"] == "float32"
+
+
+def test_float16_overflow_in_backward_is_precision():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).half()
+    with torch.no_grad():
+        model[1].weight.fill_(1000.0)  # the gradient through it is 1000x the one arriving
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(4, 8).half()
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        (model(x).float() * 100.0).sum().backward()  # 100 * 8 * 1000 = 8e5 > 65504
+        opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "backward", f
+    assert f.verdict == "precision", f
+    assert abs(f.reference["value"]) > 65504.0 and f.reference["limit"] == 65504.0
+
+
+@pytest.mark.parametrize("what", ["activation", "weight"])
+def test_autocast_float16_overflow_names_the_op_or_the_cast(what):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        if what == "activation":
+            model[2].weight.mul_(150000.0)  # each weight fits float16; their products' sums do not
+        else:
+            model[2].weight.mul_(300000.0)  # some weights pass 65504: autocast's float16 copy is inf
+    with nanhunt.watch(model, on_find="record") as hunt:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+    f = hunt.first
+    assert f is not None and f.module == "2" and f.dtype == "float16"
+    assert f.verdict == "precision"
+    ref = f.reference
+    assert ref["limit"] == 65504.0 and ref["failing_dtype"] == "float16" and abs(ref["value"]) > 65504.0
+    if what == "activation":
+        assert ref["op"] == f.op == "aten.addmm.default"
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = model[1](model[0](x))  # the input the failing Linear got
+            expected = F.linear(h.float(), model[2].weight, model[2].bias)[f.index]
+        assert ref["value"] == float(expected)
+    else:
+        assert ref["op"] == "aten._to_copy.default"
+        assert ref["value"] in model[2].weight
+
+
+# ---------------------------------------------------------------- every report format
+def test_verdict_reference_and_remedy_in_every_format(tmp_path):
+    import io
+    import re
+
+    from nanhunt import Report
+    from nanhunt._report.render import html, text
+
+    f = Finding(
+        phase="forward", module="mlp.fc", module_type="Linear", tensor="output", step=7, call=0, index=(1, 3),
+        value=float("inf"), counts={"nan": 0, "+inf": 2, "-inf": 0}, shape=(4, 8), dtype="float16",
+        cause="created", op="aten.mm.default", source="model.py:12", reproducible=True,
+        verdict="precision",
+        reference={"dtype": "float32", "op": "aten.mm.default", "value": 90112.0, "limit": 65504.0,
+                   "failing_dtype": "float16", "failing": float("inf")},
+    )
+    report = Report([f], history={}, warnings=[], meta={"steps": 8})
+    want = ("precision", "aten.mm.default = 90112", "largest value 65504", "(failing run: inf)", "bfloat16")
+    page = html(report)
+    buf = io.StringIO()
+    rich = pytest.importorskip("rich.console")
+    rich.Console(file=buf, width=200, force_terminal=False).print(report)
+    outs = {"text": text(report), "html": page, "rich": re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue()),
+            "summary": f.summary()}
+    for name, out in outs.items():
+        for w in want[:4]:
+            assert w in out, (name, w)
+    for name in ("text", "html", "rich"):
+        assert "remedy" in outs[name] and want[4] in outs[name], name  # float16: bfloat16 has float32's range
+    path = tmp_path / "r.json"
+    report.save(path)
+    d = json.loads(path.read_text())["first"]
+    assert d["verdict"] == "precision" and d["reference"]["value"] == 90112.0 and d["reference"]["failing"] == "inf"
+    assert "bfloat16" in d["remedy"]
+    back = Report.load(path).first
+    assert back is not None and back.verdict == "precision" and back.reference == f.reference
+
+
+def test_breakpoint_for_a_backward_finding_stops_in_the_backward_op(monkeypatch):
+    monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")
+    breakpoint_recorder.CALLS.clear()
+    model = zoo.distnet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.tensor([[1.0, 2.0, 1.0, 2.0], [0.5, -1.0, 3.0, 0.0]])
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        with nanhunt.watch(model, optimizer=opt, on_find="breakpoint"):
+            model(x).sum().backward()
+            opt.step()
+    assert err.value.finding.phase == "backward" and err.value.finding.op == "SqrtBackward0"
+    (got,) = breakpoint_recorder.CALLS
+    assert got["finding"] == err.value.finding and got["op"] is not None
+    assert not bool(torch.isfinite(got["out"]).all())
+    assert all(bool(torch.isfinite(a).all()) for a in got["args"] if isinstance(a, torch.Tensor) and a.dim())
