@@ -30,6 +30,7 @@ from torch import nn
 
 from .._files import atomic_write
 from .._finding import Finding
+from .._profile import span
 from .._tensors import element, format_path, tensors
 from .replay import faithful
 
@@ -399,7 +400,8 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
             torch.set_rng_state(data["rng_state"])
         if data.get("cuda_rng") is not None and dev.type == "cuda":
             torch.cuda.set_rng_state_all(data["cuda_rng"])
-        with torch.set_grad_enabled(bool(data.get("grad_enabled", True))), _autocast(data.get("autocast"), dev):
+        with torch.set_grad_enabled(bool(data.get("grad_enabled", True))), _autocast(data.get("autocast"), dev), \
+                span("nanhunt::replay", dev.type == "cuda"):
             out = m(*args, **kwargs)
     except Exception as e:
         return ReplayResult(None, False, None, expected, m, error=f"{type(e).__name__}: {e}")

@@ -10,6 +10,7 @@ non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import nn
 from .._finding import Finding, NonFiniteError
 from .._hooks import GlobalHooks
 from .._locate import locate
+from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
@@ -32,6 +34,8 @@ from .options import Options
 from .probe import fused_probe
 
 __all__ = ["Hunt", "NonFiniteWarning"]
+
+_logger = logging.getLogger("nanhunt")
 
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
@@ -114,6 +118,7 @@ class Hunt:
             self.add_optimizer(opt)
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
+        _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
 
     # ------------------------------------------------------------------ public
     @property
@@ -273,6 +278,7 @@ class Hunt:
         ignored = self._ignored
         skip = module in ignored if ignored else False
         sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
+        stat = self._stats_on  # sampled steps: statistics of the call's first floating output
         for path, t in items:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
@@ -285,14 +291,22 @@ class Hunt:
                     continue
             ref = seen.get(key)
             if ref is not None and ref() is t:
+                if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                    stat = False
+                    if t.numel():
+                        log.stats.append(log.stats_of[key] if key in log.stats_of else stats(t))
+                        log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
                 continue  # handed on unchanged from a call already probed (containers, wrappers)
             ref = weakref.ref(t)
             seen[key] = ref
             sums.append(probe(t))
             meta.append(Fwd(ci, len(paths)))
-            if self._stats_on and not paths and t.numel():
-                log.stats.append(stats(t))
-                log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+            if stat:
+                stat = False
+                if t.numel():
+                    log.stats.append(st := stats(t))
+                    log.stats_of[key] = st
+                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
             paths.append(path)
             outs.append((ref, key[1]))
         if c.depth == 0:
@@ -507,21 +521,25 @@ class Hunt:
         found: list[Finding] = []
         try:
             flag = log.bad_flag()
+            cuda = flag is not None and flag.is_cuda
             group = _dist.group() if self.distributed and collective else None
             if group is not None:  # one collective folded into the step's single sync
                 local = flag if flag is not None else torch.zeros((), dtype=torch.bool)
-                any_rank = _dist.all_ranks_max(local)
+                with span("nanhunt::sync", cuda):
+                    any_rank = _dist.all_ranks_max(local)
                 if not any_rank:
                     return
                 bad = flag is not None and bool(flag)
             else:
-                bad = flag is not None and bool(flag)  # the step's one host read
+                with span("nanhunt::sync", cuda):
+                    bad = flag is not None and bool(flag)  # the step's one host read
                 if not bad:
                     return
             if bad:
                 self._paused = True
                 try:
-                    found = locate(self._view(log, step))
+                    with span("nanhunt::replay", cuda):
+                        found = locate(self._view(log, step))
                 finally:
                     self._paused = False
             if group is not None:
@@ -529,7 +547,8 @@ class Hunt:
         finally:
             log.release()
         if found:
-            self._handle(found, raise_ok)
+            with span("nanhunt::finding", cuda):
+                self._handle(found, raise_ok)
 
     def _handle(self, found: list[Finding], raise_ok: bool) -> None:
         self.findings.extend(found)
@@ -537,6 +556,9 @@ class Hunt:
             self._bad_grads_step = self.step
         if self._report_path is not None:
             self._write_report()
+        level = logging.WARNING if self.on_find == "warn" else logging.INFO
+        for f in found:
+            _logger.log(level, "%s", f)  # the summary, formatted only when a handler wants it
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
@@ -576,6 +598,7 @@ class Hunt:
         if self._closed:
             return
         self._closed = True
+        _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None:  # no collective when leaving by an exception: peers may not come
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
