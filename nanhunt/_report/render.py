@@ -146,7 +146,7 @@ table.kv td{padding:2px 14px 2px 0;vertical-align:top}table.kv td:first-child{co
 table.list{border-collapse:collapse}table.list td,table.list th{border-bottom:1px solid #eee;padding:3px 10px;
 text-align:left}
 code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px}
-ol.chain li{margin:2px 0}.src{color:#5f6b7a;padding-left:1.5em}.hint{color:#333;background:#f6f8fa;padding:8px 12px;border-radius:4px}
+ol.chain li{margin:2px 0}.src{color:#5f6b7a;padding-left:1.5em;white-space:pre-wrap}.hint{color:#333;background:#f6f8fa;padding:8px 12px;border-radius:4px}
 .warn{color:#8a5300;background:#fff8e1;padding:4px 10px;margin:3px 0;border-radius:3px}
 .muted{color:#778}svg text{font-family:ui-monospace,Menlo,Consolas,monospace}
 """
