@@ -254,3 +254,15 @@ def test_bundles_are_written_with_normal_permissions(tmp_path, logheadnet):
     finally:
         os.umask(old)
     assert os.stat(tmp_path / "first.pt").st_mode & 0o777 == 0o644
+
+
+def test_rich_shows_source_lines_verbatim():
+    """A line like `x[mask]` is code, not rich markup."""
+    rich_console = pytest.importorskip("rich.console")
+    from .test_render import report as golden_report
+
+    r = golden_report()
+    r.sources = {"model.py:42": "attn = scores[mask].softmax(-1)  # [bold]"}
+    buf = io.StringIO()
+    rich_console.Console(file=buf, width=200, color_system=None).print(r)
+    assert "attn = scores[mask].softmax(-1)  # [bold]" in buf.getvalue()

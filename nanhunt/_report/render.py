@@ -110,7 +110,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         t.add_column(style="cyan", no_wrap=True)
         t.add_column()
         for k, v in details(f, report.sources):
-            t.add_row(k, v)
+            t.add_row(k, Text(v))  # Text: a source line like `x[mask]` is not rich markup
         yield t
         if len(f.chain) > 1:
             road = Text("road to the value (oldest first):", style="bold")
