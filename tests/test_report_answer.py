@@ -266,3 +266,17 @@ def test_rich_shows_source_lines_verbatim():
     buf = io.StringIO()
     rich_console.Console(file=buf, width=200, color_system=None).print(r)
     assert "attn = scores[mask].softmax(-1)  # [bold]" in buf.getvalue()
+
+
+def test_containers_that_hand_on_a_childs_output_keep_their_history_row():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
+    with nanhunt.watch(model, on_find="record", stats_every=1) as hunt:
+        for _ in range(3):
+            model(torch.randn(5, 4))
+    hist = hunt.report.history
+    rows = dict(zip(hist["modules"], hist["absmax"]))
+    assert set(rows) == {"", "0", "0.0", "0.1", "1"}
+    assert rows["0"] == rows["0.1"]  # the inner Sequential hands on its ReLU's output: the same numbers
+    assert rows[""] == rows["1"]
+    assert all(len(r) == 3 and None not in r for r in rows.values())

@@ -271,7 +271,8 @@ class Hunt:
         if c.depth and type(module) in _PASSTHROUGH:
             items: Any = ()
             if self._stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
-                log.stats.append(stats(output))  # sampled steps only: keeps the heatmap whole
+                log.stats.append(st := stats(output))  # sampled steps only: keeps the heatmap whole
+                log.stats_of[(id(output), version(output))] = st
                 log.stats_rows.append((c.name, str(output.dtype)[6:], output.numel()))
         else:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
