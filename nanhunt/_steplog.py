@@ -194,6 +194,7 @@ class StepLog:
         self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
         self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
+        self.stats_of: dict[tuple[int, int], torch.Tensor] = {}  # sampled steps: a probed output's statistics
         self.root_calls = 0
 
     def __len__(self) -> int:
@@ -236,6 +237,7 @@ class StepLog:
         self.probed.clear()
         self.stats.clear()
         self.stats_rows.clear()
+        self.stats_of.clear()
 
 
 

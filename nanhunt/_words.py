@@ -132,8 +132,8 @@ def paragraph(f: Finding) -> str:
     return " ".join(parts)
 
 
-def details(f: Finding) -> list[tuple[str, str]]:
-    """The finding as (label, value) rows, in reading order."""
+def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The finding as (label, value) rows, in reading order; ``sources`` gives the source line's text."""
     rows = [
         ("phase", f.phase),
         ("module", f"{f.module or '<model>'} ({f.module_type})" if f.phase != "check" else f.module),
@@ -149,6 +149,8 @@ def details(f: Finding) -> list[tuple[str, str]]:
         rows.append(("op", f.op + (f" at {f.source}" if f.source else "")))
     elif f.source:
         rows.append(("source", f.source))
+    if f.source and sources and sources.get(f.source):
+        rows.append(("line", sources[f.source]))
     if f.rank is not None:
         rows.append(("rank", str(f.rank)))
     if f.reproducible is not None:

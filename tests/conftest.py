@@ -13,6 +13,8 @@ from torch.optim import optimizer as _optimizer_mod
 
 torch.set_num_threads(2)
 
+pytest_plugins = ["pytester"]  # the pytest plugin's tests run pytest on generated test files
+
 _GLOBAL_HOOK_DICTS = (
     "_global_forward_pre_hooks",
     "_global_forward_hooks",

@@ -15,8 +15,8 @@ LAYERS: dict[str, set[str]] = {
     "__main__": {"_cli"},
     "_cli": {"*"},
     "integrations": {"*"},
-    "_record": {"_locate", "_report", "_steplog", "_finding", "_words", "_tensors", "_files", "_hooks"},
-    "_locate": {"_steplog", "_finding", "_words", "_tensors", "_files", "_hooks"},
+    "_record": {"_locate", "_report", "_steplog", "_finding", "_words", "_tensors", "_files", "_hooks", "_profile"},
+    "_locate": {"_steplog", "_finding", "_words", "_tensors", "_files", "_hooks", "_profile"},
     "_report": {"_finding", "_words", "_files"},
     "_steplog": {"_tensors"},
     "_finding": {"_words"},
@@ -24,6 +24,7 @@ LAYERS: dict[str, set[str]] = {
     "_tensors": set(),
     "_files": set(),
     "_hooks": set(),
+    "_profile": set(),
 }
 
 

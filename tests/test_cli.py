@@ -275,5 +275,5 @@ def test_run_bundle_then_replay_reproduces(tmp_path, cli):
     assert "`1` (LayerNorm)" in out + err and "step 2" in out + err
     assert bundle.exists()
     rc, out, err = cli("replay", str(bundle))
-    assert rc == 0, out + err
+    assert rc == 3, out + err  # reproduced: a NaN/Inf found again
     assert cli("run", "--bundle", str(tmp_path / "b.json"), str(script))[0] == 2

@@ -144,15 +144,23 @@ def test_html_is_self_contained_with_heatmap_and_marked_finding():
     assert "<title>layers.3.attn @ step 40 · abs-max inf" in page  # nan/inf strings decoded
 
 
+def _cell(svg: str, module: str, step: int) -> tuple[float, float, float, float]:
+    """x, y, width, height of the heatmap cell of ``module`` at ``step``."""
+    cells = re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="[^"]+"><title>'
+                       + re.escape(f"{module} @ step {step} "), svg)
+    assert len(cells) == 1, cells
+    return tuple(float(v) for v in cells[0])  # type: ignore[return-value]
+
+
 def test_heatmap_marks_the_finding_cell():
     svg = heatmap_svg(history(), ("layers.3.attn", 38))
-    # third row (index 2), third column (index 2)
-    m = re.search(r'<rect class="finding" x="(\d+)" y="(\d+)"', svg)
+    m = re.search(r'<rect class="finding" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg)
     assert m is not None
-    cells = re.findall(r'<rect x="(\d+)" y="(\d+)" width="21" height="15" fill="[^"]+"><title>layers\.3\.attn @ step 38',
-                       svg)
-    assert len(cells) == 1
-    assert int(m.group(1)) == int(cells[0][0]) - 2 and int(m.group(2)) == int(cells[0][1]) - 2
+    x, y, w, h = _cell(svg, "layers.3.attn", 38)
+    fx, fy, fw, fh = (float(v) for v in m.groups())
+    assert fx < x and fy < y and fx + fw > x + w and fy + fh > y + h  # the outline surrounds that cell
+    assert fx + fw < x + 2 * w and fy + fh < y + 2 * h  # and only that one
+    assert "layers.3.attn @ step 38 · abs-max nan · the finding" in svg
 
 
 def test_heatmap_handles_missing_and_ragged_history():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -167,7 +168,11 @@ def train(steps: int = 300, *, progress: Any = None) -> Any:
         torch.set_num_threads(threads)
 
 
-def main(out: str = "nanhunt-demo.html", steps: int | None = None, report: str | None = None) -> int:
+def main(out: str | None = None, steps: int | None = None, report: str | None = None) -> int:
+    """Run the demo: the report on stdout, progress on stderr, the HTML page at ``out`` (default:
+    ``nanhunt-demo.html`` in the temp folder). 0 when it caught the blow-up, 1 when it did not."""
+    if out is None:
+        out = os.path.join(tempfile.gettempdir(), "nanhunt-demo.html")
     if steps is None:
         steps = int(os.environ.get("NANHUNT_DEMO_STEPS", "300"))
     err = sys.stderr
@@ -184,10 +189,6 @@ def main(out: str = "nanhunt-demo.html", steps: int | None = None, report: str |
     if result.first is None:
         print(f"\nNo NaN/Inf in {steps} steps: the demo needs more steps to blow up.", file=err)
         return 1
-    f = result.first
-    if f.source and f.source.startswith(MODEL_FILE + ":"):
-        line = linecache.getline(MODEL_FILE, int(f.source.rsplit(":", 1)[1])).strip()
-        print(f"\nthe line, {f.source}:  {line}", file=sys.stdout)
     path = result.save(out)
     print(f"\nHTML report: {os.path.abspath(path)}", file=err)
     if report:

@@ -1,7 +1,13 @@
 """Command line: ``nanhunt run|demo|show|replay`` (also ``python -m nanhunt``).
 
-Exit status: 0 fine; 1 the script failed or a replay did not reproduce; 2 bad usage or a file that
-cannot be read; 3 a NaN/Inf was found (``run``). ``run`` otherwise passes on the script's own status.
+Exit status (every command):
+
+- 0: clean — no NaN/Inf (``run``: the script finished; ``replay``: the saved call ran finite).
+- 1: the script's own failure (``run``: it raised; ``replay``: the module raised).
+- 2: usage — a bad option, or a file that cannot be read or written (checked before any work).
+- 3: a NaN/Inf was found (``run``: in the script; ``replay``: the replay reproduced it).
+
+``run`` otherwise passes on the script's own ``sys.exit`` status. Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -10,20 +16,46 @@ import argparse
 import os
 import runpy
 import sys
+import tempfile
 import traceback
-from typing import Any
+import zipfile
+from typing import Any, NoReturn
 
 from .._report import print_report
 
 __all__ = ["main"]
 
-EXIT_FOUND = 3
+EXIT_CLEAN = 0
+EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_FOUND = 3
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, naming the command and where its help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _at_least_1(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # --help, --version, a usage error: a status, not an exception
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if ns.command == "run" and ns.script is None:  # optional in the grammar so that `args` may be empty
+        return _usage(ns.parser, "the following argument is required: script")
     if ns.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -36,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.")
+    p = _Parser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.",
+                epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay}")
 
     r = sub.add_parser("run", help="run an unmodified script with every model and optimizer watched",
@@ -59,14 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
                    help="under torch.distributed: seconds to wait for the other ranks before naming the silent ones "
                         "(300)")
-    r.add_argument("script", help="the Python script to run")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    r.set_defaults(func=_cmd_run)
+    r.add_argument("script", nargs="?", help="the Python script to run (required)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (optional)")
+    r.set_defaults(func=_cmd_run, parser=r)
 
     d = sub.add_parser("demo", help="train a tiny model that blows up, and show the report")
-    d.add_argument("--out", default="nanhunt-demo.html", metavar="PATH", help="HTML report (nanhunt-demo.html)")
+    d.add_argument("--out", default=None, metavar="PATH",
+                   help=f"HTML report (default {os.path.join(tempfile.gettempdir(), DEMO_PAGE)})")
     d.add_argument("--report", metavar="PATH", help="also write the report here (.json or .txt)")
-    d.add_argument("--steps", type=int, default=None, metavar="N",
+    d.add_argument("--steps", type=_at_least_1, default=None, metavar="N",
                    help="at most N training steps (default 300, or $NANHUNT_DEMO_STEPS)")
     d.set_defaults(func=_cmd_demo)
 
@@ -78,64 +113,111 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("replay", help="re-run a saved failing module on its saved inputs")
     b.add_argument("bundle", help="a repro bundle (loaded with weights_only=True: it can never run code)")
     b.add_argument("--device", default=None, help="run on this device (default: the saved one if present)")
+    b.add_argument("--module", metavar="MODULE:NAME", default=None,
+                   help="your own module class when the failing module is not a torch.nn layer: "
+                        "package.module:Class or path/to/file.py:Class (imported because you name it here, "
+                        "never because the bundle does); NAME may also be a function that returns the module")
     b.set_defaults(func=_cmd_replay)
     return p
+
+
+DEMO_PAGE = "nanhunt-demo.html"
+
+
+def _version() -> str:
+    import torch
+
+    from .. import __version__
+
+    return f"nanhunt {__version__} (torch {torch.__version__})"
 
 
 def _err(msg: str) -> None:
     print(f"nanhunt: {msg}", file=sys.stderr)
 
 
+def _usage(parser: argparse.ArgumentParser, msg: str) -> int:
+    print(f"{parser.prog}: error: {msg} (see '{parser.prog} --help')", file=sys.stderr)
+    return EXIT_USAGE
+
+
 # ---------------------------------------------------------------- show
 def _cmd_show(ns: argparse.Namespace) -> int:
+    from .._files import check_writable
     from .._report import Report
 
-    try:
-        report = Report.load(ns.report)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        _err(f"cannot read report {ns.report!r}: {e}")
-        return EXIT_USAGE
-    print_report(report, sys.stdout)
     if ns.html:
         try:
-            report.save(_with_suffix(ns.html, ".html"))
-        except (OSError, ValueError) as e:
+            check_writable(ns.html, (".html",), "--html")
+        except (ValueError, PermissionError) as e:
+            _err(str(e))
+            return EXIT_USAGE
+    if zipfile.is_zipfile(ns.report):
+        _err(f"{ns.report} is a torch.save file (a bundle?), not a report: replay a bundle with "
+             f"`nanhunt replay {ns.report}`")
+        return EXIT_USAGE
+    try:
+        report = Report.load(ns.report)
+    except UnicodeDecodeError:
+        _err(f"cannot read report {ns.report!r}: not a text file (a report is the .json a watch wrote)")
+        return EXIT_USAGE
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        _err(f"cannot read report {ns.report!r}: {_one_line(e)}")
+        return EXIT_USAGE
+    if ns.html:
+        try:
+            report.save(ns.html)
+        except OSError as e:
             _err(f"cannot write {ns.html!r}: {e}")
             return EXIT_USAGE
-    return 0
+    print_report(report, sys.stdout)
+    return EXIT_CLEAN
 
 
-def _with_suffix(path: str, suffix: str) -> str:
-    if os.path.splitext(path)[1].lower() != suffix:
-        raise ValueError(f"the path must end in {suffix}")
-    return path
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------- replay
 def _cmd_replay(ns: argparse.Namespace) -> int:
     from .._locate import BundleError, replay
 
+    if not os.path.isfile(ns.bundle):
+        _err(f"no such bundle file: {ns.bundle!r}")
+        return EXIT_USAGE
+    module = None
+    if ns.module:
+        from .target import TargetError, load_target, module_of
+
+        try:
+            module = module_of(load_target(ns.module), ns.module)
+        except TargetError as e:
+            _err(str(e))
+            return EXIT_USAGE
     try:
-        result = replay(ns.bundle, device=ns.device)
+        result = replay(ns.bundle, module, device=ns.device)
     except BundleError as e:
-        _err(str(e))
+        _err(_one_line(e))
         return EXIT_USAGE
     print(result.summary())
     exp = result.expected
     if exp is not None:
         print(f"saved finding: {exp.summary()}")
-    return 0 if result.reproduced else 1
+    if result.error is not None:
+        return EXIT_FAILED
+    return EXIT_FOUND if result.finding is not None else EXIT_CLEAN
 
 
 # ---------------------------------------------------------------- demo
 def _cmd_demo(ns: argparse.Namespace) -> int:
+    from .._files import check_writable
     from . import demo as _demo
 
     try:
-        out = _with_suffix(ns.out, ".html")
-        if ns.report and os.path.splitext(ns.report)[1].lower() not in (".json", ".txt", ".html"):
-            raise ValueError("--report must end in .json, .txt or .html")
-    except ValueError as e:
+        out = check_writable(ns.out or os.path.join(tempfile.gettempdir(), DEMO_PAGE), (".html",), "--out")
+        if ns.report:
+            check_writable(ns.report, (".json", ".txt", ".html"), "--report")
+    except (ValueError, PermissionError) as e:
         _err(str(e))
         return EXIT_USAGE
     return _demo.main(out=out, steps=ns.steps, report=ns.report)

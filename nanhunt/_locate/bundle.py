@@ -12,7 +12,7 @@ str, numbers, tensors), so that ``torch.load(weights_only=True)`` reads it. It h
 :func:`load` uses ``weights_only=True`` only: a crafted file (a pickle whose ``__reduce__`` would
 run code) is refused with :class:`BundleError` and nothing in it runs. :func:`replay` rebuilds a
 module only from classes of ``torch.nn`` that are already imported (it never imports a name read
-from the file); a user's own class must be passed in as ``module=``.
+from the file); a user's own class (or an instance of it) must be passed in as ``module=``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import warnings
+import zipfile
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from torch import nn
 
 from .._files import atomic_write
 from .._finding import Finding
+from .._profile import span
 from .._tensors import element, format_path, tensors
 from .replay import faithful
 
@@ -261,21 +264,43 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise BundleError(f"{p}: no such bundle file") from None
     except Exception as e:  # any failure of the safe loader is a refusal (pickle.UnpicklingError mostly)
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        first = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln),
-                     lines[0] if lines else type(e).__name__)
-        raise BundleError(
-            f"{p} was refused: it is not a nanhunt bundle that loads safely with weights_only=True "
-            f"(it may hold code or arbitrary objects; nothing in it was run). Loader said: {first}"
-        ) from None
+        raise BundleError(_refusal(p, e)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{p} is not a nanhunt bundle (format {FORMAT!r} expected)")
     return data
 
 
+def _refusal(path: str, e: Exception) -> str:
+    """One line saying why the safe loader refused ``path`` (torch's own message runs to a page)."""
+    if os.path.isdir(path):
+        return f"{path} is a folder, not a nanhunt bundle"
+    said = str(e)
+    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", said)
+    if m:
+        return (f"{path} was refused: it holds a {m.group(1)} object, which weights_only=True does not load "
+                f"(a nanhunt bundle holds only tensors and plain data); nothing in it was run")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+    except OSError:
+        head = b""
+    if not zipfile.is_zipfile(path) and not head.startswith(b"\x80"):  # neither torch.save's zip nor a pickle
+        if head.lstrip().startswith(b"{"):
+            return f"{path} is not a nanhunt bundle (it looks like a JSON report: `nanhunt show {path}`)"
+        return f"{path} is not a nanhunt bundle (not a file written by torch.save)"
+    tail = said.rpartition("WeightsUnpickler error:")[2]
+    first = next((ln.strip() for ln in tail.splitlines() if ln.strip()), type(e).__name__)
+    return f"{path} was refused by the safe loader (weights_only=True): {first}; nothing in it was run"
+
+
 # ------------------------------------------------------------------ rebuilding
-def _nn_class(module_path: Any, name: Any) -> type[nn.Module]:
-    """A class of torch.nn that is already imported; never imports anything named by the file."""
+def _nn_class(module_path: Any, name: Any, user: type[nn.Module] | None = None) -> type[nn.Module]:
+    """A class of torch.nn that is already imported, or of the module that defines ``user`` (the
+    user's own class, named by the user); never imports anything named by the file."""
+    if user is not None and isinstance(name, str):
+        cls = _user_class(name, user)
+        if cls is not None:
+            return cls
     if not (isinstance(module_path, str) and isinstance(name, str)) or "." in name:
         raise BundleError(f"bundle names an invalid class {module_path!r}.{name!r}")
     ok_path = module_path == "torch.nn" or module_path.startswith("torch.nn.modules.")
@@ -284,9 +309,23 @@ def _nn_class(module_path: Any, name: Any) -> type[nn.Module]:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise BundleError(
             f"the failing module is a {module_path}.{name}, not a standard torch.nn layer: "
-            f"pass your own instance, e.g. nanhunt.replay(bundle, module={name}(...))"
+            f"pass your own class or instance, e.g. nanhunt.replay(bundle, module={name}) "
+            f"(command line: nanhunt replay BUNDLE --module "
+            f"{'your_script.py' if module_path == '__main__' else module_path}:{name})"
         )
     return cls
+
+
+def _user_class(name: str, user: type[nn.Module]) -> type[nn.Module] | None:
+    """``name`` (a qualified class name) looked up in the module that defines ``user``: the class
+    itself or one its module defines or imports. The module path the bundle saved is not compared:
+    a script's classes were saved as ``__main__.X``, and the user named this module."""
+    if name == user.__qualname__:
+        return user
+    obj: Any = sys.modules.get(user.__module__)
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, nn.Module) and obj.__qualname__ == name else None
 
 
 def _attr_value(v: Any) -> Any:
@@ -298,13 +337,14 @@ def _attr_value(v: Any) -> Any:
     return v
 
 
-def rebuild(tree: dict[str, Any]) -> nn.Module:
-    """A module from its saved tree: standard torch.nn classes only, no constructor called."""
-    cls = _nn_class(tree.get("module_path"), tree.get("module_type"))
+def rebuild(tree: dict[str, Any], user: type[nn.Module] | None = None) -> nn.Module:
+    """A module from its saved tree, no constructor called: standard torch.nn classes, and with
+    ``user`` (the user's own class) the classes of the user's module."""
+    cls = _nn_class(tree.get("module_path"), tree.get("module_type"), user)
     if tree.get("skipped"):
         raise BundleError(
             f"{cls.__name__} has attributes that a bundle cannot hold ({', '.join(tree['skipped'])}); "
-            f"pass your own instance as module="
+            f"pass your own instance as module= (command line: --module pointing at a function that builds it)"
         )
     m = cls.__new__(cls)
     nn.Module.__init__(m)
@@ -317,7 +357,7 @@ def rebuild(tree: dict[str, Any]) -> nn.Module:
     for k, t in (tree.get("buffers") or {}).items():
         m.register_buffer(k, t, persistent=k not in nonpersistent)
     for k, c in (tree.get("children") or {}).items():
-        m.add_module(k, None if c is None else rebuild(c))
+        m.add_module(k, None if c is None else rebuild(c, user))
     return m
 
 
@@ -363,12 +403,14 @@ def _to(v: Any, device: torch.device) -> Any:
     return v
 
 
-def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | None = None,
+def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | type[nn.Module] | None = None,
            *, device: str | torch.device | None = None) -> ReplayResult:
     """Re-run the saved call: rebuild the module (standard torch.nn layers) or use ``module``.
 
-    ``module`` is your own instance of the failing class; the saved ``state_dict`` is loaded into it.
-    The saved RNG state, autocast and grad mode are restored around the call and put back after.
+    ``module`` is your own class of the failing module (it is rebuilt from the saved structure,
+    with the classes of its Python module for its children; no constructor is called) or your own
+    instance of it (the saved ``state_dict`` is loaded into it). The saved RNG state, autocast
+    and grad mode are restored around the call and put back after.
     """
 
     data = bundle if isinstance(bundle, dict) else load(bundle)
@@ -379,6 +421,11 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
         raise BundleError(f"the saved call had inputs a bundle cannot hold ({', '.join(bad)}); it cannot be replayed")
     if module is None:
         m = rebuild(data["tree"])
+    elif isinstance(module, type) and issubclass(module, nn.Module):
+        saved = data["tree"].get("module_type") if isinstance(data.get("tree"), dict) else None
+        if saved != module.__qualname__:
+            raise BundleError(f"the bundle's failing module is a {saved}, not a {module.__qualname__}")
+        m = rebuild(data["tree"], module)
     else:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -399,7 +446,8 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
             torch.set_rng_state(data["rng_state"])
         if data.get("cuda_rng") is not None and dev.type == "cuda":
             torch.cuda.set_rng_state_all(data["cuda_rng"])
-        with torch.set_grad_enabled(bool(data.get("grad_enabled", True))), _autocast(data.get("autocast"), dev):
+        with torch.set_grad_enabled(bool(data.get("grad_enabled", True))), _autocast(data.get("autocast"), dev), \
+                span("nanhunt::replay", dev.type == "cuda"):
             out = m(*args, **kwargs)
     except Exception as e:
         return ReplayResult(None, False, None, expected, m, error=f"{type(e).__name__}: {e}")

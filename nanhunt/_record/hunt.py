@@ -10,6 +10,7 @@ non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from torch import nn
 from .._finding import Finding, NonFiniteError
 from .._hooks import GlobalHooks
 from .._locate import locate
+from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
@@ -32,6 +34,8 @@ from .options import Options
 from .probe import fused_probe
 
 __all__ = ["Hunt", "NonFiniteWarning"]
+
+_logger = logging.getLogger("nanhunt")
 
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
@@ -120,6 +124,7 @@ class Hunt:
             self.add_optimizer(opt)
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
+        _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
 
     # ------------------------------------------------------------------ public
     @property
@@ -274,13 +279,15 @@ class Hunt:
         if c.depth and type(module) in _PASSTHROUGH:
             items: Any = ()
             if self._stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
-                log.stats.append(stats(output))  # sampled steps only: keeps the heatmap whole
+                log.stats.append(st := stats(output))  # sampled steps only: keeps the heatmap whole
+                log.stats_of[(id(output), version(output))] = st
                 log.stats_rows.append((c.name, str(output.dtype)[6:], output.numel()))
         else:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
         skip = module in ignored if ignored else False
         sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
+        stat = self._stats_on  # sampled steps: statistics of the call's first floating output
         for path, t in items:
             if not (t.is_floating_point() or t.is_complex()):
                 continue
@@ -293,14 +300,22 @@ class Hunt:
                     continue
             ref = seen.get(key)
             if ref is not None and ref() is t:
+                if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                    stat = False
+                    if t.numel():
+                        log.stats.append(log.stats_of[key] if key in log.stats_of else stats(t))
+                        log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
                 continue  # handed on unchanged from a call already probed (containers, wrappers)
             ref = weakref.ref(t)
             seen[key] = ref
             sums.append(probe(t))
             meta.append(Fwd(ci, len(paths)))
-            if self._stats_on and not paths and t.numel():
-                log.stats.append(stats(t))
-                log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+            if stat:
+                stat = False
+                if t.numel():
+                    log.stats.append(st := stats(t))
+                    log.stats_of[key] = st
+                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
             paths.append(path)
             outs.append((ref, key[1]))
         if c.depth == 0:
@@ -522,21 +537,25 @@ class Hunt:
         d = self._dist if collective else None
         try:
             flag = log.bad_flag()
+            cuda = flag is not None and flag.is_cuda
             if d is not None:  # one small all_reduce on nanhunt's own group, folded into the step's sync
-                bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
+                with span("nanhunt::sync", cuda):
+                    bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
                 if not agreed[0]:
                     return
             else:
                 if self._dist is not None:
                     self._dist.forget()
-                bad = flag is not None and bool(flag)  # the step's one host read
+                with span("nanhunt::sync", cuda):
+                    bad = flag is not None and bool(flag)  # the step's one host read
                 if not bad:
                     return
             failed: Exception | None = None
             if bad:
                 self._paused = True
                 try:
-                    found = locate(self._view(log, step))
+                    with span("nanhunt::replay", cuda):
+                        found = locate(self._view(log, step))
                 except Exception as e:  # the other ranks still wait for this rank's findings
                     if d is None:
                         raise
@@ -552,7 +571,8 @@ class Hunt:
         finally:
             log.release()
         if found:
-            self._handle(found, raise_ok)
+            with span("nanhunt::finding", cuda):
+                self._handle(found, raise_ok)
 
     def _handle(self, found: list[Finding], raise_ok: bool) -> None:
         self.findings.extend(found)
@@ -560,6 +580,9 @@ class Hunt:
             self._bad_grads_step = self.step
         if self._report_path is not None:
             self._write_report()
+        level = logging.WARNING if self.on_find == "warn" else logging.INFO
+        for f in found:
+            _logger.log(level, "%s", f)  # the summary, formatted only when a handler wants it
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
@@ -601,6 +624,7 @@ class Hunt:
         if self._closed:
             return
         self._closed = True
+        _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "breakpoint"))

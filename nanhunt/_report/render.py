@@ -18,12 +18,13 @@ Floats may be ``"inf"`` / ``"nan"`` strings (JSON has no such numbers).
 from __future__ import annotations
 
 import html as _html
-import math
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._words import details, element_text, fmt, headline, num
+from .._words import details, element_text, headline
+from .heatmap import heatmap_svg
+from .sources import road_location
 
 if TYPE_CHECKING:
     from .report import Report
@@ -45,6 +46,17 @@ def _warning_line(w: Any) -> str:
     return (f"[{', '.join(where)}] " if where else "") + msg
 
 
+def _road(chain: tuple[str, ...], sources: dict[str, str]) -> list[tuple[str, str | None]]:
+    """Each road step with the text of its line, given once: at the first step on that line."""
+    out: list[tuple[str, str | None]] = []
+    last = None
+    for c in chain:
+        loc = road_location(c)
+        out.append((c, sources.get(loc) if loc and loc != last else None))
+        last = loc
+    return out
+
+
 # ------------------------------------------------------------------ terminal text
 def text(report: Report) -> str:
     f = report.first
@@ -54,13 +66,16 @@ def text(report: Report) -> str:
     else:
         lines.append(headline(f))
         lines.append("")
-        rows = details(f)
+        rows = details(f, report.sources)
         w = max(len(k) for k, _ in rows)
         lines.extend(f"  {k:<{w}}  {v}" for k, v in rows)
         if len(f.chain) > 1:
             lines.append("")
             lines.append("  road to the value (oldest first):")
-            lines.extend(f"    {i + 1}. {c}" for i, c in enumerate(f.chain))
+            for i, (c, line) in enumerate(_road(f.chain, report.sources)):
+                lines.append(f"    {i + 1}. {c}")
+                if line:
+                    lines.append(f"         {line}")
         if f.hint:
             lines.append("")
             lines.append(f"  why: {f.hint}")
@@ -94,15 +109,16 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         t = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
         t.add_column(style="cyan", no_wrap=True)
         t.add_column()
-        for k, v in details(f):
-            t.add_row(k, v)
+        for k, v in details(f, report.sources):
+            t.add_row(k, Text(v))  # Text: a source line like `x[mask]` is not rich markup
         yield t
         if len(f.chain) > 1:
-            road = Text("road to the value: ", style="bold")
-            for i, c in enumerate(f.chain):
-                if i:
-                    road.append(" → ", style="dim")
+            road = Text("road to the value (oldest first):", style="bold")
+            for i, (c, line) in enumerate(_road(f.chain, report.sources)):
+                road.append(f"\n  {i + 1}. ")
                 road.append(c, style="magenta" if i == 0 else "")
+                if line:
+                    road.append(f"\n       {line}", style="dim")
             yield road
         if f.hint:
             yield Text.assemble(("why: ", "bold"), f.hint)
@@ -130,142 +146,10 @@ table.kv td{padding:2px 14px 2px 0;vertical-align:top}table.kv td:first-child{co
 table.list{border-collapse:collapse}table.list td,table.list th{border-bottom:1px solid #eee;padding:3px 10px;
 text-align:left}
 code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px}
-ol.chain li{margin:2px 0}.hint{color:#333;background:#f6f8fa;padding:8px 12px;border-radius:4px}
+ol.chain li{margin:2px 0}.src{color:#5f6b7a;padding-left:1.5em;white-space:pre-wrap}.hint{color:#333;background:#f6f8fa;padding:8px 12px;border-radius:4px}
 .warn{color:#8a5300;background:#fff8e1;padding:4px 10px;margin:3px 0;border-radius:3px}
 .muted{color:#778}svg text{font-family:ui-monospace,Menlo,Consolas,monospace}
 """
-
-_CELL_W, _CELL_H, _MAX_COLS, _MAX_ROWS = 22, 16, 64, 120
-
-
-def _colour(v: float | None, lo: float, hi: float) -> str:
-    """Light yellow (small) to dark red (large) on a log scale; non-finite black, unmeasured grey."""
-    if v is None:
-        return "#eceff3"
-    if not math.isfinite(v):
-        return "#111111"
-    x = math.log10(abs(v)) if v != 0 else lo
-    t = 0.0 if hi <= lo else min(1.0, max(0.0, (x - lo) / (hi - lo)))
-    stops = [(255, 247, 188), (254, 196, 79), (236, 112, 20), (189, 0, 38), (90, 0, 40)]
-    seg = min(int(t * (len(stops) - 1)), len(stops) - 2)
-    u = t * (len(stops) - 1) - seg
-    a, b = stops[seg], stops[seg + 1]
-    return "#" + "".join(f"{round(a[i] + (b[i] - a[i]) * u):02x}" for i in range(3))
-
-
-def _matrix(history: dict[str, Any], key: str, n_rows: int, n_cols: int) -> list[list[float | None]]:
-    raw = history.get(key)
-    out: list[list[float | None]] = []
-    for r in range(n_rows):
-        row = raw[r] if isinstance(raw, list) and r < len(raw) and isinstance(raw[r], list) else []
-        out.append([num(row[c]) if c < len(row) else None for c in range(n_cols)])
-    return out
-
-
-def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) -> str:
-    """An inline SVG heatmap of per-module abs-max (rows: modules, columns: steps); ``""`` if no data.
-
-    ``mark`` is ``(module, step)``: that cell is outlined (its row and column are labelled in red).
-    """
-    if not isinstance(history, dict):
-        return ""
-    steps = [s for s in history.get("steps") or [] if isinstance(s, int)]
-    modules = [str(m) for m in history.get("modules") or []]
-    if not steps or not modules:
-        return ""
-    absmax = _matrix(history, "absmax", len(modules), len(steps))
-    rms = _matrix(history, "rms", len(modules), len(steps))
-    zeros = _matrix(history, "zeros", len(modules), len(steps))
-    headroom = _matrix(history, "headroom", len(modules), len(steps))
-    raw_dtypes = history.get("dtype")
-    dtypes: dict[str, Any] = raw_dtypes if isinstance(raw_dtypes, dict) else {}
-    c0 = max(0, len(steps) - _MAX_COLS)
-    steps_shown = steps[c0:]
-    rows = list(range(len(modules)))
-    if len(rows) > _MAX_ROWS:  # keep the marked module visible
-        keep = rows[:_MAX_ROWS]
-        if mark is not None and mark[0] in modules and modules.index(mark[0]) not in keep:
-            keep[-1] = modules.index(mark[0])
-        rows = sorted(keep)
-    finite = [abs(v) for r in rows for v in absmax[r][c0:] if v is not None and math.isfinite(v) and v != 0]
-    lo = math.log10(min(finite)) if finite else 0.0
-    hi = math.log10(max(finite)) if finite else 1.0
-    mrow = rows.index(modules.index(mark[0])) if mark and mark[0] in modules and modules.index(mark[0]) in rows else None
-    mcol = None
-    if mark is not None:
-        if mark[1] in steps_shown:
-            mcol = steps_shown.index(mark[1])
-        elif steps_shown and mark[1] > steps_shown[-1]:
-            mcol = len(steps_shown)  # the finding's step was not measured: an extra column
-    n_cols = len(steps_shown) + (1 if mcol == len(steps_shown) else 0)
-    label_w = min(320, 8 + 7 * max(len(m or "<model>") for m in modules))
-    top = 34
-    width = max(label_w + n_cols * _CELL_W + 20, label_w + 530)
-    height = top + len(rows) * _CELL_H + 60
-    out = [
-        f'<svg width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="per-module abs-max heatmap">'
-    ]
-    for j, s in enumerate(steps_shown + ([mark[1]] if mark and mcol == len(steps_shown) else [])):
-        if j % max(1, n_cols // 16) and j != mcol:
-            continue
-        x = label_w + j * _CELL_W + _CELL_W / 2
-        fill = "#d93025" if j == mcol else "#556"
-        out.append(f'<text x="{x:.0f}" y="{top - 8}" font-size="10" text-anchor="middle" fill="{fill}">{s}</text>')
-    out.append(f'<text x="{label_w}" y="12" font-size="11" fill="#556">step →</text>')
-    for i, r in enumerate(rows):
-        y = top + i * _CELL_H
-        name = modules[r] or "<model>"
-        short = name if len(name) * 7 <= label_w - 8 else "…" + name[-((label_w - 8) // 7 - 1):]
-        fill = "#d93025" if i == mrow else "#223"
-        weight = "bold" if i == mrow else "normal"
-        out.append(
-            f'<text x="{label_w - 6}" y="{y + _CELL_H - 4}" font-size="11" text-anchor="end" fill="{fill}" '
-            f'font-weight="{weight}"><title>{_html.escape(name)}</title>{_html.escape(short)}</text>'
-        )
-        for j in range(n_cols):
-            c = c0 + j
-            v = absmax[r][c] if j < len(steps_shown) else None
-            if j == len(steps_shown):  # the extra column of the finding's step
-                v = math.nan if i == mrow else None
-            at = steps_shown[j] if j < len(steps_shown) else (mark[1] if mark else "")
-            tip = [f"{name} @ step {at}", f"abs-max {fmt(v)}"]
-            if j < len(steps_shown):
-                tip.append(f"rms {fmt(rms[r][c])}, zeros {fmt(zeros[r][c])}, headroom {fmt(headroom[r][c])}")
-                if dtypes.get(modules[r]):
-                    tip.append(str(dtypes[modules[r]]))
-            out.append(
-                f'<rect x="{label_w + j * _CELL_W}" y="{y}" width="{_CELL_W - 1}" height="{_CELL_H - 1}" '
-                f'fill="{_colour(v, lo, hi)}"><title>{_html.escape(" · ".join(tip))}</title></rect>'
-            )
-    if mrow is not None and mcol is not None:
-        out.append(
-            f'<rect class="finding" x="{label_w + mcol * _CELL_W - 2}" y="{top + mrow * _CELL_H - 2}" '
-            f'width="{_CELL_W + 3}" height="{_CELL_H + 3}" fill="none" stroke="#00b3ff" stroke-width="3"/>'
-        )
-    elif mcol is not None:  # the module is not in the history: mark the step
-        out.append(
-            f'<rect class="finding" x="{label_w + mcol * _CELL_W - 1}" y="{top - 2}" width="{_CELL_W + 1}" '
-            f'height="{len(rows) * _CELL_H + 3}" fill="none" stroke="#00b3ff" stroke-width="2"/>'
-        )
-    # legend
-    ly = top + len(rows) * _CELL_H + 18
-    for k in range(10):
-        v = 10 ** (lo + (hi - lo) * k / 9)
-        out.append(f'<rect x="{label_w + k * 14}" y="{ly}" width="14" height="10" fill="{_colour(v, lo, hi)}"/>')
-    out.append(f'<text x="{label_w - 6}" y="{ly + 9}" font-size="10" text-anchor="end" fill="#556">'
-               f'{fmt(10 ** lo)}</text>')
-    out.append(f'<text x="{label_w + 146}" y="{ly + 9}" font-size="10" fill="#556">{fmt(10 ** hi)} (log scale)</text>')
-    lx = label_w + 290
-    out.append(f'<rect x="{lx}" y="{ly}" width="14" height="10" fill="#111111"/>')
-    out.append(f'<text x="{lx + 18}" y="{ly + 9}" font-size="10" fill="#556">nan/inf</text>')
-    out.append(f'<rect x="{lx + 70}" y="{ly}" width="14" height="10" fill="#eceff3"/>')
-    out.append(f'<text x="{lx + 88}" y="{ly + 9}" font-size="10" fill="#556">not measured</text>')
-    out.append(f'<rect x="{lx + 176}" y="{ly - 1}" width="14" height="12" fill="none" stroke="#00b3ff" '
-               f'stroke-width="3"/><text x="{lx + 196}" y="{ly + 9}" font-size="10" fill="#556">finding</text>')
-    out.append("</svg>")
-    return "".join(out)
-
 
 def html(report: Report) -> str:
     """A self-contained HTML page: inline CSS and SVG only, nothing fetched."""
@@ -287,21 +171,24 @@ def html(report: Report) -> str:
     else:
         parts.append(f"<div class='answer' id='answer'>{e(headline(f))}</div>")
         parts.append("<table class='kv' id='details'>")
-        parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>" for k, v in details(f))
+        parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>"
+                     for k, v in details(f, report.sources))
         parts.append("</table>")
         if f.chain:
             parts.append("<h2>Road to the value (oldest first)</h2><ol class='chain mono'>")
-            parts.extend(f"<li>{e(c)}</li>" for c in f.chain)
+            parts.extend(f"<li>{e(c)}" + (f"<div class='src'>{e(line)}</div>" if line else "") + "</li>"
+                         for c, line in _road(f.chain, report.sources))
             parts.append("</ol>")
         if f.hint:
             parts.append(f"<p class='hint'><b>Why:</b> {e(f.hint)}</p>")
     parts.append("<h2>Per-module abs-max over the last steps</h2>")
-    svg = heatmap_svg(report.history, (f.module, f.step) if f is not None else None)
+    svg = heatmap_svg(report.history, (f.module, f.step) if f is not None else None, f.value if f is not None else None)
     if svg:
         parts.append(f"<div id='heatmap' style='overflow-x:auto'>{svg}</div>")
-        parts.append("<p class='muted'>Rows are modules, columns are training steps; colour is the largest "
-                     "absolute value of the module's output (log scale). Hover a cell for RMS, fraction of zeros "
-                     "and headroom to the dtype's largest value.</p>")
+        parts.append("<p class='muted'>Rows are modules (each parent above its children), columns are the sampled "
+                     "training steps (0-based); colour is the largest absolute value of the module's output (log "
+                     "scale). The finding's cell is outlined. Hover a cell for RMS, fraction of zeros and headroom to "
+                     "the dtype's largest value.</p>")
     else:
         parts.append("<p class='muted'>No magnitude history was recorded for this run.</p>")
     parts.append(f"<h2>Early warnings ({len(report.warnings)})</h2>")

@@ -13,6 +13,7 @@ from typing import Any
 from .._files import atomic_write
 from .._finding import Finding
 from .render import html, rich_renderables, text
+from .sources import read_sources
 
 __all__ = ["Report", "SCHEMA"]
 
@@ -28,11 +29,14 @@ class Report:
         history: dict[str, Any] | None = None,
         warnings: Sequence[dict[str, Any]] = (),
         meta: dict[str, Any] | None = None,
+        sources: dict[str, str] | None = None,
     ) -> None:
         self.findings: list[Finding] = list(findings)
         self.history: dict[str, Any] = dict(history or {})
         self.warnings: list[dict[str, Any]] = list(warnings)
         self.meta: dict[str, Any] = dict(meta or {})
+        # the text of each source line the findings name ("file.py:LINE" -> text), read now
+        self.sources: dict[str, str] = dict(sources) if sources is not None else read_sources(self.findings)
 
     @property
     def first(self) -> Finding | None:
@@ -41,12 +45,17 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
-            "first": self.first.to_dict() if self.first else None,
-            "findings": [f.to_dict() for f in self.findings],
+            "first": self._finding_dict(self.first) if self.first else None,
+            "findings": [self._finding_dict(f) for f in self.findings],
             "history": self.history,
             "warnings": self.warnings,
             "meta": self.meta,
+            "sources": self.sources,
         }
+
+    def _finding_dict(self, f: Finding) -> dict[str, Any]:
+        """The finding's fields plus ``source_text``: the text of its ``source`` line, or None."""
+        return {**f.to_dict(), "source_text": self.sources.get(f.source) if f.source else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
@@ -57,6 +66,7 @@ class Report:
             history=d.get("history") or {},
             warnings=d.get("warnings") or [],
             meta=d.get("meta") or {},
+            sources={str(k): str(v) for k, v in (d.get("sources") or {}).items()},
         )
 
     @classmethod
@@ -95,6 +105,17 @@ class Report:
                 fh.write(data)
 
         return atomic_write(p, suffix, write)
+
+    def to_tensorboard(self, writer: Any, prefix: str = "nanhunt") -> int:
+        """Write the magnitude history and the findings to a TensorBoard ``SummaryWriter``.
+
+        Per module ``nanhunt/absmax/<module>`` and ``nanhunt/rms/<module>`` at each recorded step,
+        the finding's value at its step, the report's text (``nanhunt/report``) and each finding's
+        summary (``nanhunt/findings``). Returns how many values were written.
+        """
+        from .tensorboard import to_tensorboard
+
+        return to_tensorboard(self, writer, prefix)
 
     def __str__(self) -> str:
         return self.to_text()
