@@ -14,13 +14,14 @@ import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._finding import Finding, NonFiniteError
-from .._hooks import GlobalHooks
+from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
 from .._locate import locate
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
@@ -114,6 +115,7 @@ class Hunt:
             self.add_optimizer(opt)
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
+        hunt_opened(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -156,7 +158,7 @@ class Hunt:
             raise TypeError(f"hunt.check() needs a torch.Tensor, got {type(tensor).__name__} for {name!r}")
         if not isinstance(name, str):
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
-        if self._closed or self._paused or not is_checked(tensor):
+        if self._closed or self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
             return tensor
         log = self._log
         log.sums.append(probe(tensor))
@@ -203,8 +205,8 @@ class Hunt:
         return names
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused or torch.compiler.is_compiling():
-            return  # inside a compiled graph only _post_compiled runs
+        if self._paused or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
+            return  # inside a compiled graph only _post_compiled runs; a replay is no hunt's program
         names = self._names
         name = names.get(module) if names is not None else self._name_of(module)
         if name is None:
@@ -250,7 +252,7 @@ class Hunt:
         if output is _NO:  # the always-call path after an exception: (module, args, result)
             output, kwargs = kwargs, {}
         stack = self._stack
-        if not stack or self._paused:
+        if not stack or self._paused or (REPLAYING and get_ident() in REPLAYING):
             return
         c = stack[-1]
         if c.module is not module:
@@ -352,7 +354,7 @@ class Hunt:
         return i
 
     def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
-        if g is None or log is not self._log or self._paused or not is_checked(g):
+        if g is None or log is not self._log or self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(g):
             return
         log.sums.append(probe(g))
         log.meta.append(Bwd(i))
@@ -370,7 +372,7 @@ class Hunt:
 
     # sentinel mode: only the root's calls are recorded, for the replay
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._paused or self._stack:
+        if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
             return
         log = self._log
         if not self._opts:
@@ -390,6 +392,8 @@ class Hunt:
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
         if output is _NO:
             output, kwargs = kwargs, {}
+        if REPLAYING and get_ident() in REPLAYING:
+            return
         if self._stack and self._stack[-1].module is module:
             c = self._stack.pop()
             if torch.is_grad_enabled():  # for a backward replay: the gradients arriving at the output
@@ -521,7 +525,8 @@ class Hunt:
             if bad:
                 self._paused = True
                 try:
-                    found = locate(self._view(log, step))
+                    with replaying():  # every other hunt's hooks stand aside (forward and backward replays)
+                        found = locate(self._view(log, step))
                 finally:
                     self._paused = False
             if group is not None:
