@@ -137,13 +137,12 @@ class Hunt:
         For loops the hooks cannot see the end of (integrations); ``advance=True`` also counts a
         step, for loops without a watched optimizer.
         """
-        if not self._closed:
-            self._end_step(advance=advance)
+        self._open("sync")
+        self._end_step(advance=advance)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
-        if self._closed:
-            raise RuntimeError("this hunt is closed")
+        self._open("add_optimizer")
         (opt,) = _optimizers(optimizer)
         if any(o is opt for o in self._opts):
             return
@@ -158,7 +157,9 @@ class Hunt:
             raise TypeError(f"hunt.check() needs a torch.Tensor, got {type(tensor).__name__} for {name!r}")
         if not isinstance(name, str):
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
-        if self._closed or self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
+        if self._closed:
+            self._open("check")
+        if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
             return tensor
         log = self._log
         log.sums.append(probe(tensor))
@@ -178,7 +179,16 @@ class Hunt:
         self._close(raise_pending=raise_pending)
 
     def __enter__(self) -> Hunt:
+        self._open("with")
         return self
+
+    def _open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"hunt.{what}() on a closed nanhunt hunt: close() ended it (its findings and report stay "
+                "readable); start a new one with nanhunt.watch()" if what != "with" else
+                "`with hunt:` on a closed nanhunt hunt: close() ended it; start a new one with nanhunt.watch()"
+            )
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close(raise_pending=exc_type is None)
@@ -224,10 +234,14 @@ class Hunt:
             if module is self._root and not self._opts:
                 if log.root_calls:
                     self._end_step(advance=True)
+                    if self._closed:  # on_find closed the hunt
+                        return
                     log = self._log
                 log.root_calls += 1
             elif len(log) > _MAX_ENTRIES and not self.distributed:
                 self._end_step(advance=False)
+                if self._closed:
+                    return
                 log = self._log
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
@@ -378,6 +392,8 @@ class Hunt:
         if not self._opts:
             if log.root_calls:
                 self._end_step(advance=True)
+                if self._closed:  # on_find closed the hunt
+                    return
                 log = self._log
             log.root_calls += 1
         top = _capture_top(module, args)
@@ -590,6 +606,7 @@ class Hunt:
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
+        self._paused = True  # for good: a hook torch already had in hand for this call does nothing
         for h in self._handles:
             h.remove()
         self._handles.clear()
