@@ -194,6 +194,8 @@ class StepLog:
         self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
         self.root_calls = 0
+        self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
+        self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -235,6 +237,7 @@ class StepLog:
         self.probed.clear()
         self.stats.clear()
         self.stats_rows.clear()
+        self.pending.clear()
 
 
 

@@ -10,6 +10,7 @@ non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate
 from __future__ import annotations
 
 import fnmatch
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -31,11 +32,13 @@ from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
 from .probe import fused_probe
+from .retain import settle
 
 __all__ = ["Hunt", "NonFiniteWarning"]
 
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
+_REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
 # Modules whose output can be non-finite only if their input is: their outputs are not probed
 # (a memory pass each) when they run inside a watched module. A non-finite input was either
@@ -65,6 +68,7 @@ class Hunt:
         o = options if options is not None else Options.make()
         self.options = o
         self._report_path = o.report
+        self._report_at: float | None = None  # when `report=` was last written while running
         self._bundle_path = o.bundle
 
         self.on_find = o.on_find
@@ -243,6 +247,8 @@ class Hunt:
                 if self._closed:
                     return
                 log = self._log
+            if log.tops:
+                settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
             parent, depth = -1, 0
@@ -396,6 +402,8 @@ class Hunt:
                     return
                 log = self._log
             log.root_calls += 1
+        if log.tops:
+            settle(log)
         top = _capture_top(module, args)
         top.kwargs = kwargs
         log.tops.append(top)
@@ -557,7 +565,10 @@ class Hunt:
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         if self._report_path is not None:
-            self._write_report()
+            now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
+            if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
+                self._report_at = now
+                self._write_report()
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
