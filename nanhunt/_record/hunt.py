@@ -581,8 +581,9 @@ class Hunt:
     def _write_report(self) -> None:
         try:
             self.report.save(self._report_path)  # type: ignore[arg-type]
-        except OSError as e:  # never break the user's run over a report
-            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {e}", stacklevel=3)
+        except Exception as e:  # never break the user's run over a report (a full disk, a bad name...)
+            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
+                          stacklevel=3)
 
     def _view(self, log: StepLog, step: int) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""

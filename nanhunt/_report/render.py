@@ -95,7 +95,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         t.add_column(style="cyan", no_wrap=True)
         t.add_column()
         for k, v in details(f):
-            t.add_row(k, v)
+            t.add_row(k, Text(v))  # Text, not markup: a report's strings are data
         yield t
         if len(f.chain) > 1:
             road = Text("road to the value: ", style="bold")
@@ -115,7 +115,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         for col in ("step", "phase", "module", "tensor", "cause"):
             t.add_column(col, justify="right" if col == "step" else "left")
         for g in report.findings:
-            t.add_row(str(g.step), g.phase, g.module or "<model>", g.tensor, g.cause)
+            t.add_row(*(Text(str(c)) for c in (g.step, g.phase, g.module or "<model>", g.tensor, g.cause)))
         yield t
 
 
@@ -211,7 +211,7 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None) ->
             continue
         x = label_w + j * _CELL_W + _CELL_W / 2
         fill = "#d93025" if j == mcol else "#556"
-        out.append(f'<text x="{x:.0f}" y="{top - 8}" font-size="10" text-anchor="middle" fill="{fill}">{s}</text>')
+        out.append(f'<text x="{x:.0f}" y="{top - 8}" font-size="10" text-anchor="middle" fill="{fill}">{_html.escape(str(s))}</text>')
     out.append(f'<text x="{label_w}" y="12" font-size="11" fill="#556">step →</text>')
     for i, r in enumerate(rows):
         y = top + i * _CELL_H
@@ -314,7 +314,7 @@ def html(report: Report) -> str:
         parts.append("<tr><th>step</th><th>phase</th><th>module</th><th>tensor</th><th>cause</th><th>op</th></tr>")
         for g in report.findings:
             parts.append(
-                f"<tr><td>{g.step}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
+                f"<tr><td>{e(str(g.step))}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
                 f"<td class='mono'>{e(element_text(g))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
             )
         parts.append("</table>")
@@ -333,4 +333,21 @@ def print_report(report: Report, stream: Any = None) -> None:
         else:
             Console(file=stream).print(report)
             return
-    print(report, file=stream)
+    print(printable(str(report), getattr(stream, "encoding", None)), file=stream)
+
+
+# control characters (C0 but tab and newline, DEL, C1) shown escaped: a report's strings are data,
+# never terminal commands
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (0x09, 0x0A)}
+_CONTROL.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})  # bidi overrides
+
+
+def printable(s: str, encoding: str | None = None) -> str:
+    """``s`` safe to print: control characters escaped, and what ``encoding`` cannot hold (a lone
+    surrogate in a module name) backslash-escaped instead of raising."""
+    s = s.translate(_CONTROL)
+    enc = encoding or "utf-8"
+    try:
+        return s.encode(enc, "backslashreplace").decode(enc)
+    except LookupError:
+        return s
