@@ -70,7 +70,8 @@ def test_on_find_that_closes_the_hunt_leaves_nothing_behind(with_optimizer: bool
     assert not hunt._handles and hunt._root is None and not hunt._stack
     assert not hunt._log.tops and not hunt._log.calls and not hunt._log.sums
     ref = weakref.ref(model)
-    del model, opt, box
+    box.clear()
+    del model, opt
     gc.collect()
     assert ref() is None, "the closed hunt kept the model alive"
     assert all(r() is None for r in inputs), "the closed hunt kept an input batch alive"

@@ -28,10 +28,11 @@ def _fields(h: Any) -> list[tuple[Any, ...]]:
     return [(f.phase, f.module, f.tensor, f.step, f.call, f.index, f.cause, f.op, f.reproducible) for f in h.findings]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> None:
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> list[torch.Tensor]:
     """A batch with a huge row at BAD_STEP makes Exp overflow (created there, from finite inputs);
     the weights are put back after each step so later steps are clean again."""
     torch.manual_seed(1)
+    losses = []
     for step in range(steps):
         x = torch.randn(8, 4)
         if step == BAD_STEP:
@@ -39,9 +40,11 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> None
         good = zoo.snapshot(model)
         loss = model(x).pow(2).mean()
         loss.backward()
+        losses.append(loss.detach())
         opt.step()
         opt.zero_grad()
         model.load_state_dict(good)
+    return losses
 
 
 # (target, with optimizer): "m" the model, "c" its first Linear
@@ -71,14 +74,20 @@ def test_each_hunt_sees_only_its_own_program(case: str, mode: str) -> None:
         h.close()
         alone.append((h.step, _fields(h)))
     assert any(f for _, f in alone), "set-up: the planted overflow is found"
+    plain = zoo.expnet()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    plain_losses = _train(plain, plain_opt)
     model = zoo.expnet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hunts = _hunts(spec, model, opt, mode)
-    _train(model, opt)
+    losses = _train(model, opt)
     for h in hunts:
         h.close()
     together = [(h.step, _fields(h)) for h in hunts]
     assert together == alone
+    # and the run itself is the unwatched one, bit for bit
+    assert all(zoo.bit_equal(a, b) for a, b in zip(losses, plain_losses))
+    assert zoo.same_state(zoo.snapshot(model), zoo.snapshot(plain))
 
 
 # ---------------------------------------------------------------- nanhunt run + the script's own watch

@@ -221,3 +221,11 @@ def test_replay_of_a_bundle_with_wrong_fields_is_one_clear_line(tmp_path, cli, c
     assert rc == 2, (out, err)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert field in err, err
+
+
+def test_nanhunt_run_checks_its_report_path_the_same_way(tmp_path, cli, monkeypatch) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = cli("run", "--report", "missing/../r.json", str(script))
+    assert rc == 2 and "does not exist" in err and "ran" not in out

@@ -126,3 +126,50 @@ def test_a_flag_that_cannot_be_read_without_waiting_keeps_the_call() -> None:
     assert _when_ready(torch.tensor(True))() is True
     assert _when_ready(torch.tensor(False))() is False
     assert _when_ready(torch.ones((), dtype=torch.bool, device="meta"))() is None
+
+
+def _tracked() -> tuple[int, int]:
+    gc.collect()
+    objs = gc.get_objects()
+    return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.slow
+def test_ten_thousand_record_mode_steps_keep_memory_flat(tmp_path) -> None:
+    """A long record-mode run (findings early on, a report file, a validation loop every 1000
+    steps): after the warm-up, the number of live Python objects and tensors does not grow.
+    (Step time belongs in benchmarks/, not in a timed unit test.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only add contention (x5 on a busy 2-core machine)
+    try:
+        _ten_thousand_steps(tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _ten_thousand_steps(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    samples: dict[int, tuple[int, int]] = {}
+    with nanhunt.watch(model, opt, on_find="record", report=tmp_path / "r.json") as hunt:
+        for step in range(10_000):
+            loss = (model(x) - y).pow(2).mean()
+            hit = step % 500 == 0 and step < 2000  # a metric that is log(0) now and then: a finding, nothing else
+            hunt.check(torch.log(torch.zeros(()) if hit else loss.detach()), "log_loss")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 1000 == 999:
+                with torch.no_grad():
+                    for _ in range(20):
+                        model(torch.randn(16, 4))
+            if step % 2000 == 1999:
+                samples[step] = _tracked()
+    assert len(hunt.findings) == 4 and all(f.phase == "check" for f in hunt.findings)
+    objects = [o for o, _ in samples.values()]
+    tensors = [t for _, t in samples.values()]
+    assert max(objects) - min(objects) <= 50, samples
+    assert max(tensors) - min(tensors) <= 2, samples
+    assert len(Report.load(tmp_path / "r.json").findings) == 4
