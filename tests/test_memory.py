@@ -123,9 +123,9 @@ def test_a_flag_that_cannot_be_read_without_waiting_keeps_the_call() -> None:
     cannot be arranged keeps the call to the step's end instead of failing."""
     from nanhunt._record.retain import _when_ready
 
-    assert _when_ready(torch.tensor(True))() is True
-    assert _when_ready(torch.tensor(False))() is False
-    assert _when_ready(torch.ones((), dtype=torch.bool, device="meta"))() is None
+    assert _when_ready([torch.tensor(1.0), torch.tensor(2.0)])() is True
+    assert _when_ready([torch.tensor(1.0), torch.tensor(float("inf"))])() is False
+    assert _when_ready([torch.ones((), device="meta")])() is None
 
 
 def _tracked() -> tuple[int, int]:

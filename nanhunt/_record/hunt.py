@@ -141,12 +141,12 @@ class Hunt:
         For loops the hooks cannot see the end of (integrations); ``advance=True`` also counts a
         step, for loops without a watched optimizer.
         """
-        self._open("sync")
+        self._open("hunt.sync()")
         self._end_step(advance=advance)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
-        self._open("add_optimizer")
+        self._open("hunt.add_optimizer()")
         (opt,) = _optimizers(optimizer)
         if any(o is opt for o in self._opts):
             return
@@ -162,7 +162,7 @@ class Hunt:
         if not isinstance(name, str):
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
         if self._closed:
-            self._open("check")
+            self._open("hunt.check()")
         if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
             return tensor
         log = self._log
@@ -183,16 +183,13 @@ class Hunt:
         self._close(raise_pending=raise_pending)
 
     def __enter__(self) -> Hunt:
-        self._open("with")
+        self._open("`with hunt:`")
         return self
 
     def _open(self, what: str) -> None:
         if self._closed:
-            raise RuntimeError(
-                f"hunt.{what}() on a closed nanhunt hunt: close() ended it (its findings and report stay "
-                "readable); start a new one with nanhunt.watch()" if what != "with" else
-                "`with hunt:` on a closed nanhunt hunt: close() ended it; start a new one with nanhunt.watch()"
-            )
+            raise RuntimeError(f"{what} on a closed nanhunt hunt: close() ended it (its findings and report "
+                               "stay readable); start a new one with nanhunt.watch()")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close(raise_pending=exc_type is None)

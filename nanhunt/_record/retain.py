@@ -37,8 +37,7 @@ def settle(log: StepLog) -> None:
         if start == end:
             _release(log, t, start, end)
         else:
-            flag = torch.isfinite(stack_probes(log.sums[start:end])).all()
-            log.pending.append((t, start, end, _when_ready(flag)))
+            log.pending.append((t, start, end, _when_ready(log.sums[start:end])))
     log.span = end
     if log.pending:
         keep = []
@@ -64,16 +63,18 @@ def _release(log: StepLog, t: Top, start: int, end: int) -> None:
             m.tensor = _GONE
 
 
-def _when_ready(flag: torch.Tensor) -> Callable[[], bool | None]:
-    """A reader of the 0-dim bool ``flag``: its value once it is on the host, ``None`` before."""
-    if flag.device.type == "cpu":
-        value = bool(flag.untyped_storage()[0])  # computed already: reading host memory is no sync
-        return lambda: value
+def _when_ready(probes: list[torch.Tensor] | torch.Tensor) -> Callable[[], bool | None]:
+    """A reader of "are all these probes finite?": the answer once it is on the host, ``None``
+    before (and forever when it cannot be had without waiting: the call is then kept)."""
     try:
+        flag = torch.isfinite(probes if isinstance(probes, torch.Tensor) else stack_probes(probes)).all()
+        if flag.device.type == "cpu":
+            value = bool(flag.untyped_storage()[0])  # computed already: reading host memory is no sync
+            return lambda: value
         host = torch.empty((), dtype=torch.bool, pin_memory=True)
         host.copy_(flag, non_blocking=True)
         done = torch.Event(flag.device)
         done.record()
-    except Exception:  # a device without events or pinned memory: keep the call to the step's end
+    except Exception:  # no events or pinned memory, a transformed tensor (torch.func): keep the call
         return lambda: None
     return lambda: bool(host.untyped_storage()[0]) if done.query() else None
