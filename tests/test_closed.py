@@ -76,3 +76,42 @@ def test_on_find_that_closes_the_hunt_leaves_nothing_behind(with_optimizer: bool
     assert ref() is None, "the closed hunt kept the model alive"
     assert all(r() is None for r in inputs), "the closed hunt kept an input batch alive"
     assert len(hunt.findings) == len(seen)
+
+
+@pytest.mark.parametrize("then_raise", [False, True])
+def test_on_find_closing_inside_step_with_a_later_user_hook(then_raise: bool) -> None:
+    """on_find closes the hunt from the optimizer's pre-hook while torch iterates the pre-hooks and
+    a user hook comes after ours: today "OrderedDict mutated during iteration" out of opt.step().
+    Now the step goes on (or the user's own exception leaves it), the user's hook runs, and none
+    of nanhunt's hooks are left afterwards."""
+
+    class Stop(Exception):
+        pass
+
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    box: dict[str, Any] = {}
+
+    def on_find(f: nanhunt.Finding) -> None:
+        box["hunt"].close()
+        if then_raise:
+            raise Stop
+
+    box["hunt"] = nanhunt.watch(model, opt, on_find=on_find)
+    ran: list[int] = []
+    user = opt.register_step_pre_hook(lambda o, a, k: ran.append(1))
+    x = torch.randn(8, 4)
+    x[3] = 1000.0
+    model(x).sum().backward()
+    if then_raise:
+        with pytest.raises(Stop):
+            opt.step()
+        assert ran == []
+    else:
+        opt.step()
+        assert ran == [1]
+    assert box["hunt"].closed
+    assert list(opt._optimizer_step_pre_hooks) == [user.id] and not opt._optimizer_step_post_hooks
+    assert "_optimizer_step_code" not in opt.__dict__
+    opt.step()
+    assert ran[-1:] == [1]

@@ -10,6 +10,7 @@ non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate
 from __future__ import annotations
 
 import fnmatch
+import sys
 import time
 import warnings
 import weakref
@@ -108,6 +109,8 @@ class Hunt:
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = []
+        self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
+        self._deferred: list[Any] = []
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -439,7 +442,14 @@ class Hunt:
             if kwargs and "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        self._check_step(i, opt)
+        self._stepping = opt
+        try:
+            self._check_step(i, opt)
+        finally:
+            self._stepping = None
+            if self._deferred:  # on_find closed the hunt: see _release
+                _after_pre_hooks(opt, self._deferred, sys.exc_info()[0] is not None)
+                self._deferred = []
         return None
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
@@ -616,7 +626,11 @@ class Hunt:
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
         self._paused = True  # for good: a hook torch already had in hand for this call does nothing
+        busy = self._stepping._optimizer_step_pre_hooks if self._stepping is not None else None
         for h in self._handles:
+            if busy is not None and getattr(h, "hooks_dict_ref", lambda: None)() is busy:
+                self._deferred.append(h)  # torch is iterating that dict right now (on_find closed us)
+                continue
             h.remove()
         self._handles.clear()
         self._log.release()
@@ -646,6 +660,25 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
             )
     return opts
 
+
+
+def _after_pre_hooks(opt: torch.optim.Optimizer, handles: list[Any], now: bool) -> None:
+    """Remove step pre-hooks of ``opt`` that were removed while torch iterated them (a dict changed
+    during iteration raises out of ``step()``): at once if the iteration was cut short by an
+    exception, else right after the update (``Optimizer._optimizer_step_code``, before post-hooks)."""
+    if now or not hasattr(type(opt), "_optimizer_step_code"):
+        for h in handles:
+            h.remove()
+        return
+    hooks = list(handles)
+
+    def after_update() -> None:
+        opt.__dict__.pop("_optimizer_step_code", None)
+        for h in hooks:
+            h.remove()
+        type(opt)._optimizer_step_code(opt)
+
+    opt._optimizer_step_code = after_update  # type: ignore[method-assign]
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
