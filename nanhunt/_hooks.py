@@ -1,13 +1,23 @@
-"""Global module hooks that come off cleanly (torch <= 2.13 leaves a removed with_kwargs hook's id behind)."""
+"""Global module hooks that come off cleanly (torch <= 2.13 leaves a removed with_kwargs hook's id
+behind), and the process-wide rules every nanhunt hook obeys so that hunts compose:
+
+- **Replays are invisible.** While a thread replays a recorded call (after a hit), every nanhunt
+  hook on that thread stands aside (`replaying_here()`): no other hunt counts the replay as a root
+  call, records it into its step, or hooks its tensors. One dict lookup when nothing replays.
+- **Hunts opened** are announced (`hunt_opened`) to whoever subscribed: ``nanhunt run`` leaves a
+  model the script watches itself to the script's own hunt.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from threading import get_ident
 from typing import Any
 
 from torch.nn.modules import module as _module_mod
 
-__all__ = ["GlobalHooks"]
+__all__ = ["GlobalHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened"]
 
 
 class GlobalHooks:
@@ -24,3 +34,48 @@ class GlobalHooks:
             h.remove()
             _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
+
+
+# thread ident -> depth of the replays under way on that thread. Hot-path check, when nothing
+# replays (the usual case): `if REPLAYING and ...` is one global load and an empty-dict test.
+REPLAYING: dict[int, int] = {}
+
+
+def replaying_here() -> bool:
+    """Is this thread replaying a recorded call (so nanhunt's hooks must stand aside)?"""
+    return bool(REPLAYING) and get_ident() in REPLAYING
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Mark this thread as replaying for the block (nests)."""
+    t = get_ident()
+    REPLAYING[t] = REPLAYING.get(t, 0) + 1
+    try:
+        yield
+    finally:
+        n = REPLAYING[t] - 1
+        if n:
+            REPLAYING[t] = n
+        else:
+            del REPLAYING[t]
+
+
+_opened: list[Callable[[Any], None]] = []
+
+
+def on_hunt_opened(fn: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``fn(hunt)`` for every hunt opened from now on; returns the function that stops it."""
+    _opened.append(fn)
+
+    def stop() -> None:
+        if fn in _opened:
+            _opened.remove(fn)
+
+    return stop
+
+
+def hunt_opened(hunt: Any) -> None:
+    """Announce a new hunt (its hooks are in place)."""
+    for fn in list(_opened):
+        fn(hunt)

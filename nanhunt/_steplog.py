@@ -196,6 +196,8 @@ class StepLog:
         self.stats_rows: list[tuple[str, str, int]] = []
         self.stats_of: dict[tuple[int, int], torch.Tensor] = {}  # sampled steps: a probed output's statistics
         self.root_calls = 0
+        self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
+        self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -238,6 +240,7 @@ class StepLog:
         self.stats.clear()
         self.stats_rows.clear()
         self.stats_of.clear()
+        self.pending.clear()
 
 
 

@@ -270,6 +270,19 @@ class ComplexNet(nn.Module):
         return torch.fft.rfft(x) * self.gain / x.sum(-1, keepdim=True)
 
 
+class Exp(nn.Module):
+    """exp of its input: overflows to +inf past ~88.7 in float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+def expnet(seed: int = 0) -> nn.Sequential:
+    """Linear -> Exp -> Linear: a batch with a huge row overflows in Exp (born there, from finite inputs)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 1))
+
+
 # ---------------------------------------------------------------------------- nested outputs
 
 Pair = namedtuple("Pair", ["first", "second"])

@@ -14,6 +14,11 @@
   counts the training step from the first one. A global optimizer step pre-hook attaches any
   optimizer seen only at its first ``step()`` (one built before the watch opened); its own hooks,
   registered from inside that pre-hook, still run for that first step.
+- **The script's own hunts.** A script that calls ``nanhunt.watch`` itself keeps control of what it
+  watches: a tree holding (or inside) a root the script watches is left to the script's hunt for the
+  rest of the run (an auto hunt already on it is closed, its findings kept), and that hunt's
+  findings count in ``nanhunt run``'s report and exit status, each once. Replays (any hunt's) are
+  never discovered as calls.
 
 `close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__``.
 """
@@ -32,6 +37,7 @@ from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
 from .._finding import Finding, NonFiniteError
+from .._hooks import on_hunt_opened, replaying_here
 from .._record import Hunt, NonFiniteWarning, watch
 from .._report import Report
 
@@ -72,6 +78,10 @@ class AutoWatch:
         self._running: list[nn.Module] = []
         self._busy = False
         self._closed = False
+        self.script_hunts: list[Hunt] = []  # hunts the script opened itself
+        self._aside: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # their trees: left to them
+        self._creating = False
+        self._unsubscribe = on_hunt_opened(self._on_hunt)
         self._handles = [
             _module_mod.register_module_forward_pre_hook(self._pre),
             _module_mod.register_module_forward_hook(self._post, always_call=True),
@@ -92,9 +102,11 @@ class AutoWatch:
 
     # ---------------------------------------------------------------- discovery
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if replaying_here():
+            return  # a hunt replaying a recorded call: not the script's program
         running = self._running
         running.append(module)
-        if len(running) > 1 or self._busy or module in self._owned:
+        if len(running) > 1 or self._busy or module in self._owned or module in self._aside:
             return
         self._busy = True
         try:
@@ -107,12 +119,17 @@ class AutoWatch:
             self._busy = False
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if replaying_here():
+            return
         running = self._running
         if module in running:
             while running and running.pop() is not module:  # a child raised and was not unwound
                 pass
 
     def _start(self, module: nn.Module, args: Any) -> None:
+        if any(m in self._aside for m in module.modules()):  # holds a tree the script watches itself
+            self._aside.update(module.modules())
+            return
         inner = [m for m in module.modules() if m in self._roots]
         for m in inner:  # a bigger tree that holds watched roots: watch it instead
             h = self._roots.pop(m)
@@ -120,7 +137,11 @@ class AutoWatch:
                 self._owned.pop(sub, None)
             h.close()
         cb = _OnFind(self, self.on_find)
-        hunt = watch(module, on_find=cb, **self.options)
+        self._creating = True
+        try:
+            hunt = watch(module, on_find=cb, **self.options)
+        finally:
+            self._creating = False
         cb.hunt = hunt
         self.hunts.append((type(module).__name__, hunt))
         self._roots[module] = hunt
@@ -129,6 +150,32 @@ class AutoWatch:
         for opt in list(self._pending):
             self._attach(opt)
         hunt._join(module, args)  # its hooks were registered during this call: let it see the call too
+
+    def _on_hunt(self, hunt: Hunt) -> None:
+        """The script opened a hunt itself: its tree is left to it; an auto hunt overlapping that
+        tree is closed (recording a pending finding, never raising into the script)."""
+        root = hunt._root
+        if self._creating or self._closed or root is None:
+            return
+        self.script_hunts.append(hunt)
+        tree = set(root.modules())
+        for m, h in list(self._roots.items()):
+            if m in tree or root in set(m.modules()):
+                self._roots.pop(m, None)
+                for sub in m.modules():
+                    self._owned.pop(sub, None)
+                    self._aside.add(sub)
+                self._close_quietly(h)
+        self._aside.update(tree)
+
+    @staticmethod
+    def _close_quietly(hunt: Hunt) -> None:
+        if isinstance(hunt.on_find, _OnFind):
+            hunt.on_find.mode = "record"
+        try:
+            hunt.close()
+        except NonFiniteError:
+            pass
 
     # ---------------------------------------------------------------- optimizers
     def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
@@ -164,12 +211,12 @@ class AutoWatch:
     def findings(self) -> list[Finding]:
         """Every finding of every hunt, in the order they were made."""
         seen = {id(f) for _, f in self.order}
-        extra = [f for _, h in self.hunts for f in h.findings if id(f) not in seen]
+        extra = [f for h in self._all() for f in h.findings if id(f) not in seen]
         return [f for _, f in self.order] + extra
 
     def report(self) -> Report:
         """The report of the hunt that made the first finding, with every hunt's findings."""
-        hunt = self.order[0][0] if self.order else next((h for _, h in self.hunts if h.findings), None)
+        hunt = self.order[0][0] if self.order else next((h for h in self._all() if h.findings), None)
         if hunt is None and self.hunts:
             hunt = self.hunts[0][1]
         base = hunt.report if hunt is not None else Report()
@@ -180,11 +227,17 @@ class AutoWatch:
             meta["root"] = next((n for n, h in self.hunts if h is hunt), None)
         return Report(self.findings(), history=base.history, warnings=base.warnings, meta=meta)
 
+    def _all(self) -> list[Hunt]:
+        return [h for _, h in self.hunts] + self.script_hunts
+
     def close(self) -> None:
-        """Close every hunt (a pending finding is recorded, never raised), remove every hook."""
+        """Close every hunt (a pending finding is recorded, never raised), remove every hook.
+
+        A hunt the script opened and left open gets its last sync here (recorded, never raised)."""
         if self._closed:
             return
         self._closed = True
+        self._unsubscribe()
         try:
             for h in self._handles:
                 h.remove()
@@ -193,12 +246,10 @@ class AutoWatch:
                 torch.optim.Optimizer.__init__ = self._orig_init  # type: ignore[method-assign]
                 self._orig_init = None
             for _, hunt in self.hunts:
-                if isinstance(hunt.on_find, _OnFind):
-                    hunt.on_find.mode = "record"
-                try:
-                    hunt.close()
-                except NonFiniteError:
-                    pass
+                self._close_quietly(hunt)
+            for hunt in self.script_hunts:  # still open when the script ended: its last sync, never raising
+                if not hunt.closed:
+                    hunt.close(raise_pending=False)
         finally:
             self._roots = weakref.WeakKeyDictionary()
             self._owned = weakref.WeakKeyDictionary()

@@ -250,12 +250,15 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     report_path = None
     if ns.report:
         report_path = rank_path(ns.report)
-        parent = os.path.dirname(os.path.abspath(report_path))
         if os.path.splitext(report_path)[1].lower() not in (".json", ".html", ".txt"):
             _err(f"--report must end in .json, .html or .txt; got {ns.report!r}")
             return EXIT_USAGE
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            _err(f"--report {ns.report!r}: folder {parent!r} does not exist or is not writable")
+        from .._files import check_writable
+
+        try:  # as the OS resolves it ("missing/../r.json" names no folder), kept absolute
+            report_path = check_writable(report_path, (".json", ".html", ".txt"), "--report")
+        except (ValueError, PermissionError) as e:
+            _err(str(e))
             return EXIT_USAGE
     if ns.history < 0:
         _err("--history must be >= 0")

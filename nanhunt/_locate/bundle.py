@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._files import atomic_write
+from .._files import FileFormatError, atomic_write, check_type, checked_fields, need
 from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
@@ -267,6 +267,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise BundleError(_refusal(p, e)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{p} is not a nanhunt bundle (format {FORMAT!r} expected)")
+    check(data, p)
     return data
 
 
@@ -291,6 +292,50 @@ def _refusal(path: str, e: Exception) -> str:
     tail = said.rpartition("WeightsUnpickler error:")[2]
     first = next((ln.strip() for ln in tail.splitlines() if ln.strip()), type(e).__name__)
     return f"{path} was refused by the safe loader (weights_only=True): {first}; nothing in it was run"
+
+
+# ------------------------------------------------------------------ checking what was read
+_TOP: dict[str, Any] = {  # field -> type, as save() writes them; all but format may be absent
+    "torch": str, "module_name": str, "module_path": str, "module_type": str, "tree": dict[str, Any],
+    "state_dict": dict[str, torch.Tensor], "training": bool, "device": str | None,
+    "args": list[Any],  # a tuple in the file: lists and tuples are alike here
+    "kwargs": dict[str, Any], "rng_state": torch.Tensor | None,
+    "cuda_rng": list[torch.Tensor] | None, "autocast": list[tuple[str, bool, str]] | None,
+    "grad_enabled": bool, "finding": dict[str, Any] | None,
+}
+_TREE: dict[str, Any] = {
+    "attrs": dict[str, Any], "skipped": list[str], "params": dict[str, torch.Tensor | None],
+    "requires_grad": dict[str, bool], "buffers": dict[str, torch.Tensor | None], "nonpersistent": list[str],
+    "children": dict[str, dict[str, Any] | None],
+}
+
+
+def check(data: dict[str, Any], source: str = "bundle") -> None:
+    """Every field of a bundle read back, checked: `BundleError` naming the first wrong one."""
+    try:
+        for key, tp in _TOP.items():
+            need(data, key, tp, "bundle", None)
+        rng = data.get("rng_state")
+        if isinstance(rng, torch.Tensor) and (rng.dtype != torch.uint8 or rng.dim() != 1):
+            raise FileFormatError(f"bundle.rng_state must be a 1-d uint8 tensor, got {rng.dtype} of shape {tuple(rng.shape)}")
+        if "tree" in data:
+            _check_tree(data["tree"], "bundle.tree", 0)
+        if isinstance(data.get("finding"), dict):
+            checked_fields(Finding, data["finding"], "bundle.finding", Finding.from_dict)
+    except FileFormatError as e:
+        raise BundleError(f"{source}: {e}") from None
+
+
+def _check_tree(tree: Any, where: str, depth: int) -> None:
+    if depth > 64:
+        raise FileFormatError(f"{where} is nested too deep")
+    need(tree, "module_path", str, where)
+    need(tree, "module_type", str, where)
+    for key, tp in _TREE.items():
+        need(tree, key, tp, where, None)
+    for name, child in (tree.get("children") or {}).items():
+        if child is not None:
+            _check_tree(child, f"{where}.children.{name}", depth + 1)
 
 
 # ------------------------------------------------------------------ rebuilding
@@ -414,13 +459,22 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
     """
 
     data = bundle if isinstance(bundle, dict) else load(bundle)
-    if isinstance(bundle, dict) and data.get("format") != FORMAT:
-        raise BundleError(f"not a nanhunt bundle (format {FORMAT!r} expected)")
+    if isinstance(bundle, dict):
+        if data.get("format") != FORMAT:
+            raise BundleError(f"not a nanhunt bundle (format {FORMAT!r} expected)")
+        check(data)
     bad = _unsupported(data.get("args")) + _unsupported(data.get("kwargs"))
     if bad:
         raise BundleError(f"the saved call had inputs a bundle cannot hold ({', '.join(bad)}); it cannot be replayed")
     if module is None:
-        m = rebuild(data["tree"])
+        if not isinstance(data.get("tree"), dict):
+            raise BundleError("bundle.tree is missing: the module cannot be rebuilt; pass your own instance as module=")
+        try:
+            m = rebuild(data["tree"])
+        except BundleError:
+            raise
+        except Exception as e:  # names torch refuses (a dotted parameter name, ...): one clear line
+            raise BundleError(f"the saved module cannot be rebuilt: {type(e).__name__}: {e}") from None
     elif isinstance(module, type) and issubclass(module, nn.Module):
         saved = data["tree"].get("module_type") if isinstance(data.get("tree"), dict) else None
         if saved != module.__qualname__:
@@ -431,7 +485,9 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         m = module
         try:
-            m.load_state_dict(data["state_dict"])
+            m.load_state_dict(check_type(data.get("state_dict"), dict[str, torch.Tensor], "bundle.state_dict"))
+        except FileFormatError as e:
+            raise BundleError(str(e)) from None
         except RuntimeError as e:
             raise BundleError(f"the saved state does not fit your {type(m).__name__}: {e}") from None
     m.train(bool(data.get("training", False)))
@@ -439,7 +495,8 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
     dev = torch.device(device) if device is not None else torch.device(saved if _available(saved) else "cpu")
     m.to(dev)
     args, kwargs = _to(data.get("args") or (), dev), _to(data.get("kwargs") or {}, dev)
-    expected = Finding.from_dict(data["finding"]) if isinstance(data.get("finding"), dict) else None
+    expected = checked_fields(Finding, data["finding"], "bundle.finding", Finding.from_dict) \
+        if isinstance(data.get("finding"), dict) else None
     cpu_rng = torch.get_rng_state()
     try:
         if isinstance(data.get("rng_state"), torch.Tensor):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import GlobalHooks
+from .._hooks import GlobalHooks, replaying
 from .._steplog import Top
 from .._tensors import Path, is_bad, own_tensors, probe, stack_probes, tensors
 
@@ -111,6 +111,7 @@ def faithful(top: Top) -> Iterator[None]:
         bufs = [(b, b.clone()) for b in mod.buffers()]
     stack = contextlib.ExitStack()
     try:
+        stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
         torch.set_rng_state(top.rng)
         if top.cuda_rng is not None:
             torch.cuda.set_rng_state_all(top.cuda_rng)

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._finding import Finding, NonFiniteError
-from .._hooks import GlobalHooks
+from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
 from .._locate import locate
 from .._profile import span
 from .._report import Report
@@ -32,6 +35,7 @@ from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
 from .probe import fused_probe
+from .retain import settle
 
 __all__ = ["Hunt", "NonFiniteWarning"]
 
@@ -39,6 +43,7 @@ _logger = logging.getLogger("nanhunt")
 
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
+_REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
 # Modules whose output can be non-finite only if their input is: their outputs are not probed
 # (a memory pass each) when they run inside a watched module. A non-finite input was either
@@ -68,6 +73,7 @@ class Hunt:
         o = options if options is not None else Options.make()
         self.options = o
         self._report_path = o.report
+        self._report_at: float | None = None  # when `report=` was last written while running
         self._bundle_path = o.bundle
 
         self.on_find = o.on_find
@@ -113,6 +119,8 @@ class Hunt:
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
+        self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
+        self._deferred: list[Any] = []
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -125,6 +133,7 @@ class Hunt:
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
+        hunt_opened(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -146,13 +155,12 @@ class Hunt:
         For loops the hooks cannot see the end of (integrations); ``advance=True`` also counts a
         step, for loops without a watched optimizer.
         """
-        if not self._closed:
-            self._end_step(advance=advance, collective=bool(self._opts))
+        self._open("hunt.sync()")
+        self._end_step(advance=advance, collective=bool(self._opts))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
-        if self._closed:
-            raise RuntimeError("this hunt is closed")
+        self._open("hunt.add_optimizer()")
         (opt,) = _optimizers(optimizer)
         if any(o is opt for o in self._opts):
             return
@@ -167,7 +175,9 @@ class Hunt:
             raise TypeError(f"hunt.check() needs a torch.Tensor, got {type(tensor).__name__} for {name!r}")
         if not isinstance(name, str):
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
-        if self._closed or self._paused or not is_checked(tensor):
+        if self._closed:
+            self._open("hunt.check()")
+        if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
             return tensor
         log = self._log
         log.sums.append(probe(tensor))
@@ -187,7 +197,13 @@ class Hunt:
         self._close(raise_pending=raise_pending)
 
     def __enter__(self) -> Hunt:
+        self._open("`with hunt:`")
         return self
+
+    def _open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed nanhunt hunt: close() ended it (its findings and report "
+                               "stay readable); start a new one with nanhunt.watch()")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close(raise_pending=exc_type is None)
@@ -214,8 +230,8 @@ class Hunt:
         return names
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused or torch.compiler.is_compiling():
-            return  # inside a compiled graph only _post_compiled runs
+        if self._paused or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
+            return  # inside a compiled graph only _post_compiled runs; a replay is no hunt's program
         names = self._names
         name = names.get(module) if names is not None else self._name_of(module)
         wrapper = None
@@ -234,11 +250,17 @@ class Hunt:
             if module is self._root and not self._opts:
                 if log.root_calls:
                     self._end_step(advance=True)
+                    if self._closed:  # on_find closed the hunt
+                        return
                     log = self._log
                 log.root_calls += 1
             elif len(log) > _MAX_ENTRIES and not self.distributed:
                 self._end_step(advance=False)
+                if self._closed:
+                    return
                 log = self._log
+            if log.tops:
+                settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
             log.tops[-1].compiled = wrapper  # the compiled configuration: what a verdict replays
@@ -263,7 +285,7 @@ class Hunt:
         if output is _NO:  # the always-call path after an exception: (module, args, result)
             output, kwargs = kwargs, {}
         stack = self._stack
-        if not stack or self._paused:
+        if not stack or self._paused or (REPLAYING and get_ident() in REPLAYING):
             return
         c = stack[-1]
         if c.module is not module:
@@ -375,7 +397,7 @@ class Hunt:
         return i
 
     def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
-        if g is None or log is not self._log or self._paused or not is_checked(g):
+        if g is None or log is not self._log or self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(g):
             return
         log.sums.append(probe(g))
         log.meta.append(Bwd(i))
@@ -393,14 +415,18 @@ class Hunt:
 
     # sentinel mode: only the root's calls are recorded, for the replay
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._paused or self._stack:
+        if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
             return
         log = self._log
         if not self._opts:
             if log.root_calls:
                 self._end_step(advance=True)
+                if self._closed:  # on_find closed the hunt
+                    return
                 log = self._log
             log.root_calls += 1
+        if log.tops:
+            settle(log)
         top = _capture_top(module, args)
         top.kwargs = kwargs
         log.tops.append(top)
@@ -413,6 +439,8 @@ class Hunt:
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
         if output is _NO:
             output, kwargs = kwargs, {}
+        if REPLAYING and get_ident() in REPLAYING:
+            return
         if self._stack and self._stack[-1].module is module:
             c = self._stack.pop()
             if torch.is_grad_enabled():  # for a backward replay: the gradients arriving at the output
@@ -437,7 +465,14 @@ class Hunt:
             if kwargs and "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
-        self._check_step(i, opt)
+        self._stepping = opt
+        try:
+            self._check_step(i, opt)
+        finally:
+            self._stepping = None
+            if self._deferred:  # on_find closed the hunt: see _release
+                _after_pre_hooks(opt, self._deferred, sys.exc_info()[0] is not None)
+                self._deferred = []
         return None
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
@@ -554,7 +589,7 @@ class Hunt:
             if bad:
                 self._paused = True
                 try:
-                    with span("nanhunt::replay", cuda):
+                    with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
                         found = locate(self._view(log, step))
                 except Exception as e:  # the other ranks still wait for this rank's findings
                     if d is None:
@@ -579,7 +614,10 @@ class Hunt:
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         if self._report_path is not None:
-            self._write_report()
+            now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
+            if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
+                self._report_at = now
+                self._write_report()
         level = logging.WARNING if self.on_find == "warn" else logging.INFO
         for f in found:
             _logger.log(level, "%s", f)  # the summary, formatted only when a handler wants it
@@ -595,8 +633,9 @@ class Hunt:
     def _write_report(self) -> None:
         try:
             self.report.save(self._report_path)  # type: ignore[arg-type]
-        except OSError as e:  # never break the user's run over a report
-            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {e}", stacklevel=3)
+        except Exception as e:  # never break the user's run over a report (a full disk, a bad name...)
+            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
+                          stacklevel=3)
 
     def _view(self, log: StepLog, step: int) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
@@ -633,7 +672,12 @@ class Hunt:
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
+        self._paused = True  # for good: a hook torch already had in hand for this call does nothing
+        busy = self._stepping._optimizer_step_pre_hooks if self._stepping is not None else None
         for h in self._handles:
+            if busy is not None and getattr(h, "hooks_dict_ref", lambda: None)() is busy:
+                self._deferred.append(h)  # torch is iterating that dict right now (on_find closed us)
+                continue
             h.remove()
         self._handles.clear()
         self._log.release()
@@ -663,6 +707,25 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
             )
     return opts
 
+
+
+def _after_pre_hooks(opt: torch.optim.Optimizer, handles: list[Any], now: bool) -> None:
+    """Remove step pre-hooks of ``opt`` that were removed while torch iterated them (a dict changed
+    during iteration raises out of ``step()``): at once if the iteration was cut short by an
+    exception, else right after the update (``Optimizer._optimizer_step_code``, before post-hooks)."""
+    if now or not hasattr(type(opt), "_optimizer_step_code"):
+        for h in handles:
+            h.remove()
+        return
+    hooks = list(handles)
+
+    def after_update() -> None:
+        opt.__dict__.pop("_optimizer_step_code", None)
+        for h in hooks:
+            h.remove()
+        type(opt)._optimizer_step_code(opt)
+
+    opt._optimizer_step_code = after_update  # type: ignore[method-assign]
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

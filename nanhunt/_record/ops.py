@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .._hooks import replaying_here
 from .._steplog import Op
 from .._tensors import is_checked, probe
 from .hunt import Hunt
@@ -60,7 +61,7 @@ class OpsHunt(Hunt):
         self._mode.__enter__()
 
     def _record_op(self, op: str, node: str | None, outs: list[torch.Tensor]) -> None:
-        if self._paused or self._closed:
+        if self._paused or self._closed or replaying_here():
             return
         log = self._log
         ci = self._stack[-1].index if self._stack and node is None else -1

@@ -131,7 +131,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         for col in ("step", "phase", "module", "tensor", "cause"):
             t.add_column(col, justify="right" if col == "step" else "left")
         for g in report.findings:
-            t.add_row(str(g.step), g.phase, g.module or "<model>", g.tensor, g.cause)
+            t.add_row(*(Text(str(c)) for c in (g.step, g.phase, g.module or "<model>", g.tensor, g.cause)))
         yield t
 
 
@@ -201,7 +201,7 @@ def html(report: Report) -> str:
         parts.append("<tr><th>step</th><th>phase</th><th>module</th><th>tensor</th><th>cause</th><th>op</th></tr>")
         for g in report.findings:
             parts.append(
-                f"<tr><td>{g.step}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
+                f"<tr><td>{e(str(g.step))}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
                 f"<td class='mono'>{e(element_text(g))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
             )
         parts.append("</table>")
@@ -220,4 +220,21 @@ def print_report(report: Report, stream: Any = None) -> None:
         else:
             Console(file=stream).print(report)
             return
-    print(report, file=stream)
+    print(printable(str(report), getattr(stream, "encoding", None)), file=stream)
+
+
+# control characters (C0 but tab and newline, DEL, C1) shown escaped: a report's strings are data,
+# never terminal commands
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (0x09, 0x0A)}
+_CONTROL.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})  # bidi overrides
+
+
+def printable(s: str, encoding: str | None = None) -> str:
+    """``s`` safe to print: control characters escaped, and what ``encoding`` cannot hold (a lone
+    surrogate in a module name) backslash-escaped instead of raising."""
+    s = s.translate(_CONTROL)
+    enc = encoding or "utf-8"
+    try:
+        return s.encode(enc, "backslashreplace").decode(enc)
+    except LookupError:
+        return s

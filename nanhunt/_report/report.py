@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .._files import atomic_write
+from .._files import atomic_write, checked_fields, need
 from .._finding import Finding
 from .render import html, rich_renderables, text
 from .sources import read_sources
@@ -59,14 +59,20 @@ class Report:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Report:
+        """A report read back (maybe someone else's): every field is checked; a wrong one raises
+        `FileFormatError` (a `ValueError`) naming it, e.g. ``findings[0].step must be an int``."""
         if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("nanhunt.report/"):
             raise ValueError("not a nanhunt report: the 'schema' field is missing or unknown")
+        found = need(d, "findings", list, "report", [])
+        history = need(d, "history", dict[str, Any] | None, "report", None) or {}
+        for key, tp in _HISTORY.items():
+            need(history, key, tp, "report.history", None)
         return cls(
-            [Finding.from_dict(f) for f in d.get("findings", [])],
-            history=d.get("history") or {},
-            warnings=d.get("warnings") or [],
-            meta=d.get("meta") or {},
-            sources={str(k): str(v) for k, v in (d.get("sources") or {}).items()},
+            [checked_fields(Finding, f, f"findings[{i}]", Finding.from_dict) for i, f in enumerate(found)],
+            history=history,
+            warnings=need(d, "warnings", list[dict[str, Any]] | None, "report", None) or [],
+            meta=need(d, "meta", dict[str, Any] | None, "report", None) or {},
+            sources={str(k): str(v) for k, v in (need(d, "sources", dict[str, Any] | None, "report", None) or {}).items()},
         )
 
     @classmethod
@@ -101,7 +107,7 @@ class Report:
             raise ValueError(f"report path must end in .json, .html or .txt; got {p!r}")
 
         def write(tmp: str) -> None:
-            with open(tmp, "w", encoding="utf-8") as fh:
+            with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as fh:  # never fails on a name
                 fh.write(data)
 
         return atomic_write(p, suffix, write)
@@ -125,6 +131,13 @@ class Report:
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         yield from rich_renderables(self)
+
+
+# the history's fields as `_record.history` writes them (each may be absent)
+_HISTORY: dict[str, Any] = {
+    "steps": list[int], "modules": list[str], "dtype": dict[str, str],
+    **{k: list[list[float | None]] for k in ("absmax", "rms", "zeros", "headroom")},
+}
 
 
 def _plain(o: Any) -> Any:

@@ -139,7 +139,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
                 hunt.add_optimizer(opt)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.hunt is not None and not self._eval_only:
+        if self.hunt is not None and not self.hunt.closed and not self._eval_only:
             self.hunt.sync()  # validation inside fit (and the sanity check): report it before training on
         elif self._eval_only:
             self._stop()
@@ -200,7 +200,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
         self._eval_only = True
 
     def _eval_batch_end(self) -> None:
-        if self._eval_only and self.hunt is not None:
+        if self._eval_only and self.hunt is not None and not self.hunt.closed:
             self.hunt.sync(advance=True)  # no optimizer: one check per batch, `step` = batch index
 
     def _stop(self) -> None:

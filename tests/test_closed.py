@@ -1,0 +1,117 @@
+"""A closed hunt says so, and a hunt closed from inside its own `on_find` leaves nothing behind."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+import nanhunt
+
+from . import zoo
+
+
+@pytest.mark.parametrize("use", ["check", "sync", "with"])
+def test_a_closed_hunt_refuses_to_be_used(use: str) -> None:
+    model = zoo.expnet()
+    hunt = nanhunt.watch(model)
+    model(torch.randn(2, 4))
+    hunt.close()
+    hunt.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        if use == "check":
+            hunt.check(torch.ones(3), "loss")
+        elif use == "sync":
+            hunt.sync()
+        else:
+            with hunt:
+                pass
+    assert hunt.report.findings == []  # still readable
+
+
+def _planted(step: int) -> torch.Tensor:
+    x = torch.randn(8, 4)
+    if step == 1:
+        x[3] = 1000.0  # Exp overflows: a forward finding at step 1
+    return x
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_on_find_that_closes_the_hunt_leaves_nothing_behind(with_optimizer: bool, mode: str) -> None:
+    """Without an optimizer the step ends in the root's next pre-hook: today the hook went on to
+    record that call into the closed hunt (its inputs, the model) after on_find closed it."""
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    box: dict[str, Any] = {}
+    seen: list[nanhunt.Finding] = []
+
+    def on_find(f: nanhunt.Finding) -> None:
+        seen.append(f)
+        box["hunt"].close()
+
+    hunt = nanhunt.watch(model, opt if with_optimizer else None, on_find=on_find, mode=mode)
+    box["hunt"] = hunt
+    torch.manual_seed(1)
+    inputs = []
+    for step in range(4):
+        x = _planted(step)
+        inputs.append(weakref.ref(x))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if with_optimizer:
+            opt.step()
+            opt.zero_grad()
+        del x, loss
+    assert hunt.closed and seen and seen[0].step == 1
+    assert not hunt._handles and hunt._root is None and not hunt._stack
+    assert not hunt._log.tops and not hunt._log.calls and not hunt._log.sums
+    ref = weakref.ref(model)
+    box.clear()
+    del model, opt
+    gc.collect()
+    assert ref() is None, "the closed hunt kept the model alive"
+    assert all(r() is None for r in inputs), "the closed hunt kept an input batch alive"
+    assert len(hunt.findings) == len(seen)
+
+
+@pytest.mark.parametrize("then_raise", [False, True])
+def test_on_find_closing_inside_step_with_a_later_user_hook(then_raise: bool) -> None:
+    """on_find closes the hunt from the optimizer's pre-hook while torch iterates the pre-hooks and
+    a user hook comes after ours: today "OrderedDict mutated during iteration" out of opt.step().
+    Now the step goes on (or the user's own exception leaves it), the user's hook runs, and none
+    of nanhunt's hooks are left afterwards."""
+
+    class Stop(Exception):
+        pass
+
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    box: dict[str, Any] = {}
+
+    def on_find(f: nanhunt.Finding) -> None:
+        box["hunt"].close()
+        if then_raise:
+            raise Stop
+
+    box["hunt"] = nanhunt.watch(model, opt, on_find=on_find)
+    ran: list[int] = []
+    user = opt.register_step_pre_hook(lambda o, a, k: ran.append(1))
+    x = torch.randn(8, 4)
+    x[3] = 1000.0
+    model(x).sum().backward()
+    if then_raise:
+        with pytest.raises(Stop):
+            opt.step()
+        assert ran == []
+    else:
+        opt.step()
+        assert ran == [1]
+    assert box["hunt"].closed
+    assert list(opt._optimizer_step_pre_hooks) == [user.id] and not opt._optimizer_step_post_hooks
+    assert "_optimizer_step_code" not in opt.__dict__
+    opt.step()
+    assert ran[-1:] == [1]

@@ -1,0 +1,168 @@
+"""Hunts that run at once see only their own program: one hunt's replays are invisible to the others.
+
+Each case runs every hunt alone first, then all of them together on the same model and data: each
+hunt's findings (and step count) must be the same as alone. Today's failure modes were replays
+counted as root calls (extra steps, findings at steps that never ran) and recorded into the other
+hunt's step (wrong module, cause "unknown").
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+from nanhunt import Report
+
+from . import zoo
+
+BAD_STEP = 2
+
+
+def _fields(h: Any) -> list[tuple[Any, ...]]:
+    return [(f.phase, f.module, f.tensor, f.step, f.call, f.index, f.cause, f.op, f.reproducible) for f in h.findings]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> list[torch.Tensor]:
+    """A batch with a huge row at BAD_STEP makes Exp overflow (created there, from finite inputs);
+    the weights are put back after each step so later steps are clean again."""
+    torch.manual_seed(1)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, 4)
+        if step == BAD_STEP:
+            x[3] = 1000.0
+        good = zoo.snapshot(model)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        model.load_state_dict(good)
+    return losses
+
+
+# (target, with optimizer): "m" the model, "c" its first Linear
+CASES = {
+    "same model twice": [("m", True), ("m", True)],
+    "parent then child": [("m", True), ("c", False)],
+    "child then parent": [("c", False), ("m", True)],
+    "parent and child, no optimizer": [("m", False), ("c", False)],
+}
+
+
+def _hunts(spec: list[tuple[str, bool]], model: nn.Module, opt: torch.optim.Optimizer, mode: str) -> list[Any]:
+    return [nanhunt.watch(model if t == "m" else model[0], opt if o else None, on_find="record", mode=mode)
+            for t, o in spec]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_hunt_sees_only_its_own_program(case: str, mode: str) -> None:
+    spec = CASES[case]
+    alone = []
+    for one in spec:
+        model = zoo.expnet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        (h,) = _hunts([one], model, opt, mode)
+        _train(model, opt)
+        h.close()
+        alone.append((h.step, _fields(h)))
+    assert any(f for _, f in alone), "set-up: the planted overflow is found"
+    plain = zoo.expnet()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    plain_losses = _train(plain, plain_opt)
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hunts = _hunts(spec, model, opt, mode)
+    losses = _train(model, opt)
+    for h in hunts:
+        h.close()
+    together = [(h.step, _fields(h)) for h in hunts]
+    assert together == alone
+    # and the run itself is the unwatched one, bit for bit
+    assert all(zoo.bit_equal(a, b) for a, b in zip(losses, plain_losses))
+    assert zoo.same_state(zoo.snapshot(model), zoo.snapshot(plain))
+
+
+# ---------------------------------------------------------------- nanhunt run + the script's own watch
+OWN_WATCH = '''
+import json
+import sys
+
+import torch
+from torch import nn
+
+import nanhunt
+
+mode, warmup = sys.argv[1], sys.argv[2] == "warmup"
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return torch.exp(x)
+
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), Exp(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+if warmup:  # nanhunt run starts watching here, before the script's own watch
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+hunt = nanhunt.watch(model, opt, on_find=mode)
+caught = []
+for step in range(4):
+    x = torch.randn(8, 4)
+    if step == 2:
+        x[3] = 1000.0
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+    except nanhunt.NonFiniteError as e:
+        caught.append(e.finding.step)
+    opt.zero_grad()
+    model.load_state_dict(good)
+hunt.close()
+print("OWN", json.dumps({"caught": caught, "findings": [[f.phase, f.module, f.step, f.op] for f in hunt.findings]}))
+'''
+
+
+@pytest.fixture
+def run_cli(capsys):
+    from nanhunt._cli.main import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        rc = main(list(args))
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+@pytest.mark.parametrize("warmup", ["warmup", "no-warmup"])
+@pytest.mark.parametrize("mode", ["record", "raise"])
+def test_nanhunt_run_leaves_a_script_its_own_watch(tmp_path, run_cli, mode: str, warmup: str) -> None:
+    """The script's hunt wins for its model: it behaves as the script asked (record never raises
+    into the script; raise is caught by the script at the bad step), and `nanhunt run` reports its
+    findings once and exits 3."""
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent(OWN_WATCH))
+    report = tmp_path / "r.json"
+    rc, out, err = run_cli("run", "--report", str(report), str(script), mode, warmup)
+    line = next((ln for ln in out.splitlines() if ln.startswith("OWN ")), None)
+    assert line is not None, (out, err)
+    own = json.loads(line[4:])
+    assert own["caught"] == ([BAD_STEP] if mode == "raise" else [])
+    if mode == "record":
+        assert [f[:3] for f in own["findings"]] == [["forward", "1", 2], ["grad", "0", 2]]
+    assert own["findings"][0] == ["forward", "1", BAD_STEP, "aten.exp.default"]
+    assert rc == 3, err
+    saved = Report.load(report)
+    assert [[f.phase, f.module, f.step, f.op] for f in saved.findings] == own["findings"]
