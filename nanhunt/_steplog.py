@@ -27,7 +27,7 @@ from ._tensors import Path, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
-    "Fwd", "Chk", "Bwd", "Op", "Grads", "OptimState", "CompiledSlots",
+    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots",
 ]
 
 
@@ -133,7 +133,38 @@ class Op:
         self.out = out
 
 
-Entry = Fwd | Chk | Bwd | Op
+class Out:
+    """Output ``out`` of the torch call ``StepLog.outside[rec]``, made outside every watched call."""
+
+    kind = "out"
+    __slots__ = ("rec", "out")
+
+    def __init__(self, rec: int, out: int) -> None:
+        self.rec = rec
+        self.out = out
+
+
+class OutRec:
+    """A torch call made outside every watched module call: enough to replay it after a hit.
+
+    ``args``/``kwargs``/``out`` are the call's own objects, by reference; ``src`` the user's
+    ``file:line``, ``fn`` the name of the user's function that made the call.
+    """
+
+    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng")
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, src: str | None, fn: str,
+                 rng: torch.Tensor | None) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.out = out
+        self.src = src
+        self.fn = fn
+        self.rng = rng  # the CPU RNG state before the call, for the first call after a root call
+
+
+Entry = Fwd | Chk | Bwd | Op | Out
 
 
 # ------------------------------------------------------------------ fused checks (a vector each)
@@ -194,6 +225,8 @@ class StepLog:
         self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
         self.root_calls = 0
+        self.outside: list[OutRec] = []  # torch calls outside every watched call (see _record.outside)
+        self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -235,6 +268,8 @@ class StepLog:
         self.probed.clear()
         self.stats.clear()
         self.stats_rows.clear()
+        self.outside.clear()
+        self.seeds.clear()
 
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, StepView, Top
+from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepView, Top
 from .._tensors import (
     Path,
     dtype_name,
@@ -29,8 +29,10 @@ from .._tensors import (
     version,
 )
 from . import bundle as _bundle
+from . import graph as _graph
 from . import hints as _hints
 from . import oplevel as _oplevel
+from . import outside as _outside
 from .replay import Replay, ReplayCall, replay_top
 
 __all__ = ["analyze"]
@@ -48,6 +50,7 @@ class _Ctx:
         self._replays: dict[tuple[int, bool], Replay | None] = {}
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
         self.where: dict[int, tuple[str, int, int, Path]] = {}
+        self.facts: dict[int, dict[str, Any]] = {}  # per finding: the numbers its hint is chosen from
 
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
@@ -122,6 +125,10 @@ def analyze(view: StepView) -> list[Finding]:
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
+        elif kind == "out":
+            e = log.meta[i]
+            assert isinstance(e, Out)
+            f = _outside.forward_finding(log, ctx.step, e.rec, e.out)
         elif kind == "chk":
             f = _check_finding(ctx, i)
         elif kind == "bwd":
@@ -142,6 +149,10 @@ def analyze(view: StepView) -> list[Finding]:
                 if fb is not None:
                     out.append(fb)
                     break
+        else:  # no watched call made it: the outside code's backward (a loss module's parameters)
+            fb = _outside.backward_finding(log, ctx.step)
+            if fb is not None:
+                out.append(fb)
     for (_vec, entry), flags in zip(log.vectors, vbad):
         if isinstance(entry, Grads) and any(flags):
             f = _grad_finding(ctx, entry, flags, earlier=bool(out))
@@ -162,6 +173,7 @@ def _with_op(f: Finding, ops: list[Op]) -> Finding:
 
 def _finish(ctx: _Ctx, f: Finding) -> Finding:
     where = ctx.where.get(id(f))
+    facts = ctx.facts.get(id(f), {})
     if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
@@ -172,7 +184,8 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
-    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.view.rank)
+            facts = got.facts
+    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f, facts), rank=ctx.view.rank)
     if where is not None and where[0] == "forward" and ctx.view.bundle:
         _save_bundle(ctx, where, f)
     return f
@@ -331,13 +344,17 @@ def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     if not is_bad(t):
         return None
     index, value, counts = element(t)
-    fwd_bad = any(isinstance(m, Fwd) for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
-    return Finding(
+    fwd_bad = any(isinstance(m, (Fwd, Out)) for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
+    got, facts = _outside.check_origin(ctx.log, t)  # made by recorded code outside the model
+    f = Finding(
         phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,
         call=sum(1 for m in ctx.log.meta[:i] if isinstance(m, Chk) and m.name == name), index=index,
         value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
         cause="input" if fwd_bad else "created",
+        op=got.op if got else None, source=got.source if got else None, chain=tuple(got.chain) if got else (),
     )
+    ctx.facts[id(f)] = facts
+    return f
 
 
 # ---------------------------------------------------------------- backward
@@ -403,10 +420,15 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     if r is None or r.error is not None or not r.grads:
         return None
     events = [(k, is_bad(g)) for k, g in r.grads]
-    if not any(b for _, b in events):
-        return None
-    got = _backward_culprit(events, r.calls)
+    got = _backward_culprit(events, r.calls) if any(b for _, b in events) else None
     if got is None:
+        top = ctx.log.tops[top_i]
+        if not any(is_bad(ctx.log.tensors[k].grad) for k in top.out_keys):
+            # no module made it from its inputs' gradients: the root's own code, or a graph whose
+            # only leaves are parameters (a where-trap on a bare nn.Parameter)
+            fb = _node_finding(ctx, top_i)
+            if fb is not None or not any(b for _, b in events):
+                return fb
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
@@ -423,8 +445,33 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     return f
 
 
+def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
+    """The autograd node of the top-level call that made a non-finite gradient from finite ones."""
+    top = ctx.log.tops[top_i]
+    if not ctx.view.replay or not _replayable(top):
+        return None
+    grads = [ctx.log.tensors[k].grad for k in top.out_keys]
+    b = _graph.creator(top, ctx.names, grads, list(top.module.parameters()))
+    if b is None:
+        return None
+    module = b.module if b.module is not None else top.module
+    index, value, counts = element(b.grad)
+    f = Finding(
+        phase="backward", module=b.name if b.module is not None else ctx.names.get(top.module, ""),
+        module_type=type(module).__name__, tensor=f"grad_input[{b.slot}]", step=ctx.step,
+        call=0, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        reproducible=True,
+    )
+    ctx.facts[id(f)] = b.facts
+    return f
+
+
 def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | None) -> Finding | None:
     """The gradient arriving at the model's output was already non-finite: made outside it."""
+    fo = _outside.backward_finding(ctx.log, ctx.step)
+    if fo is not None:
+        return fo
     log = ctx.log
     top = log.tops[top_i]
     g = next((log.tensors[k].grad for k in top.out_keys if is_bad(log.tensors[k].grad)), None)

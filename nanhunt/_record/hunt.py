@@ -29,6 +29,7 @@ from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
+from .outside import Outside
 from .probe import fused_probe
 
 __all__ = ["Hunt", "NonFiniteWarning"]
@@ -103,6 +104,7 @@ class Hunt:
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = []
+        self._outside = Outside(self)  # code outside every watched call: on between root calls
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -158,12 +160,13 @@ class Hunt:
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
         if self._closed or self._paused or not is_checked(tensor):
             return tensor
-        log = self._log
-        log.sums.append(probe(tensor))
-        log.meta.append(Chk(name, tensor.detach()))
-        if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
-            k = self._key(tensor)
-            log.tensors[k].consumers.append((-1, (name,)))
+        with self._outside.muted():
+            log = self._log
+            log.sums.append(probe(tensor))
+            log.meta.append(Chk(name, tensor.detach()))
+            if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
+                k = self._key(tensor)
+                log.tensors[k].consumers.append((-1, (name,)))
         return tensor
 
     def close(self, *, raise_pending: bool = True) -> None:
@@ -219,6 +222,7 @@ class Hunt:
         stack = self._stack
         log = self._log
         if not stack:
+            self._outside.off()
             if module is self._root and not self._opts:
                 if log.root_calls:
                     self._end_step(advance=True)
@@ -299,6 +303,8 @@ class Hunt:
             top = log.tops[c.top]
             top.kwargs = kwargs
         if not torch.is_grad_enabled():
+            if c.depth == 0:
+                self._outside.on()
             return
         if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
             for path, t in tensors(output):
@@ -321,6 +327,7 @@ class Hunt:
             top.out_keys = [k for k, _ in c.out_keys]
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
+            self._outside.on()
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
@@ -372,6 +379,7 @@ class Hunt:
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._paused or self._stack:
             return
+        self._outside.off()
         log = self._log
         if not self._opts:
             if log.root_calls:
@@ -400,11 +408,14 @@ class Hunt:
                         self._log.tensors[k].keep_grad = True
                         top.out_keys.append(k)
                         c.out_keys.append((k, path))
+            if not self._paused:
+                self._outside.on()
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._paused:
             return None
+        self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
@@ -466,6 +477,8 @@ class Hunt:
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             h = hunt()
             before = h._steps_applied if h is not None else 0
+            if h is not None:
+                h._outside.off()
             if h is not None and getattr(scaler, "_scale", None) is not None:
                 h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
             out = orig(optimizer, *args, **kwargs)
@@ -490,6 +503,7 @@ class Hunt:
 
     def _end_step(self, *, advance: bool, raise_ok: bool = True, collective: bool = True) -> None:
         """The step's single sync; analysis and `on_find` only on a hit."""
+        self._outside.off()
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
@@ -585,6 +599,7 @@ class Hunt:
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
+        self._outside.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()
