@@ -59,7 +59,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "calls",
+        "out_keys", "calls", "saved",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -74,6 +74,7 @@ class Top:
         self.grad_enabled = grad_enabled
         self.out_keys: list[int] = []
         self.calls = 0
+        self.saved: dict[int, torch.Tensor] = {}  # id -> value before the call, of the root's floating buffers
 
 
 @dataclass

@@ -34,6 +34,7 @@ from torch.optim import optimizer as _optim_mod
 from .._finding import Finding, NonFiniteError
 from .._record import Hunt, NonFiniteWarning, watch
 from .._report import Report
+from .._words import paragraph
 
 __all__ = ["AutoWatch"]
 
@@ -47,9 +48,11 @@ class _OnFind:
         self.hunt: Hunt | None = None
 
     def __call__(self, f: Finding) -> None:
+        first = not self.owner.order
         self.owner.order.append((self.hunt, f))
-        if self.mode == "warn":
-            warnings.warn(f.summary(), NonFiniteWarning, stacklevel=2)
+        if self.mode == "warn" and (first or f.step != self.owner.warned_step):
+            self.owner.warned_step = f.step  # at most one warning per step; "First" only once
+            warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=2)
         elif self.mode == "raise" and self.hunt is not None:
             raise NonFiniteError(f, self.owner.report())
 
@@ -64,6 +67,7 @@ class AutoWatch:
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
         self.order: list[tuple[Hunt | None, Finding]] = []
+        self.warned_step = -1
         self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
         self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
         self._pending: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

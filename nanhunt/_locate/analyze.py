@@ -75,7 +75,7 @@ class _Ctx:
             if backward:
                 grads = [self.log.tensors[k].grad for k in top.out_keys]
                 params = list(top.module.parameters())
-            r = replay_top(top, self.names, backward=grads, params=params)
+            r = replay_top(top, self.names, backward=grads, params=params, before=dict(top.saved))
         self._replays[key] = r
         return r
 
@@ -118,8 +118,8 @@ def analyze(view: StepView) -> list[Finding]:
     for kind in sorted(firsts, key=firsts.__getitem__):
         i = firsts[kind]
         f = None
-        if kind == "bwd" and any(g.phase == "forward" for g in out):
-            continue  # a backward after a non-finite forward only carries it on: no second replay
+        if kind in ("bwd", "fwd", "out") and any(g.phase == "forward" for g in out):
+            continue  # after a non-finite forward, later values only carry it on: no second replay
         if kind == "fwd":
             f = _forward_finding(ctx, i)
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:

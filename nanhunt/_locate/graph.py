@@ -13,6 +13,7 @@ of the op that created it (`oplevel`'s node tracking).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +86,9 @@ def blame_nodes(nodes: list[Any], run: Any) -> tuple[Any, int, torch.Tensor, lis
 def creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None],
             params: list[Any]) -> Born | None:
     try:
-        return _creator(top, names, grads, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the user's code warned once already
+            return _creator(top, names, grads, params)
     except Exception:
         return None
 

@@ -48,7 +48,7 @@ _OPS = {
 _BACKWARD = {
     "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x)))",
     "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite",
-    "PowBackward0": "the gradient of x**p with p < 1 is infinite at 0",
+    "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1, and overflows for a large x when p > 1",
     "LogBackward0": "the gradient of log at 0 is infinite",
     "DivBackward0": "the gradient of a division by (nearly) 0 overflows",
     "NormBackward1": "the gradient of a norm at the zero vector is 0/0",

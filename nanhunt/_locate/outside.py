@@ -17,6 +17,7 @@ produced a non-finite gradient from finite ones. The RNG is restored afterwards.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,8 @@ def forward_origin(recs: list[OutRec], ri: int, j: int) -> tuple[OpOrigin | None
         rep = _Replay(recs, grad=False)
         rec = _Recorder()
         tag = _Tag(rec)
-        with _rng(), torch.no_grad(), tag:
+        with _rng(), torch.no_grad(), warnings.catch_warnings(), tag:
+            warnings.simplefilter("ignore")  # the user's code warned once already
             rep.run(ri, tag)
         outs = rep.outs[ri]
         if j >= len(outs):
@@ -194,7 +196,8 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     if not recs or not seeds:
         return None
     rep = _Replay(recs, grad=True)
-    with _rng(), torch.enable_grad():
+    with _rng(), torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         rep.run(len(recs) - 1, None)
     roots: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []

@@ -25,11 +25,13 @@ from .._locate import locate
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
+from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
 from .outside import Outside
+from .state import BufferState
 from .probe import fused_probe
 
 __all__ = ["Hunt", "NonFiniteWarning"]
@@ -105,6 +107,9 @@ class Hunt:
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = []
         self._outside = Outside(self)  # code outside every watched call: on between root calls
+        self._dropped = 0  # findings past max_findings: counted, not kept
+        self._state = BufferState()  # buffers as they were before each root call
+        self._warned_step = -1
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -233,6 +238,7 @@ class Hunt:
                 log = self._log
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
+            self._state.capture(log.tops[-1])
             parent, depth = -1, 0
         else:
             p = stack[-1]
@@ -388,6 +394,7 @@ class Hunt:
             log.root_calls += 1
         top = _capture_top(module, args)
         top.kwargs = kwargs
+        self._state.capture(top)
         log.tops.append(top)
         c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
         log.counts[module] = c.call + 1
@@ -546,7 +553,10 @@ class Hunt:
             self._handle(found, raise_ok)
 
     def _handle(self, found: list[Finding], raise_ok: bool) -> None:
-        self.findings.extend(found)
+        first = not self.findings and not self._dropped
+        room = max(self.options.max_findings - len(self.findings), 0)
+        self._dropped += max(len(found) - room, 0)
+        self.findings.extend(found[:room])
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         if self._report_path is not None:
@@ -554,9 +564,11 @@ class Hunt:
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
-        elif self.on_find == "warn":
-            for f in found:
-                warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
+        elif self.on_find == "warn" and found[0].step != self._warned_step:
+            # at most one warning per step; only the hunt's first finding is called the first
+            self._warned_step = found[0].step
+            more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
+            warnings.warn(paragraph(found[0], first=first) + more, NonFiniteWarning, stacklevel=4)
         elif self.on_find == "raise" and raise_ok:
             raise NonFiniteError(found[0], self.report)
 
@@ -584,6 +596,7 @@ class Hunt:
             "skipped_steps": self._skipped_steps,
             "torch": torch.__version__,
             "rank": self.rank,
+            "dropped_findings": self._dropped,
         }
 
     def _close(self, raise_pending: bool) -> None:
@@ -600,6 +613,7 @@ class Hunt:
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
         self._outside.close()
+        self._state.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -37,6 +37,7 @@ class Options:
     bundle: str | None = None  # checked path
     distributed: bool | None = None
     rank: int | None = None
+    max_findings: int = 1000
 
     @classmethod
     def make(
@@ -55,6 +56,7 @@ class Options:
         bundle: str | os.PathLike[str] | None = None,
         distributed: bool | None = None,
         rank: int | None = None,
+        max_findings: int = 1000,
     ) -> Options:
         if not (callable(on_find) or on_find in ON_FIND):
             raise ValueError(
@@ -75,6 +77,7 @@ class Options:
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         if rank is not None:
             _int("rank", rank, 0, "this process's rank")
+        _int("max_findings", max_findings, 1, "findings the report keeps")
         return cls(
             on_find=on_find, scaler=scaler, ignore=patterns, history=history,
             report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
@@ -82,6 +85,7 @@ class Options:
             optimizer_every=optimizer_every, stats_every=stats_every,
             bundle=check_writable(bundle, (".pt",), "bundle") if bundle is not None else None,
             distributed=None if distributed is None else bool(distributed), rank=rank,
+            max_findings=max_findings,
         )
 
 

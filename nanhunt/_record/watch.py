@@ -34,6 +34,7 @@ def watch(
     bundle: str | os.PathLike[str] | None = None,
     distributed: bool | None = None,
     rank: int | None = None,
+    max_findings: int = 1000,
 ) -> Hunt:
     """Watch ``model`` (and ``optimizer``) for the first NaN/Inf; returns the running `Hunt`.
 
@@ -59,10 +60,12 @@ def watch(
       bundle: a ``.pt`` path: save the first failing call there for ``nanhunt replay``.
       distributed: agree on each step's answer across ranks (default: on when several run).
       rank: this process's rank in findings (default: ``torch.distributed``'s).
+      max_findings: how many findings the report keeps; later ones are only counted
+        (``report.meta["dropped_findings"]``). ``"warn"`` warns at most once per step.
     """
     options = Options.make(
         on_find=on_find, scaler=scaler, ignore=ignore, history=history, report=report, mode=mode,
         replay=replay, grad_hooks=grad_hooks, optimizer_every=optimizer_every, stats_every=stats_every,
-        bundle=bundle, distributed=distributed, rank=rank,
+        bundle=bundle, distributed=distributed, rank=rank, max_findings=max_findings,
     )
     return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)
