@@ -294,3 +294,4 @@ class StepView:
     steps_applied: int  # step() calls that ran (all optimizers)
     bad_grads_step: int  # the last step that was given non-finite gradients, else -1
     bundle: str | None  # where to save the failing call (only for the hunt's first finding)
+    step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()

@@ -32,6 +32,7 @@ from . import bundle as _bundle
 from . import graph as _graph
 from . import hints as _hints
 from . import oplevel as _oplevel
+from . import optim as _optim
 from . import outside as _outside
 from .replay import Replay, ReplayCall, replay_top
 
@@ -578,11 +579,17 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             continue
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
+        opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
+        op = _optim.update_op(opt, p, sk) if opt is not None and not fed else None
+        eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
+        src = ctx.view.step_lines.get(entry.opt)
         return Finding(
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
-            cause="input" if fed else "created", hint=_hints.optimizer_hint(pname, sk, fed),
+            cause="input" if fed else "created", op=op, source=src,
+            chain=(f"{op} @ {src}" if src else op,) if op else (),
+            hint=_hints.optimizer_hint(pname, sk, fed, eps),
         )
     return None

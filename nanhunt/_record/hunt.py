@@ -30,9 +30,9 @@ from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
-from .outside import Outside
-from .state import BufferState
+from .outside import Outside, user_line
 from .probe import fused_probe
+from .state import BufferState
 
 __all__ = ["Hunt", "NonFiniteWarning"]
 
@@ -110,6 +110,7 @@ class Hunt:
         self._dropped = 0  # findings past max_findings: counted, not kept
         self._state = BufferState()  # buffers as they were before each root call
         self._warned_step = -1
+        self._step_lines: dict[int, str | None] = {}
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -423,6 +424,7 @@ class Hunt:
         if self._paused:
             return None
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
+        self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
@@ -587,6 +589,7 @@ class Hunt:
             after_step=self._after_step, steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
             bundle=self._bundle_path if not self.findings else None,
+            step_lines=dict(self._step_lines),
         )
 
     def _meta(self) -> dict[str, Any]:
