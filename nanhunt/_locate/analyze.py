@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepView, Top
+from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top
 from .._tensors import (
     Path,
     dtype_name,
@@ -103,8 +103,9 @@ def analyze(view: StepView) -> list[Finding]:
         if f is not None:
             out.append(f)
     firsts: dict[str, int] = {}
+    checked = _checked(log, sbad)
     for i, bad in enumerate(sbad):
-        if bad and log.meta[i].kind not in firsts:
+        if bad and log.meta[i].kind not in firsts and i not in checked:
             firsts[log.meta[i].kind] = i
     op_call = None
     if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
@@ -338,6 +339,21 @@ def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, c
 
 
 # ---------------------------------------------------------------- check
+def _checked(log: StepLog, sbad: list[bool]) -> set[int]:
+    """Bad `Out` entries whose tensor the user then gave to ``hunt.check``: reported by that check
+    (the name the user chose), with the op, line and chain of the outside code."""
+    tensors_checked = [m.tensor for m in log.meta if isinstance(m, Chk)]
+    if not tensors_checked:
+        return set()
+    out: set[int] = set()
+    for j, (m, b) in enumerate(zip(log.meta, sbad)):
+        if b and isinstance(m, Out):
+            t = _outside.output_of(log, m)
+            if t is not None and any(_outside.same(t, c) for c in tensors_checked):
+                out.add(j)
+    return out
+
+
 def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     entry = ctx.log.meta[i]
     assert isinstance(entry, Chk)
@@ -345,7 +361,9 @@ def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     if not is_bad(t):
         return None
     index, value, counts = element(t)
-    fwd_bad = any(isinstance(m, (Fwd, Out)) for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
+    checked = _checked(ctx.log, ctx.log.bad_flags()[0])
+    fwd_bad = any(isinstance(m, (Fwd, Out)) and j not in checked
+                  for j, (m, b) in enumerate(zip(ctx.log.meta[:i], ctx.log.bad_flags()[0])) if b)
     got, facts = _outside.check_origin(ctx.log, t)  # made by recorded code outside the model
     f = Finding(
         phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,

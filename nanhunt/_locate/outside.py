@@ -133,14 +133,21 @@ class _Replay:
                     todo.extend(n for n, _ in fn.next_functions)
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a`` or a detached alias of it (``hunt.check`` keeps ``tensor.detach()``)."""
+    return a is b or (a.data_ptr() == b.data_ptr() != 0 and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def output_of(log: StepLog, e: Any) -> torch.Tensor | None:
+    outs = _outs(log.outside[e.rec])
+    return outs[e.out] if e.out < len(outs) else None
+
+
 def producer(recs: list[OutRec], t: torch.Tensor) -> tuple[int, int] | None:
     """The recorded call (and output number) that made ``t``."""
     for i in range(len(recs) - 1, -1, -1):
-        r = recs[i]
-        out = r.args[0] if r.out is None and r.args else r.out
-        for j, o in enumerate(x for x in tree_leaves(out) if isinstance(x, torch.Tensor)):
-            if o is t or (o.data_ptr() == t.data_ptr() and o.shape == t.shape and o.dtype == t.dtype
-                          and t.data_ptr() != 0):
+        for j, o in enumerate(_outs(recs[i])):
+            if same(o, t):
                 return i, j
     return None
 
