@@ -127,10 +127,13 @@ def analyze(view: StepView) -> list[Finding]:
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
-        elif kind == "out":
-            e = log.meta[i]
-            assert isinstance(e, Out)
-            f = _outside.forward_finding(log, ctx.step, e.rec, e.out)
+        elif kind == "out":  # the first outside value born there (not fed a non-finite input)
+            for j in range(i, len(sbad)):
+                e = log.meta[j]
+                if sbad[j] and isinstance(e, Out) and j not in checked:
+                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out)
+                    if f is not None:
+                        break
         elif kind == "chk":
             f = _check_finding(ctx, i)
         elif kind == "bwd":

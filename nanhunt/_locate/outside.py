@@ -263,13 +263,14 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
     if out_i >= len(outs) or not is_bad(outs[out_i]):
         return None  # finite values whose sum overflowed
     t = outs[out_i]
-    fed = any(is_bad(x) for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, torch.Tensor) and x is not t)
+    if any(is_bad(x) for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, torch.Tensor) and x is not t):
+        return None  # fed: not born here (an ignored module's -inf, the data); found where it flows
     got, fx = forward_origin(log.outside, rec_i, out_i)
     index, value, counts = element(t)
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
         step=step, call=rec_i, index=index, value=value, counts=counts, shape=tuple(t.shape),
-        dtype=dtype_name(t), cause="input" if fed else "created",
+        dtype=dtype_name(t), cause="created",
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
         chain=tuple(got.chain) if got is not None else (), reproducible=True if got is not None else None,
     )
