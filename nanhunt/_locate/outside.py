@@ -17,6 +17,7 @@ produced a non-finite gradient from finite ones. The RNG is restored afterwards.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,8 +264,11 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
     if out_i >= len(outs) or not is_bad(outs[out_i]):
         return None  # finite values whose sum overflowed
     t = outs[out_i]
-    if any(is_bad(x) for x in tree_leaves((r.args, r.kwargs)) if isinstance(x, torch.Tensor) and x is not t):
+    leaves = tree_leaves((r.args, r.kwargs))
+    if any(is_bad(x) for x in leaves if isinstance(x, torch.Tensor) and x is not t):
         return None  # fed: not born here (an ignored module's -inf, the data); found where it flows
+    if any(isinstance(x, float) and not math.isfinite(x) for x in leaves):
+        return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
     got, fx = forward_origin(log.outside, rec_i, out_i)
     index, value, counts = element(t)
     f = Finding(
