@@ -123,12 +123,18 @@ class Outside(TorchFunctionMode):
 
     @contextlib.contextmanager
     def muted(self) -> Iterator[None]:
-        """nanhunt's own tensor work in code where the mode is on (``hunt.check``)."""
+        """nanhunt's own tensor work in code where the mode is on (``hunt.check``): off the stack
+        for its duration (a pop and a push: cheaper than passing each call through)."""
+        was_on = _SWITCH.on is self
+        if was_on:
+            _SWITCH.off()
         self.quiet += 1
         try:
             yield
         finally:
             self.quiet -= 1
+            if was_on:
+                _SWITCH.turn_on(self)
 
     def off(self) -> None:
         if _SWITCH.on is not None:
