@@ -425,3 +425,38 @@ def test_nanhunt_run_finds_a_loss_function_bug(tmp_path: Any) -> None:
     f = rep.first
     assert f.module == "<outside>" and f.op == "aten.div.Tensor"
     assert f.source is not None and f.source.endswith("train.py:6")
+
+
+# ---------------------------------------------------------------- the user's run is untouched
+def test_outside_code_with_rng_and_a_hit_is_bit_identical() -> None:
+    """Loss code that draws random numbers, and an outside hit replayed in record mode: losses,
+    gradients, weights and the RNG stream are exactly those of the plain run."""
+
+    def run(watch: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, Any]:
+        torch.manual_seed(0)
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        xs = [torch.randn(6, 4) for _ in range(3)]
+        hunt = nanhunt.watch(m, optimizer=opt, on_find="record") if watch else None
+        losses, grads = [], []
+        for i, x in enumerate(xs):
+            out = m(x)
+            noisy = F.dropout(out, 0.5)  # outside code consuming the RNG
+            loss = noisy.pow(2).mean()
+            if i == 1:  # a metric term born -inf (no gradient: training goes on)
+                loss = loss + torch.log(out.detach().abs() * 0).sum()
+            losses.append(loss.detach().clone())
+            loss.backward()
+            grads.append(m[0].weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return losses, grads, torch.rand(3), hunt
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) or (x.isnan() == y.isnan()).all() for x, y in zip(a[0], b[0]))
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert torch.equal(a[2], b[2])
+    f = b[3].first
+    assert (f.module, f.op, f.step) == ("<outside>", "aten.log.default", 1)
