@@ -273,7 +273,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
     index, value, counts = element(t)
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
-        step=step, call=rec_i, index=index, value=value, counts=counts, shape=tuple(t.shape),
+        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
         dtype=dtype_name(t), cause="created",
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
         chain=tuple(got.chain) if got is not None else (), reproducible=True if got is not None else None,
@@ -291,11 +291,16 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
     index, value, counts = element(b.grad)
     f = Finding(
         phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE, tensor=f"grad_input[{b.slot}]",
-        step=step, call=b.rec, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
         dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True,
     )
     return dataclasses.replace(f, hint=_hints.hint(f, b.facts))
+
+
+def _nth(recs: list[OutRec], i: int) -> int:
+    """Which run of its line within the step (0: the first): a loop's second pass is call 1."""
+    return sum(1 for r in recs[:i] if r.src == recs[i].src and r.func is recs[i].func)
 
 
 def check_origin(log: StepLog, t: torch.Tensor) -> tuple[OpOrigin | None, dict[str, Any]]:
