@@ -27,7 +27,7 @@ from ._tensors import Path, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
-    "Fwd", "Chk", "Bwd", "Op", "Grads", "OptimState", "CompiledSlots",
+    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots",
 ]
 
 
@@ -59,7 +59,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "calls", "compiled",
+        "out_keys", "calls", "compiled", "saved",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -75,6 +75,7 @@ class Top:
         self.out_keys: list[int] = []
         self.calls = 0
         self.compiled: Any = None  # the torch.compile wrapper that ran it (what failed), else None
+        self.saved: dict[int, torch.Tensor] = {}  # id -> value before the call, of the root's floating buffers
 
 
 @dataclass
@@ -134,7 +135,38 @@ class Op:
         self.out = out
 
 
-Entry = Fwd | Chk | Bwd | Op
+class Out:
+    """Output ``out`` of the torch call ``StepLog.outside[rec]``, made outside every watched call."""
+
+    kind = "out"
+    __slots__ = ("rec", "out")
+
+    def __init__(self, rec: int, out: int) -> None:
+        self.rec = rec
+        self.out = out
+
+
+class OutRec:
+    """A torch call made outside every watched module call: enough to replay it after a hit.
+
+    ``args``/``kwargs``/``out`` are the call's own objects, by reference; ``src`` the user's
+    ``file:line``, ``fn`` the name of the user's function that made the call.
+    """
+
+    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng")
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, src: str | None, fn: str,
+                 rng: torch.Tensor | None) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.out = out
+        self.src = src
+        self.fn = fn
+        self.rng = rng  # the CPU RNG state before the call, for the first call after a root call
+
+
+Entry = Fwd | Chk | Bwd | Op | Out
 
 
 # ------------------------------------------------------------------ fused checks (a vector each)
@@ -198,6 +230,8 @@ class StepLog:
         self.root_calls = 0
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet
+        self.outside: list[OutRec] = []  # torch calls outside every watched call (see _record.outside)
+        self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -241,6 +275,8 @@ class StepLog:
         self.stats_rows.clear()
         self.stats_of.clear()
         self.pending.clear()
+        self.outside.clear()
+        self.seeds.clear()
 
 
 
@@ -266,3 +302,4 @@ class StepView:
     bundle: str | None  # where to save the failing call (only for the hunt's first finding)
     breakpoint: bool = False  # on_find="breakpoint": stop in a replay of the first finding's op
     scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into
+    step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()

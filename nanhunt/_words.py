@@ -93,10 +93,12 @@ def element_text(f: Finding) -> str:
     return f"{f.tensor}{idx}{val}"
 
 
-def headline(f: Finding) -> str:
-    """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``."""
+def headline(f: Finding, first: bool = True) -> str:
+    """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``
+    (``first=False``: a later finding, headed by its kind only)."""
     phase = PHASE_WORDS.get(f.phase, f.phase)
-    s = f"First {_kind(f)}: {phase} {_where(f)} at step {f.step}"
+    kind = _kind(f)
+    s = f"{'First ' + kind if first else kind}: {phase} {_where(f)} at step {f.step}"
     if f.call:
         s += f" (call {f.call})"
     s += f" — {element_text(f)}"
@@ -115,9 +117,9 @@ def shape_text(shape: Any) -> str:
     return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
 
 
-def paragraph(f: Finding) -> str:
+def paragraph(f: Finding, first: bool = True) -> str:
     """The one-paragraph answer: the headline, then shape and counts, the road, the hint."""
-    parts = [headline(f)]
+    parts = [headline(f, first)]
     if f.dtype:
         counts = ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf")) if f.counts else "counts unknown"
         parts.append(f"{f.tensor} has shape {shape_text(f.shape)}, {f.dtype}; {counts}.")

@@ -138,14 +138,19 @@ def test_lightning_forward_nan_is_reported_at_its_step_before_the_update() -> No
 
 
 @_mark
-def test_lightning_nan_loss_made_outside_modules_is_a_check_finding() -> None:
+def test_lightning_nan_loss_made_outside_modules_is_found_where_it_is_born() -> None:
     pl, (Net, NanHunt) = _lightning_parts()
     model, cb = Net(bad_loss_at=2), NanHunt()
     trainer = _trainer(pl, cb)
     with pytest.raises(nanhunt.NonFiniteError) as ei:
         trainer.fit(model, _loader())
     f = ei.value.finding
-    assert (f.phase, f.module, f.step) == ("check", "loss", 2)
+    # training_step's own code (outside every module call): the op and line, not just the loss
+    assert (f.phase, f.module, f.step, f.op) in (("forward", "<outside>", 2, "aten.log.default"),
+                                                 ("check", "loss", 2, "aten.log.default"))
+    with open(__file__) as fh:
+        want = next(i + 1 for i, s in enumerate(fh) if "log(0) in training_step" in s)
+    assert f.source is not None and f.source.endswith(f"test_integrations.py:{want}")
     now = _snapshot(model)
     assert all(torch.equal(now[k], v) for k, v in model.snaps[2].items())
     assert cb.hunt.closed and not _ours()

@@ -45,11 +45,11 @@ def test_replay_restores_batchnorm_statistics_and_the_rng_stream():
     def run(watch: bool):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 1))
+        xs = [torch.randn(6, 4) for _ in range(3)]
+        xs[1][2, 1] = float("inf")  # a hit at step 1: the analysis replays this step (written before
+        # the watch: an inf written by the loop's own code is itself a finding, born outside)
         hunt = nanhunt.watch(model, on_find="record") if watch else None  # no optimizer: step = root call
-        for step in range(3):
-            x = torch.randn(6, 4)
-            if step == 1:
-                x[2, 1] = float("inf")  # a hit at step 1: the analysis replays this step
+        for x in xs:
             model(x).sum().backward()
             model.zero_grad()  # the bad gradients are dropped, training goes on
         if hunt is not None:

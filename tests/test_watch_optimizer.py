@@ -57,7 +57,9 @@ def _regression() -> torch.nn.Sequential:
 def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     """A warm-up gone wrong: lr x10 per step. SGD diverges until an update overflows float32's max
     in the parameters themselves (the activations, |x| < 1, are still finite). With lr=1.0 the
-    last finite activations before the overflow are near float32's max."""
+    last finite activations before the overflow are near float32's max. The loss is computed in
+    float64: their squared error would overflow float32 first, in the loss, and nanhunt would
+    rightly report that earlier value (born outside the model)."""
     data = _regression_data(0.2)
 
     def growing(step: int) -> float:
@@ -70,7 +72,7 @@ def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     for k, (x, y) in enumerate(data):
         out = ref(x)
         assert torch.isfinite(out).all(), "test set-up: the optimizer overflows before the forward does"
-        F.mse_loss(out, y).backward()
+        F.mse_loss(out.double(), y.double()).backward()
         assert all(torch.isfinite(p.grad).all() for p in ref.parameters()), "test set-up: finite gradients"
         ref_opt.step()
         ref_opt.zero_grad()
@@ -88,7 +90,7 @@ def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     done = []
     with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
         for k, (x, y) in enumerate(data):
-            F.mse_loss(m(x), y).backward()
+            F.mse_loss(m(x).double(), y.double()).backward()
             opt.step()
             done.append(k)
             opt.zero_grad()

@@ -40,6 +40,7 @@ from .._finding import Finding, NonFiniteError
 from .._hooks import on_hunt_opened, replaying_here
 from .._record import Hunt, NonFiniteWarning, watch
 from .._report import Report
+from .._words import paragraph
 
 __all__ = ["AutoWatch"]
 
@@ -54,9 +55,11 @@ class _OnFind:
         self.breakpoint = mode == "breakpoint"  # the hunt stops in a replay of the op first
 
     def __call__(self, f: Finding) -> None:
+        first = not self.owner.order
         self.owner.order.append((self.hunt, f))
-        if self.mode == "warn":
-            warnings.warn(f.summary(), NonFiniteWarning, stacklevel=2)
+        if self.mode == "warn" and (first or f.step != self.owner.warned_step):
+            self.owner.warned_step = f.step  # at most one warning per step; "First" only once
+            warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=2)
         elif self.mode in ("raise", "breakpoint") and self.hunt is not None:
             raise NonFiniteError(f, self.owner.report())
 
@@ -71,6 +74,7 @@ class AutoWatch:
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
         self.order: list[tuple[Hunt | None, Finding]] = []
+        self.warned_step = -1
         self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
         self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
         self._pending: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, StepView, Top
+from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top
 from .._tensors import (
     Path,
     dtype_name,
@@ -32,7 +32,10 @@ from . import bundle as _bundle
 from . import debug as _debug
 from . import differential as _differential
 from . import hints as _hints
+from . import nodes as _nodes
 from . import oplevel as _oplevel
+from . import optim as _optim
+from . import outside as _outside
 from .replay import Replay, ReplayCall, replay_top
 
 __all__ = ["analyze"]
@@ -51,6 +54,7 @@ class _Ctx:
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
         self.where: dict[int, tuple[str, int, int, Path]] = {}
         self.stopped = False  # on_find="breakpoint" stopped already
+        self.facts: dict[int, dict[str, Any]] = {}  # per finding: the numbers its hint is chosen from
 
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
@@ -75,7 +79,7 @@ class _Ctx:
             if backward:
                 grads = [self.log.tensors[k].grad for k in top.out_keys]
                 params = list(top.module.parameters())
-            r = replay_top(top, self.names, backward=grads, params=params)
+            r = replay_top(top, self.names, backward=grads, params=params, before=dict(top.saved))
         self._replays[key] = r
         return r
 
@@ -102,8 +106,9 @@ def analyze(view: StepView) -> list[Finding]:
         if f is not None:
             out.append(f)
     firsts: dict[str, int] = {}
+    checked = _checked(log, sbad)
     for i, bad in enumerate(sbad):
-        if bad and log.meta[i].kind not in firsts:
+        if bad and log.meta[i].kind not in firsts and i not in checked:
             firsts[log.meta[i].kind] = i
     op_call = None
     if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
@@ -118,13 +123,20 @@ def analyze(view: StepView) -> list[Finding]:
     for kind in sorted(firsts, key=firsts.__getitem__):
         i = firsts[kind]
         f = None
-        if kind == "bwd" and any(g.phase == "forward" for g in out):
-            continue  # a backward after a non-finite forward only carries it on: no second replay
+        if kind in ("bwd", "fwd", "out") and any(g.phase == "forward" for g in out):
+            continue  # after a non-finite forward, later values only carry it on: no second replay
         if kind == "fwd":
             f = _forward_finding(ctx, i)
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
+        elif kind == "out":  # the first outside value born there (not fed a non-finite input)
+            for j in range(i, len(sbad)):
+                e = log.meta[j]
+                if sbad[j] and isinstance(e, Out) and j not in checked:
+                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out)
+                    if f is not None:
+                        break
         elif kind == "chk":
             f = _check_finding(ctx, i)
         elif kind == "bwd":
@@ -145,6 +157,10 @@ def analyze(view: StepView) -> list[Finding]:
                 if fb is not None:
                     out.append(fb)
                     break
+        else:  # no watched call made it: the outside code's backward (a loss module's parameters)
+            fb = _outside.backward_finding(log, ctx.step)
+            if fb is not None:
+                out.append(fb)
     for (_vec, entry), flags in zip(log.vectors, vbad):
         if isinstance(entry, Grads) and any(flags):
             f = _grad_finding(ctx, entry, flags, earlier=bool(out))
@@ -165,6 +181,7 @@ def _with_op(f: Finding, ops: list[Op]) -> Finding:
 
 def _finish(ctx: _Ctx, f: Finding) -> Finding:
     where = ctx.where.get(id(f))
+    facts = ctx.facts.get(id(f), {})
     if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
@@ -175,8 +192,9 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
+            facts = got.facts
     f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
-    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f), rank=ctx.view.rank)
+    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f, facts), rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
         _debug.stop_for(ctx.view, f, where)
@@ -334,6 +352,21 @@ def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, c
 
 
 # ---------------------------------------------------------------- check
+def _checked(log: StepLog, sbad: list[bool]) -> set[int]:
+    """Bad `Out` entries whose tensor the user then gave to ``hunt.check``: reported by that check
+    (the name the user chose), with the op, line and chain of the outside code."""
+    tensors_checked = [m.tensor for m in log.meta if isinstance(m, Chk)]
+    if not tensors_checked:
+        return set()
+    out: set[int] = set()
+    for j, (m, b) in enumerate(zip(log.meta, sbad)):
+        if b and isinstance(m, Out):
+            t = _outside.output_of(log, m)
+            if t is not None and any(_outside.same(t, c) for c in tensors_checked):
+                out.add(j)
+    return out
+
+
 def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     entry = ctx.log.meta[i]
     assert isinstance(entry, Chk)
@@ -341,13 +374,19 @@ def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     if not is_bad(t):
         return None
     index, value, counts = element(t)
-    fwd_bad = any(isinstance(m, Fwd) for m, b in zip(ctx.log.meta[:i], ctx.log.bad_flags()[0]) if b)
-    return Finding(
+    checked = _checked(ctx.log, ctx.log.bad_flags()[0])
+    fwd_bad = any(isinstance(m, (Fwd, Out)) and j not in checked
+                  for j, (m, b) in enumerate(zip(ctx.log.meta[:i], ctx.log.bad_flags()[0])) if b)
+    got, facts = _outside.check_origin(ctx.log, t)  # made by recorded code outside the model
+    f = Finding(
         phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,
         call=sum(1 for m in ctx.log.meta[:i] if isinstance(m, Chk) and m.name == name), index=index,
         value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
         cause="input" if fwd_bad else "created",
+        op=got.op if got else None, source=got.source if got else None, chain=tuple(got.chain) if got else (),
     )
+    ctx.facts[id(f)] = facts
+    return f
 
 
 # ---------------------------------------------------------------- backward
@@ -413,10 +452,15 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     if r is None or r.error is not None or not r.grads:
         return None
     events = [(k, is_bad(g)) for k, g in r.grads]
-    if not any(b for _, b in events):
-        return None
-    got = _backward_culprit(events, r.calls)
+    got = _backward_culprit(events, r.calls) if any(b for _, b in events) else None
     if got is None:
+        top = ctx.log.tops[top_i]
+        if not any(is_bad(ctx.log.tensors[k].grad) for k in top.out_keys):
+            # no module made it from its inputs' gradients: the root's own code, or a graph whose
+            # only leaves are parameters (a where-trap on a bare nn.Parameter)
+            fb = _node_finding(ctx, top_i)
+            if fb is not None or not any(b for _, b in events):
+                return fb
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
@@ -433,8 +477,33 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     return f
 
 
+def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
+    """The autograd node of the top-level call that made a non-finite gradient from finite ones."""
+    top = ctx.log.tops[top_i]
+    if not ctx.view.replay or not _replayable(top):
+        return None
+    grads = [ctx.log.tensors[k].grad for k in top.out_keys]
+    b = _nodes.creator(top, ctx.names, grads, list(top.module.parameters()))
+    if b is None:
+        return None
+    module = b.module if b.module is not None else top.module
+    index, value, counts = element(b.grad)
+    f = Finding(
+        phase="backward", module=b.name if b.module is not None else ctx.names.get(top.module, ""),
+        module_type=type(module).__name__, tensor=f"grad_input[{b.slot}]", step=ctx.step,
+        call=0, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        reproducible=True,
+    )
+    ctx.facts[id(f)] = b.facts
+    return f
+
+
 def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | None) -> Finding | None:
     """The gradient arriving at the model's output was already non-finite: made outside it."""
+    fo = _outside.backward_finding(ctx.log, ctx.step)
+    if fo is not None:
+        return fo
     log = ctx.log
     top = log.tops[top_i]
     g = next((log.tensors[k].grad for k in top.out_keys if is_bad(log.tensors[k].grad)), None)
@@ -541,11 +610,17 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             continue
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
+        opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
+        op = _optim.update_op(opt, p, sk) if opt is not None and not fed else None
+        eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
+        src = ctx.view.step_lines.get(entry.opt)
         return Finding(
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
-            cause="input" if fed else "created", hint=_hints.optimizer_hint(pname, sk, fed),
+            cause="input" if fed else "created", op=op, source=src,
+            chain=(f"{op} @ {src}" if src else op,) if op else (),
+            hint=_hints.optimizer_hint(pname, sk, fed, eps),
         )
     return None

@@ -1,13 +1,26 @@
-"""One or two sentences on the likely mechanism behind a finding."""
+"""One or two sentences on the likely mechanism behind a finding, chosen from the numbers.
+
+`facts` reads what the op trace saw (the creating op's inputs, recomputed in float64; the rows of
+a softmax's input; the count a mean divided by) and `hint` picks the sentence from those facts
+first, from the op's name only when the numbers say nothing more.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
 
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint"]
+__all__ = ["hint", "optimizer_hint", "facts", "DOUBLE_WHERE"]
+
+DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
+                "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
+                "torch.where(cond, f(torch.where(cond, x, safe_x)), other)")
 
 _OPS = {
     "log": "log of 0 gives -inf and log of a negative number gives nan",
@@ -35,7 +48,7 @@ _OPS = {
 _BACKWARD = {
     "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x)))",
     "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite",
-    "PowBackward0": "the gradient of x**p with p < 1 is infinite at 0",
+    "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1, and overflows for a large x when p > 1",
     "LogBackward0": "the gradient of log at 0 is infinite",
     "DivBackward0": "the gradient of a division by (nearly) 0 overflows",
     "NormBackward1": "the gradient of a norm at the zero vector is 0/0",
@@ -52,7 +65,135 @@ def _op_key(op: str) -> str:
     return base.rstrip("_")
 
 
-def hint(f: Finding) -> str:
+def facts(rec: Any, path: list[int]) -> dict[str, Any]:
+    """Numbers behind an op trace (`oplevel._Recorder` records, ``path`` from the creator to the
+    reported tensor): what the hint is chosen from. Never raises."""
+    out: dict[str, Any] = {}
+    try:
+        first = rec.recs[path[0]]
+        out.update(_creator_facts(first))
+        for ri in path:
+            r = rec.recs[ri]
+            name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
+            if name in ("_softmax", "_log_softmax", "softmax", "log_softmax") and r.ins and r.ins[0].code is not None:
+                code = r.ins[0].code
+                if code.dim() and bool((code == 3).all(-1).any()):
+                    out["masked_row"] = True
+        for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
+            last = rec.recs[ri]
+            oshape = last.outs[0][0] if last.outs else ()
+            inp = next((i for i in last.ins if i.code is not None and len(i.shape) > len(oshape) and i.shape), None)
+            if inp is not None and inp.code is not None:
+                rows = inp.code.reshape(inp.shape[0], -1).ne(0).any(1).nonzero().flatten().tolist()
+                if rows:
+                    out.update(reduction=last.op, rows=rows[:8], nrows=inp.shape[0], nbad=len(rows))
+                break
+    except Exception:
+        pass
+    return out
+
+
+def _creator_facts(r: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
+    shapes = [i.shape for i in r.ins]
+    if name in ("mean", "nanmean") and any(0 in s for s in shapes):
+        out["empty_mean"] = True
+    if name.startswith(("std", "var")) and r.ins and r.outs:
+        n_in = math.prod(r.ins[0].shape) if r.ins[0].shape else 1
+        n_out = math.prod(r.outs[0][0]) if r.outs[0][0] else 1
+        if n_out and n_in // max(n_out, 1) <= 1:
+            out["one_element"] = True
+    if "ctc_loss" in name:
+        out["ctc"] = True
+    call = getattr(r, "call", None)
+    if call is None:
+        return out
+    func, args, kwargs = call
+    if name.startswith("nll_loss") and len(args) >= 5 and isinstance(args[1], torch.Tensor):
+        if bool((args[1] == args[4]).all()):
+            out["all_ignored"] = True
+    if name in ("div", "div_") and len(args) >= 2:
+        d = args[1]
+        if (isinstance(d, torch.Tensor) and d.numel() and bool((d == 0).any())) or (not isinstance(d, torch.Tensor) and d == 0):
+            out["div_zero"] = True
+    code = r.outs[0][1] if r.outs else None
+    if code is None:
+        return out
+    nz = code.reshape(-1).nonzero()
+    if not nz.numel():
+        return out
+    flat = int(nz[0, 0])
+    dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if dtype is None or dtype == torch.float64:
+        return out
+    with torch.no_grad():
+        up = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs))
+        ref = func(*up[0], **up[1])
+    ref = ref[0] if isinstance(ref, (tuple, list)) else ref
+    if isinstance(ref, torch.Tensor) and ref.numel() > flat:
+        v = float(ref.reshape(-1)[flat])
+        limit = float(torch.finfo(dtype).max)
+        if math.isfinite(v) and abs(v) > limit:
+            out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
+    return out
+
+
+def _leaves(x: Any) -> list[Any]:
+    from torch.utils._pytree import tree_leaves
+
+    return tree_leaves(x)
+
+
+def from_facts(f: Finding, fx: dict[str, Any]) -> str:
+    """The sentence the numbers support, or "" when they support none."""
+    op = f.op or "this op"
+    if fx.get("where_trap"):
+        return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
+    if "reached" in fx:
+        return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs, past {fx['dtype']}'s largest "
+                f"finite value {fx['limit']:g}; keep this module in float32/bfloat16 or scale before it.")
+    if fx.get("masked_row"):
+        return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
+                "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
+    if fx.get("all_ignored") or fx.get("empty_mean"):
+        what = "every target is ignored (ignore_index)" if fx.get("all_ignored") else "the selection is empty"
+        return (f"A mean over zero elements: {what}, so the mean is 0/0 = nan; skip such batches, or "
+                "divide by max(count, 1).")
+    if fx.get("one_element"):
+        return ("std/var of one element: with the unbiased correction the count is n - 1 = 0, so it is 0/0 = nan; "
+                "use correction=0 or skip batches of one.")
+    if fx.get("ctc"):
+        return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
+                "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
+    if fx.get("div_zero"):
+        return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count that is 0); "
+                "guard the denominator, e.g. clamp(min=1) or + eps.")
+    return ""
+
+
+def rows_sentence(fx: dict[str, Any]) -> str:
+    """A reduction made the reported tensor: which rows of its input were non-finite."""
+    rows = fx.get("rows")
+    if not rows:
+        return ""
+    n = fx.get("nbad", len(rows))
+    which = f"row {rows[0]}" if n == 1 else f"rows {', '.join(map(str, rows))}{'…' if n > len(rows) else ''}"
+    return (f" The reported value is a reduction ({fx.get('reduction')}) over {fx.get('nrows')} rows: "
+            f"its input was non-finite at {which} (that sample).")
+
+
+def hint(f: Finding, fx: dict[str, Any] | None = None) -> str:
+    fx = fx or {}
+    base = _hint(f, fx)
+    return base + rows_sentence(fx) if base or fx.get("rows") else base
+
+
+def _hint(f: Finding, fx: dict[str, Any]) -> str:
+    if f.cause in ("created", "unknown") or f.phase == "backward":
+        got = from_facts(f, fx)
+        if got:
+            return got
     if f.cause == "parameter":
         return ("A weight or buffer of this module was already non-finite: an earlier optimizer step "
                 "poisoned it (look for a finding in phase 'optimizer'; lower the learning rate or clip gradients).")
@@ -60,6 +201,8 @@ def hint(f: Finding) -> str:
         return ("Replaying the step from the same inputs, weights and RNG state gave finite values: this "
                 "suggests nondeterminism, a race or a hardware fault rather than a bug in the model.")
     if f.cause == "input" and f.phase == "forward":
+        if f.module == "<outside>":
+            return "Its input was already non-finite: it came from the data or from code nanhunt did not see."
         return "Its input was already non-finite: it was made before the model (check the data) or outside any module."
     if f.cause == "input" and f.phase == "grad":
         return "The non-finite values earlier in this step flowed into the gradient."
@@ -90,8 +233,12 @@ def hint(f: Finding) -> str:
     return ""
 
 
-def optimizer_hint(param: str, state: str, fed: bool) -> str:
+def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "") -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"
+    if eps_zero and not fed:
+        return (f"After the optimizer step, {what} is non-finite: the optimizer's eps={eps_zero} rounds to 0 in "
+                "float16, so where exp_avg_sq is 0 the update divides by 0. Keep float32 master weights "
+                "(torch.autocast + GradScaler), or use eps >= 1e-4 for float16 parameters.")
     if fed:
         return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
                 "gradients (on_find was not 'raise').")

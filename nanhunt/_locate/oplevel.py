@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from .._hooks import GlobalHooks
 from .._steplog import Top
 from .._tensors import Path, get_path, tensors, version
+from . import hints as _hints
 from .replay import faithful
 
 __all__ = ["OpOrigin", "locate_forward", "locate_backward"]
@@ -50,6 +51,7 @@ class OpOrigin:
     op: str  # "aten.exp.default" in forward, "SqrtBackward0" in backward
     source: str | None  # "path/to/file.py:LINE" of the user's code
     chain: list[str] = field(default_factory=list)  # "op @ file.py:LINE", oldest first
+    facts: dict[str, Any] = field(default_factory=dict)  # the numbers a hint is chosen from (hints.facts)
 
 
 # ---------------------------------------------------------------- source lines
@@ -145,7 +147,7 @@ class _In:
 
 
 class _Rec:
-    __slots__ = ("op", "src", "pointwise", "ins", "outs", "select", "origin", "node", "moves")
+    __slots__ = ("op", "src", "pointwise", "ins", "outs", "select", "origin", "node", "moves", "call")
 
     def __init__(self, op: str, src: str | None, pointwise: bool):
         self.moves = False  # a view or a copy: never creates a value, left out of the chain
@@ -157,6 +159,7 @@ class _Rec:
         self.select: tuple[str, Any] | None = None  # ("where", cond) / ("masked_fill", mask)
         self.origin = 0  # earliest creating record on a non-finite path into it (a tie-break)
         self.node: int = -1  # backward: the autograd node running it
+        self.call: tuple[Any, Any, Any] | None = None  # (func, args, kwargs) of a creator: for hints.facts
 
 
 _NO_CHAIN = frozenset({"aten.clone.default", "aten.contiguous.default", "aten.detach.default",
@@ -255,6 +258,8 @@ class _Recorder:
                 st = _storage(t)
                 if st is not None:
                     self.by_storage[st] = (ri, slot)
+        if not any_bad and any(code is not None for _, code in rec.outs):
+            rec.call = (func, args, kwargs)  # finite in, non-finite out: a candidate creator
         self.recs.append(rec)
         return out
 
@@ -525,7 +530,7 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
         return None
     chain = _chain(rec, got)
     first = rec.recs[got[0]]
-    return OpOrigin(first.op, first.src, chain)
+    return OpOrigin(first.op, first.src, chain, _hints.facts(rec, got))
 
 
 def _chain(rec: _Recorder, path: list[int]) -> list[str]:

@@ -42,6 +42,7 @@ class ReplayCall:
     _in_bad: list[bool] | None = None
     _in_nan: list[bool] | None = None
     _params_bad: list[str] | None = None
+    before: dict[int, torch.Tensor | None] = field(default_factory=dict)  # buffers: their value before the call
 
     @property
     def out_bad(self) -> list[bool]:
@@ -64,7 +65,11 @@ class ReplayCall:
     @property
     def params_bad(self) -> list[str]:
         if self._params_bad is None:
-            self._params_bad = [n for n, p in own_tensors(self.module) if is_bad(p)]
+            # judged on the state at the start of the call: a buffer counts by its value before it
+            # (a BatchNorm's statistics written non-finite by this very call are not the cause)
+            before = self.before
+            self._params_bad = [n for n, p in own_tensors(self.module)
+                                if (is_bad(before[id(p)]) if id(p) in before else is_bad(p))]
         return self._params_bad
 
 
@@ -109,6 +114,10 @@ def faithful(top: Top) -> Iterator[None]:
     cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
     with torch.no_grad():
         bufs = [(b, b.clone()) for b in mod.buffers()]
+        for b, _ in bufs:  # start from the buffers as they were before the call (BatchNorm statistics)
+            v = top.saved.get(id(b))
+            if v is not None:
+                b.copy_(v)
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
@@ -136,6 +145,7 @@ def replay_top(
     *,
     backward: list[torch.Tensor | None] | None = None,
     params: list[nn.Parameter] | None = None,
+    before: dict[int, torch.Tensor | None] | None = None,
 ) -> Replay:
     """Re-run ``top`` with every watched module call recorded.
 
@@ -168,6 +178,8 @@ def replay_top(
             return
         parent = stack[-1] if stack else -1
         c = ReplayCall(module, name, len(calls), len(stack), parent)
+        if before:
+            c.before = before
         calls.append(c)
         stack.append(c.ordinal)
 

@@ -30,12 +30,15 @@ from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
+from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
 from .history import History, stats
 from .options import Options
+from .outside import Outside, user_line
 from .probe import fused_probe
 from .retain import settle
+from .state import BufferState
 
 __all__ = ["Hunt", "NonFiniteWarning"]
 
@@ -121,6 +124,11 @@ class Hunt:
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._deferred: list[Any] = []
+        self._outside = Outside(self)  # code outside every watched call: on between root calls
+        self._dropped = 0  # findings past max_findings: counted, not kept
+        self._state = BufferState()  # buffers as they were before each root call
+        self._warned_step = -1
+        self._step_lines: dict[int, str | None] = {}
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
@@ -179,12 +187,13 @@ class Hunt:
             self._open("hunt.check()")
         if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
             return tensor
-        log = self._log
-        log.sums.append(probe(tensor))
-        log.meta.append(Chk(name, tensor.detach()))
-        if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
-            k = self._key(tensor)
-            log.tensors[k].consumers.append((-1, (name,)))
+        with self._outside.muted():
+            log = self._log
+            log.sums.append(probe(tensor))
+            log.meta.append(Chk(name, tensor.detach()))
+            if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
+                k = self._key(tensor)
+                log.tensors[k].consumers.append((-1, (name,)))
         return tensor
 
     def close(self, *, raise_pending: bool = True) -> None:
@@ -247,6 +256,7 @@ class Hunt:
         stack = self._stack
         log = self._log
         if not stack:
+            self._outside.off()
             if module is self._root and not self._opts:
                 if log.root_calls:
                     self._end_step(advance=True)
@@ -264,6 +274,7 @@ class Hunt:
             top = len(log.tops)
             log.tops.append(_capture_top(module, args))
             log.tops[-1].compiled = wrapper  # the compiled configuration: what a verdict replays
+            self._state.capture(log.tops[-1])
             parent, depth = -1, 0
         else:
             p = stack[-1]
@@ -344,6 +355,8 @@ class Hunt:
             top = log.tops[c.top]
             top.kwargs = kwargs
         if not torch.is_grad_enabled():
+            if c.depth == 0:
+                self._outside.on()
             return
         if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
             for path, t in tensors(output):
@@ -366,6 +379,7 @@ class Hunt:
             top.out_keys = [k for k, _ in c.out_keys]
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
+            self._outside.on()
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
@@ -417,6 +431,7 @@ class Hunt:
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
             return
+        self._outside.off()
         log = self._log
         if not self._opts:
             if log.root_calls:
@@ -429,6 +444,7 @@ class Hunt:
             settle(log)
         top = _capture_top(module, args)
         top.kwargs = kwargs
+        self._state.capture(top)
         log.tops.append(top)
         c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
         log.counts[module] = c.call + 1
@@ -451,11 +467,15 @@ class Hunt:
                         self._log.tensors[k].keep_grad = True
                         top.out_keys.append(k)
                         c.out_keys.append((k, path))
+            if not self._paused:
+                self._outside.on()
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._paused:
             return None
+        self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
+        self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
@@ -524,6 +544,8 @@ class Hunt:
         def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             h = hunt()
             before = h._steps_applied if h is not None else 0
+            if h is not None:
+                h._outside.off()
             if h is not None and getattr(scaler, "_scale", None) is not None:
                 h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
             out = orig(optimizer, *args, **kwargs)
@@ -554,6 +576,7 @@ class Hunt:
         ``collective``: under torch.distributed, agree with the other ranks (`dist`): only at a
         watched optimizer's step, which every rank runs; elsewhere each rank judges its own.
         """
+        self._outside.off()
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
@@ -610,7 +633,10 @@ class Hunt:
                 self._handle(found, raise_ok)
 
     def _handle(self, found: list[Finding], raise_ok: bool) -> None:
-        self.findings.extend(found)
+        first = not self.findings and not self._dropped
+        room = max(self.options.max_findings - len(self.findings), 0)
+        self._dropped += max(len(found) - room, 0)
+        self.findings.extend(found[:room])
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         if self._report_path is not None:
@@ -624,9 +650,11 @@ class Hunt:
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
-        elif self.on_find == "warn":
-            for f in found:
-                warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
+        elif self.on_find == "warn" and found[0].step != self._warned_step:
+            # at most one warning per step; only the hunt's first finding is called the first
+            self._warned_step = found[0].step
+            more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
+            warnings.warn(paragraph(found[0], first=first) + more, NonFiniteWarning, stacklevel=4)
         elif self.on_find in ("raise", "breakpoint") and raise_ok:  # breakpoint: stopped in _locate first
             raise NonFiniteError(found[0], self.report)
 
@@ -648,6 +676,7 @@ class Hunt:
             bundle=self._bundle_path if not self.findings else None,
             breakpoint=not self.findings and (self.on_find == "breakpoint" or getattr(self.on_find, "breakpoint", False)),
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
+            step_lines=dict(self._step_lines),
         )
 
     def _meta(self) -> dict[str, Any]:
@@ -657,6 +686,7 @@ class Hunt:
             "skipped_steps": self._skipped_steps,
             "torch": torch.__version__,
             "rank": self.rank,
+            "dropped_findings": self._dropped,
         }
 
     def _close(self, raise_pending: bool) -> None:
@@ -672,6 +702,8 @@ class Hunt:
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
+        self._outside.close()
+        self._state.clear()
         self._paused = True  # for good: a hook torch already had in hand for this call does nothing
         busy = self._stepping._optimizer_step_pre_hooks if self._stepping is not None else None
         for h in self._handles:

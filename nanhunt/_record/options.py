@@ -38,6 +38,7 @@ class Options:
     distributed: bool | None = None
     rank: int | None = None
     dist_timeout: float = 300.0
+    max_findings: int = 1000
 
     @classmethod
     def make(
@@ -57,6 +58,7 @@ class Options:
         distributed: bool | None = None,
         rank: int | None = None,
         dist_timeout: float = 300.0,
+        max_findings: int = 1000,
     ) -> Options:
         if not (callable(on_find) or on_find in ON_FIND):
             raise ValueError(
@@ -79,6 +81,7 @@ class Options:
             _int("rank", rank, 0, "this process's rank")
         if isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float)) or not dist_timeout > 0:
             raise ValueError(f"dist_timeout must be a number of seconds > 0; got {dist_timeout!r}")
+        _int("max_findings", max_findings, 1, "findings the report keeps")
         return cls(
             on_find=on_find, scaler=scaler, ignore=patterns, history=history,
             report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
@@ -87,6 +90,7 @@ class Options:
             bundle=check_writable(bundle, (".pt",), "bundle") if bundle is not None else None,
             distributed=None if distributed is None else bool(distributed), rank=rank,
             dist_timeout=float(dist_timeout),
+            max_findings=max_findings,
         )
 
 

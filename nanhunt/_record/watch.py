@@ -35,6 +35,7 @@ def watch(
     distributed: bool | None = None,
     rank: int | None = None,
     dist_timeout: float = 300.0,
+    max_findings: int = 1000,
 ) -> Hunt:
     """Watch ``model`` (and ``optimizer``) for the first NaN/Inf; returns the running `Hunt`.
 
@@ -64,10 +65,13 @@ def watch(
       rank: this process's rank in findings (default: ``torch.distributed``'s).
       dist_timeout: seconds a rank waits for the others in nanhunt's own agreement before it
         raises `SilentRankError` naming the ranks that died or stopped answering.
+      max_findings: how many findings the report keeps; later ones are only counted
+        (``report.meta["dropped_findings"]``). ``"warn"`` warns at most once per step.
     """
     options = Options.make(
         on_find=on_find, scaler=scaler, ignore=ignore, history=history, report=report, mode=mode,
         replay=replay, grad_hooks=grad_hooks, optimizer_every=optimizer_every, stats_every=stats_every,
         bundle=bundle, distributed=distributed, rank=rank, dist_timeout=dist_timeout,
+        max_findings=max_findings,
     )
     return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)

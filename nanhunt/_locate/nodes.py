@@ -1,0 +1,167 @@
+"""After a hit: the autograd node that made the first non-finite gradient of a whole call.
+
+The module-level backward analysis blames a module when the gradient of one of its *inputs* is
+non-finite while the gradients of its outputs were finite. Two places have no such input: the
+root's own code (the gradient of a child's output is made by ops the root runs itself) and graphs
+whose only leaves are parameters (a ``torch.where`` over a bare ``nn.Parameter``). Here the failing
+top-level call is replayed faithfully with grad, every autograd node of its graph gets a hook, and
+the backward runs through ``torch.autograd.grad`` (no ``.grad`` is touched): the creator is the
+first node, in execution order, that produced a non-finite gradient from finite ones. Each node is
+given to the innermost watched call whose outputs reach it (children finish first), and the line
+of the op that created it (`oplevel`'s node tracking).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._hooks import GlobalHooks
+from .._steplog import Top
+from .._tensors import is_bad, tensors
+from .oplevel import _fmt, _Mode, _Recorder
+from .replay import faithful
+
+__all__ = ["Born", "creator", "blame_nodes"]
+
+_SELECT = ("WhereBackward", "MaskedFillBackward", "IndexPutBackward", "MaskedScatterBackward")
+
+
+@dataclass
+class Born:
+    """The node that made a non-finite gradient from finite ones, and what hints need."""
+
+    op: str  # the node's name, e.g. "SqrtBackward0"
+    source: str | None  # the forward line that created the node
+    grad: torch.Tensor  # the non-finite gradient it produced
+    slot: int  # for which of its inputs
+    chain: list[str] = field(default_factory=list)
+    module: nn.Module | None = None  # the innermost watched module that created it (None: outside)
+    name: str = ""
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+def blame_nodes(nodes: list[Any], run: Any) -> tuple[Any, int, torch.Tensor, list[Any], dict[str, Any]] | None:
+    """Hook ``nodes``, call ``run()`` (a backward), return the creator node, its bad slot and
+    gradient, the nodes the bad gradient then went through (oldest first) and hint facts."""
+    order: list[tuple[Any, list[bool], list[bool], tuple[Any, ...]]] = []
+    handles = []
+
+    def hook(fn: Any) -> Any:
+        def post(gi: Any, go: Any) -> None:
+            ob = [isinstance(g, torch.Tensor) and is_bad(g) for g in gi]
+            order.append((fn, [isinstance(g, torch.Tensor) and is_bad(g) for g in go], ob,
+                          tuple(gi) if any(ob) else ()))
+        return post
+
+    try:
+        for fn in nodes:
+            if fn.name() != "torch::autograd::AccumulateGrad":
+                handles.append(fn.register_hook(hook(fn)))
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    bad_out = {fn: ob for fn, _ib, ob, _gi in order}
+    for fn, ib, ob, gi in order:
+        if not any(ob) or any(ib):
+            continue
+        slot = ob.index(True)
+        chain = [fn]
+        nxt = fn.next_functions[slot][0] if slot < len(fn.next_functions) else None
+        while nxt is not None and nxt not in chain and any(bad_out.get(nxt, ())):
+            chain.append(nxt)
+            s = bad_out[nxt].index(True)
+            nxt = nxt.next_functions[s][0] if s < len(nxt.next_functions) else None
+        feeders = [f for f in bad_out if any(n is fn for n, _ in f.next_functions)]
+        facts = {"where_trap": any(f.name().startswith(_SELECT) for f in feeders)}
+        return fn, slot, gi[slot], chain, facts
+    return None
+
+
+def creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None],
+            params: list[Any]) -> Born | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the user's code warned once already
+            return _creator(top, names, grads, params)
+    except Exception:
+        return None
+
+
+def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None],
+             params: list[Any]) -> Born | None:
+    done: list[tuple[nn.Module, Any, Any]] = []  # (module, inputs, output) in completion order
+    stack: list[nn.Module] = []
+
+    def pre(module: nn.Module, args: Any) -> None:
+        if module in names:
+            stack.append(module)
+
+    def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
+        if stack and stack[-1] is module:
+            stack.pop()
+            done.append((module, (args, kwargs if isinstance(kwargs, dict) else {}), output))
+
+    rec = _Recorder()
+    mode = _Mode(rec, track_nodes=True)
+    hooks = GlobalHooks(pre, post)
+    try:
+        with faithful(top), torch.enable_grad(), mode:
+            out = top.module(*top.args, **(top.kwargs or {}))
+            mode.flush()
+    finally:
+        hooks.remove()
+    outs = [t for _, t in tensors(out) if t.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    if not pairs:
+        return None
+    nodes: list[Any] = []
+    seen: set[Any] = set()
+    todo = [o.grad_fn for o, _ in pairs]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(fn)
+        todo.extend(n for n, _ in fn.next_functions)
+    leaves = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+    leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+    if not leaves:
+        return None
+
+    def run() -> None:
+        torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+
+    got = blame_nodes(nodes, run)
+    if got is None:
+        return None
+    fn, slot, grad, chain, facts = got
+    owner = _owner(fn, done)
+    src = mode.node_src.get(fn, (None, False))[0]
+    return Born(fn.name(), src, grad, slot,
+                [_fmt(n.name(), mode.node_src.get(n, (None, False))[0]) for n in chain],
+                owner, names.get(owner, "") if owner is not None else "", facts)
+
+
+def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> nn.Module | None:
+    """The innermost watched call whose outputs reach ``target`` before its inputs' nodes."""
+    for module, inputs, output in done:  # children complete before their parents
+        stop = {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
+        stop |= {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
+        todo = [t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)]
+        seen: set[Any] = set()
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen or fn in stop:
+                continue
+            if fn is target:
+                return module
+            seen.add(fn)
+            todo.extend(n for n, _ in fn.next_functions)
+    return None

@@ -1,0 +1,74 @@
+"""After an optimizer finding: the op that writes the reported tensor in that optimizer's update.
+
+The step itself is gone (the parameters and state were overwritten), so the op is found on a
+*shadow*: a fresh optimizer of the same `torch.optim` class and hyperparameters, over a one-element
+copy of the parameter (same dtype and device), stepped twice under a dispatch mode that notes
+which aten op last wrote the parameter and each state tensor. Only `torch.optim`'s own classes
+are shadowed (a custom optimizer's step may have side effects); others give ``None``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["update_op", "eps_rounds_to_zero"]
+
+
+class _Writes(TorchDispatchMode):
+    def __init__(self, targets: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.ptrs = {t.untyped_storage().data_ptr(): k for k, t in targets.items()}
+        self.last: dict[str, str] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                for x in tree_leaves(v):
+                    if isinstance(x, torch.Tensor):
+                        k = self.ptrs.get(x.untyped_storage().data_ptr())
+                        if k is not None:
+                            self.last[k] = str(func)
+        return out
+
+
+def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | None:
+    """The aten op that writes ``p`` (``key=""``) or ``state[key]`` in ``opt``'s update."""
+    try:
+        if type(opt).__module__.split(".")[:2] != ["torch", "optim"]:
+            return None
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        accepted = inspect.signature(type(opt).__init__).parameters
+        hp = {k: v for k, v in group.items() if k in accepted and k != "params"}
+        with torch.no_grad():
+            q = torch.nn.Parameter(torch.ones(1, dtype=p.dtype, device=p.device))
+        q.grad = torch.full_like(q, 0.5)
+        shadow = type(opt)([q], **hp)
+        shadow.step()  # creates the state
+        targets = {"": q, **{k: v for k, v in shadow.state[q].items() if isinstance(v, torch.Tensor) and v.dim()}}
+        w = _Writes(targets)
+        with w:
+            shadow.step()
+        return w.last.get(key)
+    except Exception:
+        return None
+
+
+def eps_rounds_to_zero(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
+    """``repr(eps)`` when the group's ``eps`` is 0 in ``p``'s dtype (Adam's 1e-8 in float16), else ""."""
+    try:
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        eps = group.get("eps")
+        if isinstance(eps, float) and eps > 0 and p.is_floating_point() and p.dtype != torch.float32:
+            if float(torch.tensor(eps, dtype=p.dtype)) == 0.0:
+                return repr(eps)
+    except Exception:
+        pass
+    return ""

@@ -1,0 +1,311 @@
+"""After a hit: the op, line and element of a value born in code outside every watched call.
+
+`_record.outside` kept, for the step, every torch call made outside the watched root calls
+(function, arguments by reference, outputs, the user's line) and the arguments of each
+``backward()``. Here those calls are replayed in order — tensors made by an earlier recorded call
+are replaced by their replayed values, every other tensor (the model's outputs, the data, a loss
+module's parameters) by a detached copy — so the replay never writes to the user's tensors.
+
+Forward: the replay runs under `oplevel`'s recorder (each aten op tagged with the line of the call
+being replayed); from the reported element we walk back to the op that created the value.
+Backward: the replay runs with grad; each autograd node it creates belongs to the recorded call
+that created it; the recorded ``backward()`` seeds run through ``torch.autograd.grad`` (no
+``.grad`` is touched) with a hook on every one of those nodes: the creator is the first node that
+produced a non-finite gradient from finite ones. The RNG is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .._finding import Finding
+from .._steplog import OutRec, StepLog
+from .._tensors import dtype_name, element, is_bad
+from . import hints as _hints
+from .nodes import blame_nodes
+from .oplevel import OpOrigin, _chain, _first, _fmt, _Recorder
+
+__all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding",
+           "backward_finding", "check_origin"]
+
+OUTSIDE = "<outside>"
+
+
+@dataclass
+class Born:
+    """Where a gradient of the outside code was born (backward)."""
+
+    op: str
+    source: str | None
+    function: str
+    rec: int
+    grad: torch.Tensor
+    slot: int
+    chain: list[str] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+
+class _Tag(TorchDispatchMode):
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+        self.src: str | None = None
+        self.on = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.on:
+            return func(*args, **kwargs)
+        return self.rec.record(func, args, kwargs, self.src)
+
+
+class _Replay:
+    def __init__(self, recs: list[OutRec], grad: bool) -> None:
+        self.recs = recs
+        self.grad = grad
+        self.sub: dict[int, torch.Tensor] = {}
+        self.keep: list[torch.Tensor] = []
+        self.leaves: list[torch.Tensor] = []
+        self.outs: list[list[torch.Tensor]] = []
+        self.node_rec: dict[Any, int] = {}
+
+    def ext(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        r = self.sub.get(id(x))
+        if r is not None:
+            return r
+        with torch.no_grad():
+            c = x.detach().clone()
+        if self.grad and x.requires_grad and (x.is_floating_point() or x.is_complex()):
+            c.requires_grad_(True)
+            self.leaves.append(c)
+            with torch.enable_grad():
+                r = c.clone()  # a non-leaf: the user's code may write into it
+        else:
+            r = c
+        self.sub[id(x)] = r
+        self.keep.append(x)
+        return r
+
+    def run(self, upto: int, tag: _Tag | None) -> None:
+        known: set[Any] = set()
+        for i, r in enumerate(self.recs[: upto + 1]):
+            if r.rng is not None:
+                torch.set_rng_state(r.rng)
+            if tag is not None:
+                tag.on = False
+            args = tree_map(self.ext, r.args)
+            kwargs = tree_map(self.ext, r.kwargs)
+            if self.grad:
+                known.update(t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            if tag is not None:
+                tag.src = r.src
+                tag.on = True
+            out = r.func(*args, **kwargs)
+            if tag is not None:
+                tag.on = False
+            if out is None and getattr(r.func, "__name__", "") == "__setitem__":
+                out = args[0]
+                orig = r.args[0]
+            else:
+                orig = r.out
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            origs = [t for t in tree_leaves(orig) if isinstance(t, torch.Tensor)]
+            for o, n in zip(origs, outs):
+                self.sub[id(o)] = n
+                self.keep.append(o)
+            self.outs.append(outs)
+            if self.grad:
+                todo = [t.grad_fn for t in outs]
+                while todo:
+                    fn = todo.pop()
+                    if fn is None or fn in known or fn in self.node_rec:
+                        continue
+                    self.node_rec[fn] = i
+                    todo.extend(n for n, _ in fn.next_functions)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b`` is ``a`` or a detached alias of it (``hunt.check`` keeps ``tensor.detach()``)."""
+    return a is b or (a.data_ptr() == b.data_ptr() != 0 and a.shape == b.shape and a.dtype == b.dtype)
+
+
+def output_of(log: StepLog, e: Any) -> torch.Tensor | None:
+    outs = _outs(log.outside[e.rec])
+    return outs[e.out] if e.out < len(outs) else None
+
+
+def producer(recs: list[OutRec], t: torch.Tensor) -> tuple[int, int] | None:
+    """The recorded call (and output number) that made ``t``."""
+    for i in range(len(recs) - 1, -1, -1):
+        for j, o in enumerate(_outs(recs[i])):
+            if same(o, t):
+                return i, j
+    return None
+
+
+def forward_origin(recs: list[OutRec], ri: int, j: int) -> tuple[OpOrigin | None, dict[str, Any]]:
+    """Op, line and chain of the first non-finite value in output ``j`` of recorded call ``ri``;
+    and what the hints need (the reduction's input rows)."""
+    facts: dict[str, Any] = {}
+    try:
+        rep = _Replay(recs, grad=False)
+        rec = _Recorder()
+        tag = _Tag(rec)
+        with _rng(), torch.no_grad(), warnings.catch_warnings(), tag:
+            warnings.simplefilter("ignore")  # the user's code warned once already
+            rep.run(ri, tag)
+        outs = rep.outs[ri]
+        if j >= len(outs):
+            return None, facts
+        t = outs[j]
+        code, prod = rec.lookup(t)
+        if code is None or prod is None:
+            return None, facts
+        got = rec.walk(prod, _first(code))
+        if not got:
+            return None, facts
+        first = rec.recs[got[0]]
+        facts = _hints.facts(rec, got)
+        return OpOrigin(first.op, first.src, _chain(rec, got), facts), facts
+    except Exception:
+        return None, facts
+
+
+class _rng:
+    """The user's CPU RNG stream is left as it was; each recorded call that was the first after a
+    root call starts from the state it saw."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.get_rng_state()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.set_rng_state(self.saved)
+
+
+def backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]]) -> Born | None:
+    """The autograd node of the outside code that made the first non-finite gradient."""
+    try:
+        return _backward_origin(recs, seeds)
+    except Exception:
+        return None
+
+
+def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]]) -> Born | None:
+    if not recs or not seeds:
+        return None
+    rep = _Replay(recs, grad=True)
+    with _rng(), torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep.run(len(recs) - 1, None)
+    roots: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    for args, kwargs, _src in seeds:
+        ts, gs = _seed(args, kwargs)
+        for t, g in zip(ts, gs):
+            r = rep.sub.get(id(t))
+            if r is None or not r.requires_grad:
+                continue
+            roots.append(r)
+            grads.append(torch.ones_like(r) if g is None else rep.sub.get(id(g), g))
+    if not roots:
+        return None
+    leaves = rep.leaves
+
+    def run() -> None:
+        torch.autograd.grad(roots, leaves, grads, allow_unused=True)
+
+    if not leaves:
+        return None
+    got = blame_nodes(list(rep.node_rec), run)
+    if got is None:
+        return None
+    fn, slot, grad, chain, facts = got
+    ri = rep.node_rec[fn]
+    names = [_fmt(n.name(), recs[rep.node_rec[n]].src) for n in chain if n in rep.node_rec]
+    return Born(fn.name(), recs[ri].src, recs[ri].fn, ri, grad, slot, names, facts)
+
+
+def _seed(args: Any, kwargs: Any) -> tuple[list[Any], list[Any]]:
+    if not args:
+        return [], []
+    first = args[0]
+    if isinstance(first, torch.Tensor) and ("gradient" in kwargs or len(args) < 2 or not isinstance(args[1], (list, tuple))):
+        g = kwargs.get("gradient", args[1] if len(args) > 1 else None)
+        return [first], [g]
+    ts = [first] if isinstance(first, torch.Tensor) else list(first)
+    gs = kwargs.get("grad_tensors", args[1] if len(args) > 1 else None)
+    if gs is None:
+        gs = [None] * len(ts)
+    elif isinstance(gs, torch.Tensor):
+        gs = [gs]
+    return ts, list(gs)
+
+
+# ---------------------------------------------------------------- findings
+def _outs(r: OutRec) -> list[torch.Tensor]:
+    out = r.args[0] if r.out is None and r.args else r.out
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding | None:
+    """Output ``out_i`` of the recorded outside call ``rec_i`` was the first non-finite value."""
+    r = log.outside[rec_i]
+    outs = _outs(r)
+    if out_i >= len(outs) or not is_bad(outs[out_i]):
+        return None  # finite values whose sum overflowed
+    t = outs[out_i]
+    leaves = tree_leaves((r.args, r.kwargs))
+    if any(is_bad(x) for x in leaves if isinstance(x, torch.Tensor) and x is not t):
+        return None  # fed: not born here (an ignored module's -inf, the data); found where it flows
+    if any(isinstance(x, float) and not math.isfinite(x) for x in leaves):
+        return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
+    got, fx = forward_origin(log.outside, rec_i, out_i)
+    index, value, counts = element(t)
+    f = Finding(
+        phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
+        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
+        dtype=dtype_name(t), cause="created",
+        op=got.op if got is not None else None, source=got.source if got is not None else r.src,
+        chain=tuple(got.chain) if got is not None else (), reproducible=True if got is not None else None,
+    )
+    return dataclasses.replace(f, hint=_hints.hint(f, fx))
+
+
+def backward_finding(log: StepLog, step: int) -> Finding | None:
+    """The outside code's backward made the first non-finite gradient (a loss function's)."""
+    if not log.outside or not log.seeds:
+        return None
+    b = backward_origin(log.outside, log.seeds)
+    if b is None:
+        return None
+    index, value, counts = element(b.grad)
+    f = Finding(
+        phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE, tensor=f"grad_input[{b.slot}]",
+        step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        reproducible=True,
+    )
+    return dataclasses.replace(f, hint=_hints.hint(f, b.facts))
+
+
+def _nth(recs: list[OutRec], i: int) -> int:
+    """Which run of its line within the step (0: the first): a loop's second pass is call 1."""
+    return sum(1 for r in recs[:i] if r.src == recs[i].src and r.func is recs[i].func)
+
+
+def check_origin(log: StepLog, t: torch.Tensor) -> tuple[OpOrigin | None, dict[str, Any]]:
+    """Op, line and chain of a tensor given to ``hunt.check``, when recorded outside code made it."""
+    got = producer(log.outside, t)
+    if got is None:
+        return None, {}
+    return forward_origin(log.outside, *got)

@@ -1,0 +1,462 @@
+"""Born anywhere (issue 10): NaNs made outside every watched module call, in the root's own code,
+in graphs of bare parameters, in the optimizer and in BatchNorm — each with op, line, element,
+cause and a hint chosen from the numbers.
+
+Every scenario first proves that the mechanism really gives a non-finite value in plain PyTorch
+on this torch, and compares nanhunt's answer with an independent referee: a dispatch mode that
+sees every aten op (the first one to make a non-finite value from finite inputs, and the line of
+this file that ran it) and hooks on every autograd node (the first node to make a non-finite
+gradient from finite ones). The referee uses no nanhunt code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import traceback
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import nanhunt
+
+HERE = os.path.abspath(__file__)
+with open(HERE) as _f:
+    _LINES = _f.read().splitlines()
+
+
+def line(marker: str) -> str:
+    hits = [i + 1 for i, s in enumerate(_LINES) if s.rstrip().endswith(f"# @{marker}")]
+    assert len(hits) == 1, marker
+    return f"{HERE}:{hits[0]}"
+
+
+def same_source(got: str | None, want: str) -> bool:
+    if got is None:
+        return False
+    gf, gl = got.rsplit(":", 1)
+    wf, wl = want.rsplit(":", 1)
+    return gl == wl and os.path.realpath(gf) == os.path.realpath(wf)
+
+
+@pytest.fixture(autouse=True)
+def _no_mode_left() -> Any:
+    before = torch._C._len_torch_function_stack()
+    yield
+    assert torch._C._len_torch_function_stack() == before, "a torch function mode survived the test"
+
+
+# ---------------------------------------------------------------- the referee (no nanhunt code)
+def _bad(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+class Referee(TorchDispatchMode):
+    """Forward: the first aten op whose output is non-finite while its inputs are all finite, and
+    the line of this file that ran it. Backward: ``nodes()`` hooks every autograd node of a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.op: str | None = None
+        self.line: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.op is None and torch._C._current_graph_task_id() == -1:
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            floats = [t for t in ins if t.is_floating_point()]
+            if (any(_bad(t) for t in tree_leaves(out)) and floats and not any(_bad(t) for t in floats)
+                    and "empty" not in str(func)):  # factories, uninitialised memory: not values
+                self.op = str(func)
+                here = [f for f in traceback.extract_stack()
+                        if os.path.realpath(f.filename) == os.path.realpath(HERE) and f.name != "__torch_dispatch__"]
+                self.line = f"{HERE}:{here[-1].lineno}" if here else None
+        return out
+
+
+def referee_backward(root: torch.Tensor) -> str | None:
+    """Run ``root.backward()`` with a hook on every node: the first to make a non-finite gradient
+    from finite ones."""
+    seen, todo, nodes = set(), [root.grad_fn], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(fn)
+        todo.extend(n for n, _ in fn.next_functions)
+    first: list[str] = []
+    hs = [fn.register_hook(lambda gi, go, fn=fn: first.append(fn.name())
+                           if not first and any(_bad(g) for g in gi) and not any(_bad(g) for g in go) else None)
+          for fn in nodes]
+    root.backward()
+    for h in hs:
+        h.remove()
+    return first[0] if first else None
+
+
+def model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def run_steps(m: nn.Module, loss_fn: Any, steps: int = 1, **watch: Any) -> nanhunt.Finding:
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    batches = [(torch.randn(6, 4), torch.randint(0, 3, (6,))) for _ in range(steps)]
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, optimizer=opt, **watch):
+            for i, (x, y) in enumerate(batches):
+                loss = loss_fn(m(x), y, i)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    return ei.value.finding
+
+
+# ---------------------------------------------------------------- losses as plain functions
+def positives_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    """A contrastive-style loss that divides by the count of positives: 0/0 when there are none."""
+    pos = (y == 2).float()
+    per = (out.softmax(-1)[:, 2] * pos).sum() / pos.sum()  # @div-by-count
+    return -per.log()
+
+
+def test_loss_function_outside_the_model() -> None:
+    y = torch.zeros(6, dtype=torch.long)  # no positives
+    out = model()(torch.randn(6, 4))
+    ref = Referee()
+    with ref:
+        plain = positives_loss(out, y, 0)
+    assert math.isnan(plain.item())
+    assert ref.op == "aten.div.Tensor" and same_source(ref.line, line("div-by-count"))
+
+    f = run_steps(model(), lambda o, _y, i: positives_loss(o, y, i))
+    assert f.module == "<outside>" and f.phase == "forward" and f.cause == "created"
+    assert f.op == ref.op and same_source(f.source, line("div-by-count"))
+    assert f.index == () and math.isnan(f.value)
+    assert f.chain[0].startswith("aten.div.Tensor")
+    assert "0/0" in f.hint
+
+
+class FocalLoss(nn.Module):
+    """A loss module that is not part of the watched model."""
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = out.softmax(-1).gather(1, y[:, None]).squeeze(1)
+        return -(torch.log(p - p.detach().max()) * (1 - p) ** 2).mean()  # @focal-log
+
+
+def test_loss_module_outside_the_model() -> None:
+    crit = FocalLoss()
+    y = torch.randint(0, 3, (6,))
+    out = model()(torch.randn(6, 4))
+    ref = Referee()
+    with ref:
+        assert not math.isfinite(crit(out, y).item())
+    f = run_steps(model(), lambda o, yy, i: crit(o, yy))
+    assert f.module == "<outside>" and f.op == ref.op == "aten.log.default"
+    assert same_source(f.source, line("focal-log")) and same_source(ref.line, line("focal-log"))
+    assert f.index is not None and f.value is not None and not math.isfinite(f.value)
+
+
+def test_loss_code_only_on_some_steps() -> None:
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        loss = F.cross_entropy(out, y)
+        if step == 3:  # an auxiliary term only every few steps
+            loss = loss + torch.sqrt(out.detach().sum() * 0 - 1)  # @aux-sqrt
+        return loss
+
+    f = run_steps(model(), loss_fn, steps=5)
+    assert f.step == 3 and f.module == "<outside>" and f.op == "aten.sqrt.default"
+    assert same_source(f.source, line("aux-sqrt"))
+
+
+def dist_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    target = out.detach().clone()
+    target[1:] += 1.0
+    d = ((out - target) ** 2).sum(-1)
+    return torch.sqrt(d).mean()  # @sqrt-at-0
+
+
+def test_backward_only_nan_in_loss_code() -> None:
+    out = model()(torch.randn(6, 4))
+    assert math.isfinite(dist_loss(out, None, 0).item())
+    assert referee_backward(dist_loss(out, None, 0)) == "SqrtBackward0"
+
+    f = run_steps(model(), dist_loss)
+    assert f.module == "<outside>" and f.phase == "backward" and f.op == "SqrtBackward0"
+    assert same_source(f.source, line("sqrt-at-0"))
+    assert f.index == (0,) and f.value == math.inf
+
+
+def test_check_carries_op_source_chain_and_the_row() -> None:
+    def nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = out.softmax(-1) * (y > 0)
+        return -p.sum(-1).log().mean()  # @row-log
+
+    y = torch.ones(6, 3)
+    y[4] = 0
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
+            loss = nll(m(torch.randn(6, 4)), y)
+            hunt.check(loss, "loss")
+            loss.backward()
+            opt.step()
+        raise nanhunt.NonFiniteError(hunt.findings[-1], hunt.report)
+    checks = [f for f in ei.value.report.findings if f.phase == "check"]
+    assert checks and checks[0].op == "aten.log.default" and same_source(checks[0].source, line("row-log"))
+    assert "row 4" in checks[0].hint
+
+
+# ---------------------------------------------------------------- backward in the root's own code
+class CosineHead(nn.Module):
+    """Angle between two projections of the input, computed in the root's own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.b.load_state_dict(self.a.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = F.cosine_similarity(self.a(x), self.b(x), dim=-1).clamp(-1, 1)
+        return torch.acos(c)  # @acos
+
+
+def test_backward_nan_in_the_roots_own_code() -> None:
+    torch.manual_seed(0)
+    m = CosineHead()
+    x = torch.randn(3, 4)
+    assert torch.isfinite(m(x)).all()
+    assert referee_backward(m(x).sum()) == "AcosBackward0"
+
+    f = run_steps(m, lambda o, y, i: o.sum())
+    assert f.phase == "backward" and f.module == "" and f.op == "AcosBackward0"
+    assert same_source(f.source, line("acos")) and f.value == -math.inf and f.index is not None
+
+
+class BareSqrt(nn.Module):
+    """Only a bare parameter needs a gradient: a torch.where trap on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([-1.0, 4.0, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = torch.where(self.scale > 0, torch.sqrt(self.scale), torch.zeros(()))  # @where-trap
+        return x[:, :3] * s
+
+
+def test_where_trap_on_a_bare_parameter() -> None:
+    m = BareSqrt()
+    x = torch.randn(6, 4)
+    assert torch.isfinite(m(x)).all()
+    assert referee_backward(m(x).sum()) == "SqrtBackward0"
+    f = run_steps(BareSqrt(), lambda o, y, i: o.sum())
+    assert f.phase == "backward" and f.op == "SqrtBackward0" and f.module == ""
+    assert same_source(f.source, line("where-trap"))
+    assert f.index == (0,) and math.isnan(f.value)
+    assert "torch.where" in f.hint and "double" in f.hint
+
+
+# ---------------------------------------------------------------- cause: state at the start of the call
+def test_batchnorm_fed_a_bad_sample_is_not_blamed_on_its_buffers() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x = torch.randn(8, 4)
+    x[3, 1] = math.nan  # one bad sample from the data
+    plain = nn.BatchNorm1d(4)
+    assert not torch.isfinite(plain(x)).all() and not torch.isfinite(plain.running_mean).all()
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, optimizer=opt):
+            m(x).sum().backward()
+            opt.step()
+    f = ei.value.finding
+    assert f.module == "0" and f.cause == "input"
+    assert "optimizer" not in f.hint
+
+
+# ---------------------------------------------------------------- hints from the numbers
+def test_float16_overflow_in_a_gpt2_mlp() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).half()
+    with torch.no_grad():  # the MLP's first matmul reaches 64000 + 100 * 32 > 65504
+        m.transformer.h[0].ln_2.bias.fill_(1.0)
+        m.transformer.h[0].mlp.c_fc.weight.fill_(100.0)
+        m.transformer.h[0].mlp.c_fc.bias.fill_(64000.0)
+    ids = torch.randint(0, 64, (2, 8))
+    ref = Referee()
+    with ref, torch.no_grad():
+        m(input_ids=ids)
+    assert ref.op is not None
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, optimizer=opt):
+            m(input_ids=ids).logits.float().mean().backward()
+            opt.step()
+    f = ei.value.finding
+    assert f.module == "transformer.h.0.mlp.c_fc" and f.op == ref.op == "aten.addmm.default"
+    assert f.value == math.inf and f.cause == "created"
+    assert "65504" in f.hint and "67" in f.hint and "float32" in f.hint
+
+
+def test_float16_overflow_in_a_sub_is_called_an_overflow() -> None:
+    class Diff(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x - (-x)  # @sub-overflow
+
+    x = torch.full((2,), 60000.0, dtype=torch.float16)
+    assert torch.isinf(Diff()(x)).all()
+    m = nn.Sequential(nn.Identity(), Diff())
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m):
+            m(x)
+            m(x)
+    f = ei.value.finding
+    assert f.op == "aten.sub.Tensor" and "65504" in f.hint and "inf - inf" not in f.hint.lower()
+
+
+def test_adam_in_float16() -> None:
+    w = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float16))
+    plain = torch.optim.Adam([w], lr=1e-3)
+    w.grad = torch.tensor([0.0, 1e-4], dtype=torch.float16)
+    plain.step()
+    assert not torch.isfinite(w).all()  # eps=1e-8 is 0 in float16: 0/0 and x/0
+
+    m = nn.Linear(2, 1).half()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x = torch.zeros(4, 2, dtype=torch.float16)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, optimizer=opt):
+            for _ in range(3):
+                m(x).float().sum().backward()
+                opt.step()  # @adam-step
+                opt.zero_grad()
+    f = ei.value.finding
+    assert f.phase == "optimizer"
+    assert same_source(f.source, line("adam-step"))
+    assert f.op is not None and "addcdiv" in f.op
+    assert "eps" in f.hint and "float16" in f.hint
+
+
+@pytest.mark.parametrize("case", ["ignored", "std", "ctc"])
+def test_hints_name_the_remedy(case: str) -> None:
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        if case == "ignored":
+            return F.cross_entropy(out, torch.full_like(y, -100))
+        if case == "std":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch warns "degrees of freedom is <= 0"
+                return out[:1, 0].std()
+        lp = out.log_softmax(-1)[:, None, :].expand(6, 1, 3)
+        return F.ctc_loss(lp, torch.ones(1, 9, dtype=torch.long), torch.tensor([6]), torch.tensor([9]))
+
+    f = run_steps(model(), loss_fn)
+    assert f.module == "<outside>"
+    want = {"ignored": "ignore", "std": "one element", "ctc": "zero_infinity=True"}[case]
+    assert want in f.hint
+
+
+# ---------------------------------------------------------------- warn / record
+def test_warn_once_per_step_and_max_findings() -> None:
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with nanhunt.watch(m, optimizer=opt, on_find="warn", max_findings=3) as hunt:
+            for _ in range(5):
+                out = m(torch.randn(6, 4))
+                loss = (out * torch.tensor(math.nan)).sum()
+                hunt.check(loss, "loss")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    ours = [w for w in got if issubclass(w.category, nanhunt.NonFiniteWarning)]
+    assert len(ours) <= 5
+    assert str(ours[0].message).startswith("First")
+    assert not any(str(w.message).startswith("First") for w in ours[1:])
+    d = hunt.report.to_dict()
+    assert len(d["findings"]) == 3 and d["meta"]["dropped_findings"] > 0
+
+
+# ---------------------------------------------------------------- nanhunt run
+def test_nanhunt_run_finds_a_loss_function_bug(tmp_path: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def loss_fn(out, y):
+            return (out - y).pow(2).sum() / (y > 5).sum()
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            x, y = torch.randn(8, 4), torch.zeros(8, 1)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    r = subprocess.run([sys.executable, "-m", "nanhunt", "run", "--report", str(tmp_path / "r.json"), str(script)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(nanhunt.__file__))})
+    assert r.returncode == 3, r.stderr
+    rep = nanhunt.Report.load(tmp_path / "r.json")
+    f = rep.first
+    assert f.module == "<outside>" and f.op == "aten.div.Tensor"
+    assert f.source is not None and f.source.endswith("train.py:6")
+
+
+# ---------------------------------------------------------------- the user's run is untouched
+def test_outside_code_with_rng_and_a_hit_is_bit_identical() -> None:
+    """Loss code that draws random numbers, and an outside hit replayed in record mode: losses,
+    gradients, weights and the RNG stream are exactly those of the plain run."""
+
+    def run(watch: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, Any]:
+        torch.manual_seed(0)
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        xs = [torch.randn(6, 4) for _ in range(3)]
+        hunt = nanhunt.watch(m, optimizer=opt, on_find="record") if watch else None
+        losses, grads = [], []
+        for i, x in enumerate(xs):
+            out = m(x)
+            noisy = F.dropout(out, 0.5)  # outside code consuming the RNG
+            loss = noisy.pow(2).mean()
+            if i == 1:  # a metric term born -inf (no gradient: training goes on)
+                loss = loss + torch.log(out.detach().abs() * 0).sum()
+            losses.append(loss.detach().clone())
+            loss.backward()
+            grads.append(m[0].weight.grad.clone())
+            opt.step()
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return losses, grads, torch.rand(3), hunt
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) or (x.isnan() == y.isnan()).all() for x, y in zip(a[0], b[0]))
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert torch.equal(a[2], b[2])
+    f = b[3].first
+    assert (f.module, f.op, f.step) == ("<outside>", "aten.log.default", 1)
