@@ -273,7 +273,10 @@ def test_nanhunt_run_under_torchrun_one_merged_report_and_exit_3_on_every_rank(t
         assert "never here" not in err
         assert ("nanhunt: report written to" in err) == (r == 0)  # rank 0 prints the merged report
     codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", p.stderr + p.stdout))
-    assert codes == {"0": "3", "1": "3"}, p.stderr[-3000:]
+    # every rank exits 3 — unless torchrun, which stops the other workers as soon as one exits
+    # non-zero, SIGTERMs it first (after the report is written: the ranks wait for rank 0 to write)
+    assert set(codes) == {"0", "1"} and "3" in codes.values(), p.stderr[-3000:]
+    assert set(codes.values()) <= {"3", "-15"}, p.stderr[-3000:]
 
 
 def test_dist_timeout_is_validated():
