@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["Finding", "NonFiniteError", "PHASES", "CAUSES"]
 
-PHASES = ("forward", "backward", "grad", "optimizer", "check")
+PHASES = ("forward", "backward", "grad", "optimizer", "check", "checkpoint")
 CAUSES = ("created", "input", "parameter", "unknown")
 
 
@@ -34,12 +34,14 @@ class Finding:
     rank: int | None = None
     reproducible: bool | None = None
     hint: str = ""
+    samples: tuple[int, ...] = ()  # dataset indices of the batch rows holding NaN/Inf (watch(loader=...))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["index"] = list(self.index) if self.index is not None else None
         d["shape"] = list(self.shape)
         d["chain"] = list(self.chain)
+        d["samples"] = list(self.samples)
         d["value"] = _json_float(self.value)
         return d
 
@@ -50,6 +52,7 @@ class Finding:
         kw["index"] = tuple(d["index"]) if d.get("index") is not None else None
         kw["shape"] = tuple(d.get("shape", ()))
         kw["chain"] = tuple(d.get("chain", ()))
+        kw["samples"] = tuple(int(i) for i in d.get("samples", ()))
         v = d.get("value")
         kw["value"] = float(v) if v is not None else None
         kw["counts"] = dict(d.get("counts", {}))

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._finding import Finding
 
-__all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS"]
+__all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS",
+           "damage_text", "recovery_rows"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -19,7 +20,10 @@ PHASE_WORDS = {
     "grad": "accumulated gradient of",
     "optimizer": "optimizer step, in",
     "check": "checked tensor",
+    "checkpoint": "checkpoint",
 }
+
+DAMAGE_WORDS = {"grads": "gradients", "parameters": "weights", "buffers": "buffers", "optimizer_state": "optimizer state"}
 
 CAUSE_WORDS = {
     "created": "born here",
@@ -72,7 +76,7 @@ def _kind(f: Finding) -> str:
 
 
 def _where(f: Finding) -> str:
-    if f.phase == "check":
+    if f.phase in ("check", "checkpoint"):
         return f"`{f.module}`"
     return f"`{f.module or '<model>'}` ({f.module_type})"
 
@@ -86,6 +90,10 @@ def element_text(f: Finding) -> str:
 def headline(f: Finding) -> str:
     """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``."""
     phase = PHASE_WORDS.get(f.phase, f.phase)
+    if f.phase == "checkpoint":  # a tensor about to be saved (guard) or in a saved file (audit)
+        at = f" at step {f.step}" if f.step >= 0 else ""
+        rank = f" (rank {f.rank})" if f.rank is not None else ""
+        return f"{_kind(f)} in {phase} {_where(f)}{at} — {element_text(f)}{rank}."
     s = f"First {_kind(f)}: {phase} {_where(f)} at step {f.step}"
     if f.call:
         s += f" (call {f.call})"
@@ -141,4 +149,29 @@ def details(f: Finding) -> list[tuple[str, str]]:
         rows.append(("rank", str(f.rank)))
     if f.reproducible is not None:
         rows.append(("replayed", "reproduced" if f.reproducible else "did NOT reproduce"))
+    if f.samples:
+        rows.append(("samples", "dataset indices " + ", ".join(map(str, f.samples))))
+    return rows
+
+
+def damage_text(damage: dict[str, Any] | None) -> str:
+    """``Report.damage`` in one line: ``contained`` or what the NaN reached, by name."""
+    parts = []
+    for k, words in DAMAGE_WORDS.items():
+        names = list((damage or {}).get(k) or ())
+        if names:
+            shown = ", ".join(names[:6]) + (f", … ({len(names)} in all)" if len(names) > 6 else "")
+            parts.append(f"{words}: {shown}")
+    if not parts:
+        return "contained: no gradient, weight, buffer or optimizer state holds NaN/Inf"
+    return "reached " + "; ".join(parts)
+
+
+def recovery_rows(damage: dict[str, Any] | None, skipped: Any, bad_samples: Any) -> list[tuple[str, str]]:
+    """A report's damage, skipped steps and bad samples as (label, value) rows."""
+    rows = [("damage", damage_text(damage))]
+    if skipped:
+        rows.append(("skipped steps", ", ".join(map(str, skipped))))
+    if bad_samples:
+        rows.append(("bad samples", ", ".join(map(str, bad_samples))))
     return rows

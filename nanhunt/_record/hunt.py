@@ -10,6 +10,7 @@ non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate
 from __future__ import annotations
 
 import fnmatch
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -22,16 +23,22 @@ from torch import nn
 from .._finding import Finding, NonFiniteError
 from .._hooks import GlobalHooks
 from .._locate import locate
+from .._locate.damage import damage
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
+from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
 from .probe import fused_probe
+from .protect import BufferBackup, drop_grads
+from .samples import LoaderIndices
 
 __all__ = ["Hunt", "NonFiniteWarning"]
+
+_log = logging.getLogger("nanhunt")
 
 _NO = object()
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
@@ -114,6 +121,18 @@ class Hunt:
             self.add_optimizer(opt)
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
+        # protect and recover (see protect.py, samples.py, guard.py)
+        self.skipped: list[int] = []  # steps dropped by on_find="skip"
+        self._max_skips = o.max_skips
+        self._skip_run = 0  # consecutive skipped steps
+        self._damage: dict[str, list[str]] | None = None
+        self._bad_samples: set[int] = set()
+        backup = BufferBackup(model) if _restores(o.on_find) else None
+        self._backup = backup if backup else None  # None: no buffers to put back
+        self._batches = LoaderIndices(o.loader) if o.loader is not None else None
+        self._guard = SaveGuard(self) if o.guard_saves else None
+        if self._guard is not None:
+            self._guard.install()
 
     # ------------------------------------------------------------------ public
     @property
@@ -123,7 +142,8 @@ class Hunt:
     @property
     def report(self) -> Report:
         hist = self._history.to_dict()
-        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta())
+        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta(),
+                      damage=self._damage, skipped=self.skipped, bad_samples=sorted(self._bad_samples))
 
     @property
     def closed(self) -> bool:
@@ -228,6 +248,10 @@ class Hunt:
                 self._end_step(advance=False)
                 log = self._log
             top = len(log.tops)
+            if not top and self._backup is not None:
+                self._backup.capture()  # the step begins: what a finding's restore goes back to
+            if self._batches is not None:
+                self._batches.top_started()
             log.tops.append(_capture_top(module, args))
             parent, depth = -1, 0
         else:
@@ -378,6 +402,10 @@ class Hunt:
                 self._end_step(advance=True)
                 log = self._log
             log.root_calls += 1
+        if not log.tops and self._backup is not None:
+            self._backup.capture()
+        if self._batches is not None:
+            self._batches.top_started()
         top = _capture_top(module, args)
         top.kwargs = kwargs
         log.tops.append(top)
@@ -424,7 +452,10 @@ class Hunt:
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         params, grads = [], []
-        for g in opt.param_groups:
+        # skip: the round's first step() judges every watched optimizer's gradients, so that a
+        # skipped round applies none of them
+        opts = self._opts if self.on_find == "skip" and not self._round else [opt]
+        for g in (g for o in opts for g in o.param_groups):
             for p in g["params"]:
                 gr = p.grad
                 if gr is not None:
@@ -492,6 +523,9 @@ class Hunt:
         """The step's single sync; analysis and `on_find` only on a hit."""
         log, self._log = self._log, StepLog()
         self._stack.clear()
+        if self._backup is not None:
+            self._backup.end_step()
+        batches = self._batches.take() if self._batches is not None else None
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
@@ -522,6 +556,8 @@ class Hunt:
                 self._paused = True
                 try:
                     found = locate(self._view(log, step))
+                    if batches is not None and self._batches is not None:
+                        found = self._batches.fill(found, log, batches)
                 finally:
                     self._paused = False
             if group is not None:
@@ -535,6 +571,13 @@ class Hunt:
         self.findings.extend(found)
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
+        for f in found:
+            self._bad_samples.update(f.samples)
+        if self._backup is not None:
+            self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
+        skipped = self.on_find == "skip" and self._skip(found)
+        if self._damage is None and self._root is not None:
+            self._damage = damage(self._root, self._opts)
         if self._report_path is not None:
             self._write_report()
         if callable(self.on_find):
@@ -543,8 +586,35 @@ class Hunt:
         elif self.on_find == "warn":
             for f in found:
                 warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
-        elif self.on_find == "raise" and raise_ok:
+        elif self.on_find in ("raise", "skip") and not skipped and raise_ok:
             raise NonFiniteError(found[0], self.report)
+
+    def _skip(self, found: list[Finding]) -> bool:
+        """``on_find="skip"``: drop this step (its gradients; buffers are already back), unless it
+        cannot be undone (the optimizer already applied it) or too many steps in a row were dropped."""
+        if any(f.phase in ("optimizer", "checkpoint") for f in found):
+            return False
+        step = found[0].step
+        if self.skipped and self.skipped[-1] == step:
+            return True
+        run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
+        if run > self._max_skips:
+            return False
+        self._skip_run = run
+        self.skipped.append(step)
+        if self._root is not None:
+            drop_grads(self._root.parameters())
+        for opt in self._opts:
+            drop_grads(p for g in opt.param_groups for p in g["params"])
+        _log.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
+        return True
+
+    def _refused(self, f: Finding) -> NonFiniteError:
+        """The save guard refused a checkpoint: recorded like any finding, and the error to raise."""
+        self.findings.append(f)
+        if self._report_path is not None:
+            self._write_report()
+        return NonFiniteError(f, self.report)
 
     def _write_report(self) -> None:
         try:
@@ -578,13 +648,22 @@ class Hunt:
         self._closed = True
         try:
             if self._root is not None:  # no collective when leaving by an exception: peers may not come
-                self._end_step(advance=False, raise_ok=raise_pending and self.on_find == "raise",
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip"),
                                collective=raise_pending)
         finally:
             self._release()
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+        if self._backup is not None:
+            self._backup.clear()
+            self._backup = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -615,6 +694,12 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
             )
     return opts
 
+
+
+def _restores(on_find: Any) -> bool:
+    """Does a finding stop or drop the step (raise, skip, or a callable that raises)? Then the
+    buffers it wrote are put back."""
+    return on_find in ("raise", "skip") or bool(getattr(on_find, "raises", False))
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

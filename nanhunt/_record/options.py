@@ -18,7 +18,7 @@ from .._finding import Finding
 
 __all__ = ["Options", "ON_FIND", "MODES"]
 
-ON_FIND = ("raise", "warn", "record")
+ON_FIND = ("raise", "warn", "record", "skip")
 MODES = ("full", "sentinel", "ops")
 
 
@@ -37,6 +37,9 @@ class Options:
     bundle: str | None = None  # checked path
     distributed: bool | None = None
     rank: int | None = None
+    max_skips: int = 3
+    loader: Any = None
+    guard_saves: bool = True
 
     @classmethod
     def make(
@@ -55,10 +58,13 @@ class Options:
         bundle: str | os.PathLike[str] | None = None,
         distributed: bool | None = None,
         rank: int | None = None,
+        max_skips: int = 3,
+        loader: Any = None,
+        guard_saves: bool = True,
     ) -> Options:
         if not (callable(on_find) or on_find in ON_FIND):
             raise ValueError(
-                f"on_find must be 'raise', 'warn', 'record' or a callable taking a Finding; got {on_find!r}"
+                f"on_find must be 'raise', 'warn', 'record', 'skip' or a callable taking a Finding; got {on_find!r}"
             )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
@@ -75,6 +81,12 @@ class Options:
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         if rank is not None:
             _int("rank", rank, 0, "this process's rank")
+        _int("max_skips", max_skips, 0, "consecutive skipped steps before NonFiniteError")
+        if loader is not None:
+            from torch.utils.data import DataLoader
+
+            if not isinstance(loader, DataLoader):
+                raise TypeError(f"loader must be a torch.utils.data.DataLoader; got {type(loader).__name__}")
         return cls(
             on_find=on_find, scaler=scaler, ignore=patterns, history=history,
             report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
@@ -82,6 +94,7 @@ class Options:
             optimizer_every=optimizer_every, stats_every=stats_every,
             bundle=check_writable(bundle, (".pt",), "bundle") if bundle is not None else None,
             distributed=None if distributed is None else bool(distributed), rank=rank,
+            max_skips=max_skips, loader=loader, guard_saves=bool(guard_saves),
         )
 
 

@@ -34,6 +34,9 @@ def watch(
     bundle: str | os.PathLike[str] | None = None,
     distributed: bool | None = None,
     rank: int | None = None,
+    max_skips: int = 3,
+    loader: Any = None,
+    guard_saves: bool = True,
 ) -> Hunt:
     """Watch ``model`` (and ``optimizer``) for the first NaN/Inf; returns the running `Hunt`.
 
@@ -42,7 +45,10 @@ def watch(
       optimizer: an optimizer or a list of them: parameters and state are checked after each
         ``step()``, and ``step()`` calls count the training step.
       on_find: ``"raise"`` (`NonFiniteError` at the first finding, before the optimizer applies
-        the step), ``"warn"``, ``"record"``, or a callable taking a `Finding`.
+        the step), ``"warn"``, ``"record"``, ``"skip"`` (drop the step and train on: the optimizer
+        applies nothing, gradients become ``None``, buffers go back to the step's start), or a
+        callable taking a `Finding`. In raise and skip, buffers written during the failing step
+        (BatchNorm running statistics) are put back.
       scaler: a ``torch.amp.GradScaler``; the steps it skips are expected overflows, not findings.
       ignore: glob patterns of module names whose outputs may legitimately hold Inf/NaN.
       history: how many sampled steps of per-module magnitude statistics the report keeps.
@@ -59,10 +65,17 @@ def watch(
       bundle: a ``.pt`` path: save the first failing call there for ``nanhunt replay``.
       distributed: agree on each step's answer across ranks (default: on when several run).
       rank: this process's rank in findings (default: ``torch.distributed``'s).
+      max_skips: with ``on_find="skip"``, this many consecutive steps are skipped; the next
+        consecutive finding raises `NonFiniteError`.
+      loader: the ``DataLoader`` the loop iterates: findings name the dataset indices of the
+        rows that held NaN/Inf (``Finding.samples``, ``Report.bad_samples``).
+      guard_saves: while the hunt is open, ``torch.save`` of the watched model's or optimizer's
+        state holding NaN/Inf raises `NonFiniteError` before writing anything.
     """
     options = Options.make(
         on_find=on_find, scaler=scaler, ignore=ignore, history=history, report=report, mode=mode,
         replay=replay, grad_hooks=grad_hooks, optimizer_every=optimizer_every, stats_every=stats_every,
-        bundle=bundle, distributed=distributed, rank=rank,
+        bundle=bundle, distributed=distributed, rank=rank, max_skips=max_skips, loader=loader,
+        guard_saves=guard_saves,
     )
     return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._words import details, element_text, fmt, headline, num
+from .._words import details, element_text, fmt, headline, num, recovery_rows
 
 if TYPE_CHECKING:
     from .report import Report
@@ -45,6 +45,11 @@ def _warning_line(w: Any) -> str:
     return (f"[{', '.join(where)}] " if where else "") + msg
 
 
+def _recovery(report: Report) -> list[tuple[str, str]]:
+    return recovery_rows(getattr(report, "damage", None), getattr(report, "skipped", ()),
+                         getattr(report, "bad_samples", ()))
+
+
 # ------------------------------------------------------------------ terminal text
 def text(report: Report) -> str:
     f = report.first
@@ -64,6 +69,8 @@ def text(report: Report) -> str:
         if f.hint:
             lines.append("")
             lines.append(f"  why: {f.hint}")
+        lines.append("")
+        lines.extend(f"  {k}: {v}" for k, v in _recovery(report))
     if report.warnings:
         lines.append("")
         lines.append(f"Early warnings ({len(report.warnings)}):")
@@ -106,6 +113,8 @@ def rich_renderables(report: Report) -> Iterator[Any]:
             yield road
         if f.hint:
             yield Text.assemble(("why: ", "bold"), f.hint)
+        for k, v in _recovery(report):
+            yield Text.assemble((f"{k}: ", "bold"), (v, "green" if v.startswith("contained") else "red"))
     if report.warnings:
         yield Text(f"Early warnings ({len(report.warnings)}):", style="bold yellow")
         for w in report.warnings:
@@ -295,6 +304,9 @@ def html(report: Report) -> str:
             parts.append("</ol>")
         if f.hint:
             parts.append(f"<p class='hint'><b>Why:</b> {e(f.hint)}</p>")
+        parts.append("<table class='kv' id='recovery'>")
+        parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>" for k, v in _recovery(report))
+        parts.append("</table>")
     parts.append("<h2>Per-module abs-max over the last steps</h2>")
     svg = heatmap_svg(report.history, (f.module, f.step) if f is not None else None)
     if svg:

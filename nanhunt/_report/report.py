@@ -17,6 +17,7 @@ from .render import html, rich_renderables, text
 __all__ = ["Report", "SCHEMA"]
 
 SCHEMA = "nanhunt.report/1"
+DAMAGE_KINDS = ("grads", "parameters", "buffers", "optimizer_state")
 
 
 class Report:
@@ -28,11 +29,18 @@ class Report:
         history: dict[str, Any] | None = None,
         warnings: Sequence[dict[str, Any]] = (),
         meta: dict[str, Any] | None = None,
+        damage: dict[str, Sequence[str]] | None = None,
+        skipped: Sequence[int] = (),
+        bad_samples: Sequence[int] = (),
     ) -> None:
         self.findings: list[Finding] = list(findings)
         self.history: dict[str, Any] = dict(history or {})
         self.warnings: list[dict[str, Any]] = list(warnings)
         self.meta: dict[str, Any] = dict(meta or {})
+        # persistent state holding NaN/Inf when the reported step ended (all empty: contained)
+        self.damage: dict[str, list[str]] = {k: list((damage or {}).get(k, ())) for k in DAMAGE_KINDS}
+        self.skipped: list[int] = list(skipped)  # steps dropped by on_find="skip"
+        self.bad_samples: list[int] = sorted(bad_samples)  # dataset indices (watch(loader=...))
 
     @property
     def first(self) -> Finding | None:
@@ -46,6 +54,9 @@ class Report:
             "history": self.history,
             "warnings": self.warnings,
             "meta": self.meta,
+            "damage": self.damage,
+            "skipped": self.skipped,
+            "bad_samples": self.bad_samples,
         }
 
     @classmethod
@@ -57,6 +68,9 @@ class Report:
             history=d.get("history") or {},
             warnings=d.get("warnings") or [],
             meta=d.get("meta") or {},
+            damage=d.get("damage") or None,
+            skipped=[int(s) for s in d.get("skipped") or ()],
+            bad_samples=[int(i) for i in d.get("bad_samples") or ()],
         )
 
     @classmethod
