@@ -1,7 +1,7 @@
-"""Command line: ``nanhunt run|demo|show|replay`` (also ``python -m nanhunt``).
+"""Command line: ``nanhunt run|demo|show|replay|audit`` (also ``python -m nanhunt``).
 
 Exit status: 0 fine; 1 the script failed or a replay did not reproduce; 2 bad usage or a file that
-cannot be read; 3 a NaN/Inf was found (``run``). ``run`` otherwise passes on the script's own status.
+cannot be read; 3 a NaN/Inf was found (``run``, ``audit``). ``run`` otherwise passes on the script's own status.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import traceback
 from typing import Any
 
 from .._report import print_report
+from . import audit
 
 __all__ = ["main"]
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.")
-    sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay}")
+    sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay,audit}")
 
     r = sub.add_parser("run", help="run an unmodified script with every model and optimizer watched",
                        description="Run SCRIPT as `python SCRIPT ARGS...` would, watching every module it calls at "
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("bundle", help="a repro bundle (loaded with weights_only=True: it can never run code)")
     b.add_argument("--device", default=None, help="run on this device (default: the saved one if present)")
     b.set_defaults(func=_cmd_replay)
+
+    audit.add_parser(sub)
     return p
 
 
