@@ -106,12 +106,12 @@ def test_lightning_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> N
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            # a learning-rate schedule gone wrong: from step 2 on the weights overflow
-            opt = torch.optim.SGD(self.parameters(), lr=0.1)
-            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e40 if s >= 2 else 1.0)}
+            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     g = torch.Generator().manual_seed(0)
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+    x = torch.randn(32, 6, generator=g)
+    x[9, 4] = float("nan")  # a corrupt record in the third batch: with on_find="record" it is trained on
+    ds = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
     hunt = NanHunt(on_find="record")
     trainer = pl.Trainer(max_steps=6, callbacks=[hunt, ckpt], accelerator="cpu", logger=False,
@@ -120,8 +120,40 @@ def test_lightning_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> N
         trainer.fit(Net(), torch.utils.data.DataLoader(ds, batch_size=4))
     f = ei.value.finding
     assert f.phase == "checkpoint" and f.tensor.startswith("['state_dict']['net.")
+    assert f.module == str(tmp_path / "step=3.ckpt")
+    assert "save_checkpoint" not in vars(trainer)
     written = sorted(os.listdir(tmp_path))
     assert written == ["step=1.ckpt", "step=2.ckpt"]  # each clean one (with its kth_value=inf sentinel)
     for name in written:
         assert nanhunt.audit(tmp_path / name) == []
     assert torch.save.__module__ == "torch.serialization"  # the guard left with the fit
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_hf_trainer_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    tokens = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="steps", save_steps=1, logging_strategy="no",
+                             disable_tqdm=True, learning_rate=1e30, optim="sgd", lr_scheduler_type="constant",
+                             max_grad_norm=0.0)
+    cb = NanHuntCallback(on_find="record")  # lr 1e30: step 1 overflows, its update makes the weights NaN
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert f.phase == "checkpoint" and f.module == os.path.join(str(tmp_path), "checkpoint-2")
+    assert f.tensor.startswith("['model']['transformer.")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
+    assert cb.hunt is not None and cb.hunt.closed

@@ -130,6 +130,7 @@ class Hunt:
         backup = BufferBackup(model) if _restores(o.on_find) else None
         self._backup = backup if backup else None  # None: no buffers to put back
         self._batches = LoaderIndices(o.loader) if o.loader is not None else None
+        self._close_before_raise = False
         self._guard = SaveGuard(self) if o.guard_saves else None
         if self._guard is not None:
             self._guard.install()
@@ -587,7 +588,10 @@ class Hunt:
             for f in found:
                 warnings.warn(f.summary(), NonFiniteWarning, stacklevel=4)
         elif self.on_find in ("raise", "skip") and not skipped and raise_ok:
-            raise NonFiniteError(found[0], self.report)
+            error = NonFiniteError(found[0], self.report)
+            if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
+                self._close(raise_pending=False)
+            raise error
 
     def _skip(self, found: list[Finding]) -> bool:
         """``on_find="skip"``: drop this step (its gradients; buffers are already back), unless it
@@ -608,6 +612,15 @@ class Hunt:
             drop_grads(p for g in opt.param_groups for p in g["params"])
         _log.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
         return True
+
+    def refuse_save(self, obj: Any, name: str) -> None:
+        """Raise `NonFiniteError` (phase ``"checkpoint"``) if saving ``obj`` as ``name`` would write
+        the watched model's or optimizers' state with NaN/Inf (for loops that save without
+        ``torch.save``, e.g. safetensors). Nothing when ``guard_saves=False``."""
+        if self._guard is not None:
+            f = self._guard.check(obj, name)
+            if f is not None:
+                raise self._refused(f)
 
     def _refused(self, f: Finding) -> NonFiniteError:
         """The save guard refused a checkpoint: recorded like any finding, and the error to raise."""
