@@ -46,8 +46,8 @@ def _warning_line(w: Any) -> str:
 
 
 def _recovery(report: Report) -> list[tuple[str, str]]:
-    return recovery_rows(getattr(report, "damage", None), getattr(report, "skipped", ()),
-                         getattr(report, "bad_samples", ()))
+    rows = recovery_rows(report.damage, report.skipped, report.bad_samples)
+    return rows if report.damage_known else rows[1:]  # damage not measured: say nothing of it
 
 
 # ------------------------------------------------------------------ terminal text
@@ -69,8 +69,10 @@ def text(report: Report) -> str:
         if f.hint:
             lines.append("")
             lines.append(f"  why: {f.hint}")
-        lines.append("")
-        lines.extend(f"  {k}: {v}" for k, v in _recovery(report))
+        recovery = _recovery(report)
+        if recovery:
+            lines.append("")
+            lines.extend(f"  {k}: {v}" for k, v in recovery)
     if report.warnings:
         lines.append("")
         lines.append(f"Early warnings ({len(report.warnings)}):")
@@ -304,9 +306,11 @@ def html(report: Report) -> str:
             parts.append("</ol>")
         if f.hint:
             parts.append(f"<p class='hint'><b>Why:</b> {e(f.hint)}</p>")
-        parts.append("<table class='kv' id='recovery'>")
-        parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>" for k, v in _recovery(report))
-        parts.append("</table>")
+        recovery = _recovery(report)
+        if recovery:
+            parts.append("<table class='kv' id='recovery'>")
+            parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>" for k, v in recovery)
+            parts.append("</table>")
     parts.append("<h2>Per-module abs-max over the last steps</h2>")
     svg = heatmap_svg(report.history, (f.module, f.step) if f is not None else None)
     if svg:

@@ -39,6 +39,7 @@ class Report:
         self.meta: dict[str, Any] = dict(meta or {})
         # persistent state holding NaN/Inf when the reported step ended (all empty: contained)
         self.damage: dict[str, list[str]] = {k: list((damage or {}).get(k, ())) for k in DAMAGE_KINDS}
+        self.damage_known = damage is not None  # read when a step had a finding (else not measured)
         self.skipped: list[int] = list(skipped)  # steps dropped by on_find="skip"
         self.bad_samples: list[int] = sorted(bad_samples)  # dataset indices (watch(loader=...))
 
@@ -54,7 +55,7 @@ class Report:
             "history": self.history,
             "warnings": self.warnings,
             "meta": self.meta,
-            "damage": self.damage,
+            "damage": self.damage if self.damage_known else None,
             "skipped": self.skipped,
             "bad_samples": self.bad_samples,
         }
