@@ -32,7 +32,7 @@ def damage(root: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) 
     names = {id(p): n for n, p in params}
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {
         "grads": [(n, p.grad) for n, p in params if p.grad is not None],
-        "parameters": params,
+        "parameters": [(n, p) for n, p in params],
         "buffers": list(root.named_buffers()),
         "optimizer_state": [],
     }

@@ -68,7 +68,7 @@ def _recording_iterator(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         def __next__(self: Any) -> Any:
-            out = cls.__next__(self)
+            out = cls.__next__(self)  # type: ignore[attr-defined]
             ref = getattr(self, "_nanhunt_indices", None)
             owner = ref() if ref is not None else None
             if owner is not None:
@@ -103,7 +103,7 @@ class LoaderIndices:
             owner = me()
             if owner is not None:
                 it.__class__ = _recording_iterator(type(it))
-                it._nanhunt_indices = me
+                it._nanhunt_indices = me  # type: ignore[attr-defined]
                 owner._iters.add(it)
             return it
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._files import atomic_write
@@ -29,7 +29,7 @@ class Report:
         history: dict[str, Any] | None = None,
         warnings: Sequence[dict[str, Any]] = (),
         meta: dict[str, Any] | None = None,
-        damage: dict[str, Sequence[str]] | None = None,
+        damage: Mapping[str, Sequence[str]] | None = None,
         skipped: Sequence[int] = (),
         bad_samples: Sequence[int] = (),
     ) -> None:
