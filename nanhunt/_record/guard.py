@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._locate.checkpoint import Keys, all_bad, finding, walk
-from .._tensors import is_checked
+from .._tensors import is_bad, is_checked, probe, stack_probes
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -93,12 +93,33 @@ class SaveGuard:
 
     def __init__(self, hunt: Hunt) -> None:
         self._hunt = weakref.ref(hunt)
-        root = hunt._root
-        # buffers non-finite at watch(): intended (masks), never judged. One read, here only.
-        bufs = [(n, b) for n, b in root.named_buffers()] if root is not None else []
-        bad = all_bad([b for _, b in bufs])
+        # buffers non-finite when the watch began (intended masks) are never judged. They are
+        # probed on the device at the first step (watch() never walks the model) and read at the
+        # first save, with what that save judges.
+        self.pending = True
+        self._buffers: list[tuple[str, torch.Tensor]] | None = None
+        self._flags: torch.Tensor | None = None
+        self._exempt_names: set[str] | None = None
+        self._exempt: set[tuple[Any, int]] = set()
+
+    def first_step(self, root: torch.nn.Module) -> None:
+        """The first step begins: probe the buffers as they were at watch() (no read)."""
+        self.pending = False
+        self._buffers = [(n, b) for n, b in root.named_buffers() if _judgeable(b)]
+        if self._buffers:
+            with torch.no_grad():
+                self._flags = ~torch.isfinite(stack_probes([probe(b) for _, b in self._buffers]))
+
+    def _exemptions(self, hunt: Hunt) -> None:
+        if self._exempt_names is not None:
+            return
+        if self.pending and hunt._root is not None:
+            self.first_step(hunt._root)
+        bufs, flags = self._buffers or [], self._flags
+        bad = [i for i, f in enumerate(flags.tolist()) if f and is_bad(bufs[i][1])] if flags is not None else []
         self._exempt_names = {bufs[i][0] for i in bad}
         self._exempt = {k for i in bad if (k := _storage(bufs[i][1])) is not None}
+        self._buffers, self._flags = None, None
 
     def install(self) -> None:
         global _original
@@ -117,12 +138,14 @@ class SaveGuard:
 
     # ------------------------------------------------------------------ judging
     def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
+        self._exemptions(hunt)
+        exempt_names = self._exempt_names or set()
         storages: dict[tuple[Any, int], str] = {}
         names: dict[str, tuple[int, ...]] = {}
         root = hunt._root
         if root is not None:
             for n, t in [*root.named_parameters(), *root.named_buffers()]:
-                if n in self._exempt_names or not is_checked(t):
+                if n in exempt_names or not is_checked(t):
                     continue
                 names[n] = tuple(t.shape)
                 k = _storage(t)
@@ -175,6 +198,10 @@ class SaveGuard:
         got = self.check(obj, file_name(f))
         if got is not None:
             raise hunt._refused(got)
+
+
+def _judgeable(t: torch.Tensor) -> bool:
+    return is_checked(t) and t.layout is torch.strided and not t.is_meta and t.numel() > 0
 
 
 def _named(keys: Keys, t: torch.Tensor, names: dict[str, tuple[int, ...]]) -> bool:

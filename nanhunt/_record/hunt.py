@@ -127,8 +127,7 @@ class Hunt:
         self._skip_run = 0  # consecutive skipped steps
         self._damage: dict[str, list[str]] | None = None
         self._bad_samples: set[int] = set()
-        backup = BufferBackup(model) if _restores(o.on_find) else None
-        self._backup = backup if backup else None  # None: no buffers to put back
+        self._backup = BufferBackup() if _restores(o.on_find) else None
         self._batches = LoaderIndices(o.loader) if o.loader is not None else None
         self._close_before_raise = False
         self._guard = SaveGuard(self) if o.guard_saves else None
@@ -249,8 +248,11 @@ class Hunt:
                 self._end_step(advance=False)
                 log = self._log
             top = len(log.tops)
-            if not top and self._backup is not None:
-                self._backup.capture()  # the step begins: what a finding's restore goes back to
+            if not top:  # the step begins
+                if self._backup is not None:
+                    self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
+                if self._guard is not None and self._guard.pending:
+                    self._guard.first_step(self._root)  # type: ignore[arg-type]
             if self._batches is not None:
                 self._batches.top_started()
             log.tops.append(_capture_top(module, args))
@@ -403,8 +405,11 @@ class Hunt:
                 self._end_step(advance=True)
                 log = self._log
             log.root_calls += 1
-        if not log.tops and self._backup is not None:
-            self._backup.capture()
+        if not log.tops:
+            if self._backup is not None:
+                self._backup.capture(module)
+            if self._guard is not None and self._guard.pending:
+                self._guard.first_step(module)
         if self._batches is not None:
             self._batches.top_started()
         top = _capture_top(module, args)

@@ -27,25 +27,20 @@ __all__ = ["BufferBackup", "drop_grads"]
 class BufferBackup:
     """The model's buffers as they were when the current step began."""
 
-    def __init__(self, root: nn.Module) -> None:
-        self._slots: list[tuple[dict[str, torch.Tensor | None], str, str]] = []
-        seen: set[int] = set()
-        for mname, m in root.named_modules():
-            for bname, b in m._buffers.items():
-                if b is None or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                self._slots.append((m._buffers, bname, f"{mname}.{bname}" if mname else bname))
+    def __init__(self) -> None:
+        self._slots: list[tuple[dict[str, torch.Tensor | None], str, str]] | None = None  # at the first step
         self._src: list[torch.Tensor | None] = []  # the buffers the copies were taken of
         self._copy: list[torch.Tensor] = []
         self._captured = False  # a copy was taken at this step's start
         self._armed = False  # ... for the step that just ended: restore() may put it back
 
-    def __bool__(self) -> bool:
-        return bool(self._slots)
-
-    def capture(self) -> None:
-        """At the step's first top-level call: copy every buffer (one fused copy)."""
+    def capture(self, root: nn.Module) -> None:
+        """At the step's first top-level call: copy every buffer (one fused copy). The buffers are
+        found at the first step (watch() itself never walks the model)."""
+        if self._slots is None:
+            self._slots = _slots(root)
+        if not self._slots:
+            return
         now = [d.get(k) for d, k, _ in self._slots]
         src, copies = self._src, self._copy
         if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
@@ -63,7 +58,7 @@ class BufferBackup:
     def restore(self) -> list[str]:
         """Put back every buffer the step that just ended wrote; their qualified names. After a hit
         only (it reads values back to compare)."""
-        if not self._armed:
+        if not self._armed or not self._slots:
             return []
         self._armed = False
         names: list[str] = []
@@ -81,10 +76,23 @@ class BufferBackup:
         return names
 
     def clear(self) -> None:
-        self._slots.clear()
+        self._slots = None
         self._src = []
         self._copy = []
         self._captured = self._armed = False
+
+
+def _slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, str]]:
+    """Every buffer of ``root`` once: (its module's buffer dict, key, qualified name)."""
+    out: list[tuple[dict[str, torch.Tensor | None], str, str]] = []
+    seen: set[int] = set()
+    for mname, m in root.named_modules():
+        for bname, b in m._buffers.items():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((m._buffers, bname, f"{mname}.{bname}" if mname else bname))
+    return out
 
 
 def drop_grads(params: Iterable[torch.Tensor]) -> None:
