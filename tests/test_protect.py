@@ -63,8 +63,10 @@ def _same(a: nn.Module, oa: torch.optim.Optimizer, b: nn.Module, ob: torch.optim
             assert zoo.bit_equal(sa[k][n], sb[k][n]), (k, n)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("name,build,shape", _models())
-def test_skip_is_bit_identical_to_dropping_the_batch_by_hand(name: str, build: Any, shape: tuple[int, ...]) -> None:
+def test_skip_is_bit_identical_to_dropping_the_batch_by_hand(name: str, build: Any, shape: tuple[int, ...],
+                                                             mode: str) -> None:
     batches = _batches(6, {3}, shape, 3)
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -72,12 +74,14 @@ def test_skip_is_bit_identical_to_dropping_the_batch_by_hand(name: str, build: A
 
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with nanhunt.watch(model, opt, on_find="skip") as hunt:
+    with nanhunt.watch(model, opt, on_find="skip", mode=mode) as hunt:
         assert _train(model, opt, batches, hunt=hunt) == []
     assert hunt.skipped == [3] and hunt.report.skipped == [3]
     assert hunt.step == 6  # a skipped step() still counts: the user's step numbers
     f = hunt.first
-    assert f is not None and (f.phase, f.step, f.cause) == ("forward", 3, "input")
+    assert f is not None and f.step == 3
+    if mode == "full":
+        assert (f.phase, f.cause) == ("forward", "input")
     _same(model, opt, ref, ref_opt)
     assert hunt.report.damage == {"grads": [], "parameters": [], "buffers": [], "optimizer_state": []}
 
