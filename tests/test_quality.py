@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_public_surface_is_the_contract():
     # pinned exactly: a name added to the public surface is added here on purpose
     assert sorted(nanhunt.__all__) == sorted(
-        ["watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning", "replay", "__version__"]
+        ["watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning", "replay", "audit", "__version__"]
     )
     assert issubclass(nanhunt.NonFiniteError, FloatingPointError)
     assert (ROOT / "nanhunt" / "py.typed").exists()
