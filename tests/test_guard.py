@@ -157,3 +157,37 @@ def test_hf_trainer_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> 
     assert f.tensor.startswith("['model']['transformer.")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
     assert cb.hunt is not None and cb.hunt.closed
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_lightning_skip_drops_the_poisoned_step_and_checkpoints_stay_clean(tmp_path: Any) -> None:
+    """Lightning runs forward and backward inside optimizer.step(closure): the skip happens there."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from nanhunt.integrations.lightning import NanHunt
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = zoo.bnmlp()
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 6, generator=g)
+    x[9, 4] = float("nan")  # the third batch
+    ds = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    hunt = NanHunt(on_find="skip")
+    trainer = pl.Trainer(max_steps=6, callbacks=[hunt, ckpt], accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    net = Net()
+    trainer.fit(net, torch.utils.data.DataLoader(ds, batch_size=4))
+    assert hunt.hunt is not None and hunt.hunt.skipped == [2] and trainer.global_step == 6
+    assert all(torch.isfinite(t).all() for t in net.state_dict().values())
+    assert len(os.listdir(tmp_path)) == 6 and all(nanhunt.audit(tmp_path / n) == [] for n in os.listdir(tmp_path))

@@ -55,6 +55,9 @@ def test_bad_samples_are_named_from_a_shuffled_loader(workers: int) -> None:
     for f in hunt.findings:  # the data's rows for the forward finding; a weight's gradient has no rows
         expected = tuple(i for i in order[f.step] if i in POISONED) if f.phase == "forward" else ()
         assert f.samples == expected, f
+    back = nanhunt.Report.from_dict(hunt.report.to_dict())
+    assert back.bad_samples == sorted(POISONED) and back.findings[0].samples == hunt.findings[0].samples
+    assert "bad samples: " + ", ".join(map(str, sorted(POISONED))) in str(hunt.report)
     # nothing of nanhunt's is left on the loader
     assert type(loader.batch_sampler).__name__ == "BatchSampler" and "_get_iterator" not in vars(loader)
 
