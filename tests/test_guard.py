@@ -64,6 +64,8 @@ def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended, already there at watch()
     opt = torch.optim.AdamW(model.parameters())
     with nanhunt.watch(model, opt):
+        F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()  # a clean step first: the masks were noted when it began
         torch.save({"state_dict": model.state_dict(), "callbacks": {"kth_value": torch.tensor(float("inf"))},
                     "user": torch.full((2,), float("nan"))}, tmp_path / "ok.pt")
     assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["mask"][1] == float("-inf")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._locate.checkpoint import Keys, all_bad, finding, walk
-from .._tensors import is_bad, is_checked, probe, stack_probes
+from .._tensors import is_checked, stack_probes
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -108,7 +108,8 @@ class SaveGuard:
         self._buffers = [(n, b) for n, b in root.named_buffers() if _judgeable(b)]
         if self._buffers:
             with torch.no_grad():
-                self._flags = ~torch.isfinite(stack_probes([probe(b) for _, b in self._buffers]))
+                # exact (not a sum, which a huge finite buffer could overflow); once per hunt
+                self._flags = ~stack_probes([torch.isfinite(b).all() for _, b in self._buffers])
 
     def _exemptions(self, hunt: Hunt) -> None:
         if self._exempt_names is not None:
@@ -116,7 +117,7 @@ class SaveGuard:
         if self.pending and hunt._root is not None:
             self.first_step(hunt._root)
         bufs, flags = self._buffers or [], self._flags
-        bad = [i for i, f in enumerate(flags.tolist()) if f and is_bad(bufs[i][1])] if flags is not None else []
+        bad = [i for i, f in enumerate(flags.tolist()) if f] if flags is not None else []
         self._exempt_names = {bufs[i][0] for i in bad}
         self._exempt = {k for i in bad if (k := _storage(bufs[i][1])) is not None}
         self._buffers, self._flags = None, None
