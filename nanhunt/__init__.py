@@ -13,11 +13,12 @@ from typing import Any as _Any
 if _TYPE_CHECKING:
     from ._finding import Finding, NonFiniteError
     from ._locate import replay
+    from ._locate.audit import audit
     from ._record import Hunt, NonFiniteWarning, SilentRankError, watch
     from ._report import Report
 
 __all__ = ["watch", "Hunt", "Finding", "Report", "NonFiniteError", "NonFiniteWarning", "SilentRankError", "replay",
-           "__version__"]
+           "audit", "__version__"]
 __version__ = "0.1.0"
 
 # nanhunt logs through the "nanhunt" logger and never prints; silent until the application configures logging
@@ -27,7 +28,7 @@ _WHERE = {
     "watch": "._record", "Hunt": "._record", "NonFiniteWarning": "._record", "SilentRankError": "._record",
     "Finding": "._finding", "NonFiniteError": "._finding",
     "Report": "._report",
-    "replay": "._locate",
+    "replay": "._locate", "audit": "._locate.audit",
 }
 
 

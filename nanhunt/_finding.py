@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["Finding", "NonFiniteError", "PHASES", "CAUSES"]
 
-PHASES = ("forward", "backward", "grad", "optimizer", "check")
+PHASES = ("forward", "backward", "grad", "optimizer", "check", "checkpoint")
 CAUSES = ("created", "input", "parameter", "unknown")
 
 
@@ -38,12 +38,14 @@ class Finding:
     # "nondeterministic", "transient"; and what that replay saw (plain data)
     verdict: str | None = None
     reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+    samples: tuple[int, ...] = ()  # dataset indices of the batch rows holding NaN/Inf (watch(loader=...))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["index"] = list(self.index) if self.index is not None else None
         d["shape"] = list(self.shape)
         d["chain"] = list(self.chain)
+        d["samples"] = list(self.samples)
         d["value"] = _json_float(self.value)
         d["reference"] = {k: _json_float(v) if isinstance(v, float) else v for k, v in self.reference.items()}
         if self.verdict:
@@ -59,6 +61,7 @@ class Finding:
         kw["index"] = tuple(d["index"]) if d.get("index") is not None else None
         kw["shape"] = tuple(d.get("shape", ()))
         kw["chain"] = tuple(d.get("chain", ()))
+        kw["samples"] = tuple(int(i) for i in d.get("samples", ()))
         v = d.get("value")
         kw["value"] = float(v) if v is not None else None
         kw["counts"] = dict(d.get("counts", {}))

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ._finding import Finding
 
 __all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS",
-           "VERDICT_WORDS", "reference_text", "remedy"]
+           "VERDICT_WORDS", "reference_text", "remedy", "damage_text", "recovery_rows"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -20,7 +20,10 @@ PHASE_WORDS = {
     "grad": "accumulated gradient of",
     "optimizer": "optimizer step, in",
     "check": "checked tensor",
+    "checkpoint": "checkpoint",
 }
+
+DAMAGE_WORDS = {"grads": "gradients", "parameters": "weights", "buffers": "buffers", "optimizer_state": "optimizer state"}
 
 CAUSE_WORDS = {
     "created": "born here",
@@ -82,7 +85,7 @@ def _kind(f: Finding) -> str:
 
 
 def _where(f: Finding) -> str:
-    if f.phase == "check":
+    if f.phase in ("check", "checkpoint"):
         return f"`{f.module}`"
     return f"`{f.module or '<model>'}` ({f.module_type})"
 
@@ -97,6 +100,10 @@ def headline(f: Finding, first: bool = True) -> str:
     """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``
     (``first=False``: a later finding, headed by its kind only)."""
     phase = PHASE_WORDS.get(f.phase, f.phase)
+    if f.phase == "checkpoint":  # a tensor about to be saved (guard) or in a saved file (audit)
+        at = f" at step {f.step}" if f.step >= 0 else ""
+        rank = f" (rank {f.rank})" if f.rank is not None else ""
+        return f"{_kind(f)} in {phase} {_where(f)}{at} — {element_text(f)}{rank}."
     kind = _kind(f)
     s = f"{'First ' + kind if first else kind}: {phase} {_where(f)} at step {f.step}"
     if f.call:
@@ -161,6 +168,31 @@ def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str
         rows.append(("verdict", f"{f.verdict} — {VERDICT_WORDS.get(f.verdict, '')}"))
         rows.append(("reference", reference_text(f)))
         rows.append(("remedy", remedy(f)))
+    if f.samples:
+        rows.append(("samples", "dataset indices " + ", ".join(map(str, f.samples))))
+    return rows
+
+
+def damage_text(damage: dict[str, Any] | None) -> str:
+    """``Report.damage`` in one line: ``contained`` or what the NaN reached, by name."""
+    parts = []
+    for k, words in DAMAGE_WORDS.items():
+        names = list((damage or {}).get(k) or ())
+        if names:
+            shown = ", ".join(names[:6]) + (f", … ({len(names)} in all)" if len(names) > 6 else "")
+            parts.append(f"{words}: {shown}")
+    if not parts:
+        return "contained: no gradient, weight, buffer or optimizer state holds NaN/Inf"
+    return "reached " + "; ".join(parts)
+
+
+def recovery_rows(damage: dict[str, Any] | None, skipped: Any, bad_samples: Any) -> list[tuple[str, str]]:
+    """A report's damage, skipped steps and bad samples as (label, value) rows."""
+    rows = [("damage", damage_text(damage))]
+    if skipped:
+        rows.append(("skipped steps", ", ".join(map(str, skipped))))
+    if bad_samples:
+        rows.append(("bad samples", ", ".join(map(str, bad_samples))))
     return rows
 
 

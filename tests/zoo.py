@@ -253,6 +253,44 @@ def auxcnn(seed: int = 0) -> AuxCNN:
     return AuxCNN()
 
 
+class BNCNN(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> pool -> Linear, no dropout: a run is a function of its batches."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU()
+        self.fc = nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.max_pool2d(self.act(self.bn(self.conv(x))), 2).flatten(1))
+
+
+def bncnn(seed: int = 0) -> BNCNN:
+    torch.manual_seed(seed)
+    return BNCNN()
+
+
+class BNMLP(nn.Module):
+    """Linear -> BatchNorm1d -> ReLU -> Linear: a classifier over 6 features."""
+
+    def __init__(self, d_in: int = 6, d_hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.bn = nn.BatchNorm1d(d_hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(d_hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.bn(self.fc1(x))))
+
+
+def bnmlp(seed: int = 0) -> BNMLP:
+    torch.manual_seed(seed)
+    return BNMLP()
+
+
 def transformer_encoder(seed: int = 0, d: int = 16, dropout: float = 0.1) -> nn.TransformerEncoder:
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=dropout, batch_first=True)

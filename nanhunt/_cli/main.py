@@ -1,11 +1,12 @@
-"""Command line: ``nanhunt run|demo|show|replay`` (also ``python -m nanhunt``).
+"""Command line: ``nanhunt run|demo|show|replay|audit`` (also ``python -m nanhunt``).
 
 Exit status (every command):
 
 - 0: clean — no NaN/Inf (``run``: the script finished; ``replay``: the saved call ran finite).
 - 1: the script's own failure (``run``: it raised; ``replay``: the module raised).
 - 2: usage — a bad option, or a file that cannot be read or written (checked before any work).
-- 3: a NaN/Inf was found (``run``: in the script; ``replay``: the replay reproduced it).
+- 3: a NaN/Inf was found (``run``: in the script; ``replay``: the replay reproduced it; ``audit``:
+  a checkpoint holds one).
 
 ``run`` otherwise passes on the script's own ``sys.exit`` status. Every error is one line on stderr.
 """
@@ -22,6 +23,7 @@ import zipfile
 from typing import Any, NoReturn
 
 from .._report import print_report
+from . import audit
 
 __all__ = ["main"]
 
@@ -71,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.",
                 epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found.")
     p.add_argument("--version", action="version", version=_version())
-    sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay}")
+    sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay,audit}")
 
     r = sub.add_parser("run", help="run an unmodified script with every model and optimizer watched",
                        description="Run SCRIPT as `python SCRIPT ARGS...` would, watching every module it calls at "
@@ -118,6 +120,8 @@ def _parser() -> argparse.ArgumentParser:
                         "package.module:Class or path/to/file.py:Class (imported because you name it here, "
                         "never because the bundle does); NAME may also be a function that returns the module")
     b.set_defaults(func=_cmd_replay)
+
+    audit.add_parser(sub)
     return p
 
 

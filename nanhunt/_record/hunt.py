@@ -26,6 +26,7 @@ from torch import nn
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
 from .._locate import locate
+from .._locate.damage import damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
@@ -33,11 +34,14 @@ from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
+from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
 from .outside import Outside, user_line
 from .probe import fused_probe
+from .protect import BufferBackup, drop_grads
 from .retain import settle
+from .samples import LoaderIndices
 from .state import BufferState
 
 __all__ = ["Hunt", "NonFiniteWarning"]
@@ -142,6 +146,18 @@ class Hunt:
             self._wrap_scaler(o.scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
         hunt_opened(self)
+        # protect and recover (see protect.py, samples.py, guard.py)
+        self.skipped: list[int] = []  # steps dropped by on_find="skip"
+        self._max_skips = o.max_skips
+        self._skip_run = 0  # consecutive skipped steps
+        self._damage: dict[str, list[str]] | None = None
+        self._bad_samples: set[int] = set()
+        self._backup = BufferBackup() if _restores(o.on_find) else None
+        self._batches = LoaderIndices(o.loader) if o.loader is not None else None
+        self._close_before_raise = False
+        self._guard = SaveGuard(self) if o.guard_saves else None
+        if self._guard is not None:
+            self._guard.install()
 
     # ------------------------------------------------------------------ public
     @property
@@ -151,7 +167,8 @@ class Hunt:
     @property
     def report(self) -> Report:
         hist = self._history.to_dict()
-        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta())
+        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta(),
+                      damage=self._damage, skipped=self.skipped, bad_samples=sorted(self._bad_samples))
 
     @property
     def closed(self) -> bool:
@@ -272,6 +289,13 @@ class Hunt:
             if log.tops:
                 settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
             top = len(log.tops)
+            if not top:  # the step begins
+                if self._backup is not None:
+                    self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
+                if self._guard is not None and self._guard.pending:
+                    self._guard.first_step(self._root)  # type: ignore[arg-type]
+            if self._batches is not None:
+                self._batches.top_started()
             log.tops.append(_capture_top(module, args))
             log.tops[-1].compiled = wrapper  # the compiled configuration: what a verdict replays
             self._state.capture(log.tops[-1])
@@ -442,6 +466,13 @@ class Hunt:
             log.root_calls += 1
         if log.tops:
             settle(log)
+        if not log.tops:
+            if self._backup is not None:
+                self._backup.capture(module)
+            if self._guard is not None and self._guard.pending:
+                self._guard.first_step(module)
+        if self._batches is not None:
+            self._batches.top_started()
         top = _capture_top(module, args)
         top.kwargs = kwargs
         self._state.capture(top)
@@ -502,7 +533,10 @@ class Hunt:
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         params, grads = [], []
-        for g in opt.param_groups:
+        # skip: the round's first step() judges every watched optimizer's gradients, so that a
+        # skipped round applies none of them
+        opts = self._opts if self.on_find == "skip" and not self._round else [opt]
+        for g in (g for o in opts for g in o.param_groups):
             for p in g["params"]:
                 gr = p.grad
                 if gr is not None:
@@ -579,6 +613,9 @@ class Hunt:
         self._outside.off()
         log, self._log = self._log, StepLog()
         self._stack.clear()
+        if self._backup is not None:
+            self._backup.end_step()
+        batches = self._batches.take() if self._batches is not None else None
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
@@ -618,6 +655,8 @@ class Hunt:
                     if d is None:
                         raise
                     failed = e
+                    if batches is not None and self._batches is not None:
+                        found = self._batches.fill(found, log, batches)
                 finally:
                     self._paused = False
             if d is not None:
@@ -639,6 +678,13 @@ class Hunt:
         self.findings.extend(found[:room])
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
+        for f in found:
+            self._bad_samples.update(f.samples)
+        if self._backup is not None:
+            self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
+        skipped = self.on_find == "skip" and self._skip(found)
+        if self._damage is None and self._root is not None:
+            self._damage = damage(self._root, self._opts)
         if self._report_path is not None:
             now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
@@ -655,8 +701,47 @@ class Hunt:
             self._warned_step = found[0].step
             more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
             warnings.warn(paragraph(found[0], first=first) + more, NonFiniteWarning, stacklevel=4)
-        elif self.on_find in ("raise", "breakpoint") and raise_ok:  # breakpoint: stopped in _locate first
-            raise NonFiniteError(found[0], self.report)
+        elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
+            error = NonFiniteError(found[0], self.report)
+            if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
+                self._close(raise_pending=False)
+            raise error
+
+    def _skip(self, found: list[Finding]) -> bool:
+        """``on_find="skip"``: drop this step (its gradients; buffers are already back), unless it
+        cannot be undone (the optimizer already applied it) or too many steps in a row were dropped."""
+        if any(f.phase in ("optimizer", "checkpoint") for f in found):
+            return False
+        step = found[0].step
+        if self.skipped and self.skipped[-1] == step:
+            return True
+        run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
+        if run > self._max_skips:
+            return False
+        self._skip_run = run
+        self.skipped.append(step)
+        if self._root is not None:
+            drop_grads(self._root.parameters())
+        for opt in self._opts:
+            drop_grads(p for g in opt.param_groups for p in g["params"])
+        _logger.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
+        return True
+
+    def refuse_save(self, obj: Any, name: str) -> None:
+        """Raise `NonFiniteError` (phase ``"checkpoint"``) if saving ``obj`` as ``name`` would write
+        the watched model's or optimizers' state with NaN/Inf (for loops that save without
+        ``torch.save``, e.g. safetensors). Nothing when ``guard_saves=False``."""
+        if self._guard is not None:
+            f = self._guard.check(obj, name)
+            if f is not None:
+                raise self._refused(f)
+
+    def _refused(self, f: Finding) -> NonFiniteError:
+        """The save guard refused a checkpoint: recorded like any finding, and the error to raise."""
+        self.findings.append(f)
+        if self._report_path is not None:
+            self._write_report()
+        return NonFiniteError(f, self.report)
 
     def _write_report(self) -> None:
         try:
@@ -696,7 +781,7 @@ class Hunt:
         _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
-                self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "breakpoint"))
+                self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
         finally:
             self._release()
 
@@ -706,6 +791,15 @@ class Hunt:
         self._state.clear()
         self._paused = True  # for good: a hook torch already had in hand for this call does nothing
         busy = self._stepping._optimizer_step_pre_hooks if self._stepping is not None else None
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+        if self._backup is not None:
+            self._backup.clear()
+            self._backup = None
         for h in self._handles:
             if busy is not None and getattr(h, "hooks_dict_ref", lambda: None)() is busy:
                 self._deferred.append(h)  # torch is iterating that dict right now (on_find closed us)
@@ -758,6 +852,12 @@ def _after_pre_hooks(opt: torch.optim.Optimizer, handles: list[Any], now: bool) 
         type(opt)._optimizer_step_code(opt)
 
     opt._optimizer_step_code = after_update  # type: ignore[method-assign]
+
+
+def _restores(on_find: Any) -> bool:
+    """Does a finding stop or drop the step (raise, skip, or a callable that raises)? Then the
+    buffers it wrote are put back."""
+    return on_find in ("raise", "skip") or bool(getattr(on_find, "raises", False))
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

@@ -18,7 +18,7 @@ from .._finding import Finding
 
 __all__ = ["Options", "ON_FIND", "MODES"]
 
-ON_FIND = ("raise", "warn", "record", "breakpoint")
+ON_FIND = ("raise", "warn", "record", "skip", "breakpoint")
 MODES = ("full", "sentinel", "ops")
 
 
@@ -39,6 +39,9 @@ class Options:
     rank: int | None = None
     dist_timeout: float = 300.0
     max_findings: int = 1000
+    max_skips: int = 3
+    loader: Any = None
+    guard_saves: bool = True
 
     @classmethod
     def make(
@@ -59,10 +62,14 @@ class Options:
         rank: int | None = None,
         dist_timeout: float = 300.0,
         max_findings: int = 1000,
+        max_skips: int = 3,
+        loader: Any = None,
+        guard_saves: bool = True,
     ) -> Options:
         if not (callable(on_find) or on_find in ON_FIND):
             raise ValueError(
-                f"on_find must be 'raise', 'warn', 'record', 'breakpoint' or a callable taking a Finding; got {on_find!r}"
+                f"on_find must be 'raise', 'warn', 'record', 'skip', 'breakpoint' or a callable taking a Finding; "
+                f"got {on_find!r}"
             )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
@@ -82,6 +89,12 @@ class Options:
         if isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float)) or not dist_timeout > 0:
             raise ValueError(f"dist_timeout must be a number of seconds > 0; got {dist_timeout!r}")
         _int("max_findings", max_findings, 1, "findings the report keeps")
+        _int("max_skips", max_skips, 0, "consecutive skipped steps before NonFiniteError")
+        if loader is not None:
+            from torch.utils.data import DataLoader
+
+            if not isinstance(loader, DataLoader):
+                raise TypeError(f"loader must be a torch.utils.data.DataLoader; got {type(loader).__name__}")
         return cls(
             on_find=on_find, scaler=scaler, ignore=patterns, history=history,
             report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
@@ -91,6 +104,7 @@ class Options:
             distributed=None if distributed is None else bool(distributed), rank=rank,
             dist_timeout=float(dist_timeout),
             max_findings=max_findings,
+            max_skips=max_skips, loader=loader, guard_saves=bool(guard_saves),
         )
 
 

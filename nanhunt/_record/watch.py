@@ -36,6 +36,9 @@ def watch(
     rank: int | None = None,
     dist_timeout: float = 300.0,
     max_findings: int = 1000,
+    max_skips: int = 3,
+    loader: Any = None,
+    guard_saves: bool = True,
 ) -> Hunt:
     """Watch ``model`` (and ``optimizer``) for the first NaN/Inf; returns the running `Hunt`.
 
@@ -44,9 +47,12 @@ def watch(
       optimizer: an optimizer or a list of them: parameters and state are checked after each
         ``step()``, and ``step()`` calls count the training step.
       on_find: ``"raise"`` (`NonFiniteError` at the first finding, before the optimizer applies
-        the step), ``"warn"``, ``"record"``, ``"breakpoint"`` (Python's ``breakpoint()`` inside a
-        replay of the failing op, locals ``finding``, ``op``, ``args``, ``out``; then raise), or a
-        callable taking a `Finding`.
+        the step), ``"warn"``, ``"record"``, ``"skip"`` (drop the step and train on: the optimizer
+        applies nothing, gradients become ``None``, buffers go back to the step's start),
+        ``"breakpoint"`` (Python's ``breakpoint()`` inside a replay of the failing op, locals
+        ``finding``, ``op``, ``args``, ``out``; then raise), or a callable taking a `Finding`. In
+        raise and skip, buffers written during the failing step (BatchNorm running statistics) are
+        put back.
       scaler: a ``torch.amp.GradScaler``; the steps it skips are expected overflows, not findings.
       ignore: glob patterns of module names whose outputs may legitimately hold Inf/NaN.
       history: how many sampled steps of per-module magnitude statistics the report keeps.
@@ -67,11 +73,17 @@ def watch(
         raises `SilentRankError` naming the ranks that died or stopped answering.
       max_findings: how many findings the report keeps; later ones are only counted
         (``report.meta["dropped_findings"]``). ``"warn"`` warns at most once per step.
+      max_skips: with ``on_find="skip"``, this many consecutive steps are skipped; the next
+        consecutive finding raises `NonFiniteError`.
+      loader: the ``DataLoader`` the loop iterates: findings name the dataset indices of the
+        rows that held NaN/Inf (``Finding.samples``, ``Report.bad_samples``).
+      guard_saves: while the hunt is open, ``torch.save`` of the watched model's or optimizer's
+        state holding NaN/Inf raises `NonFiniteError` before writing anything.
     """
     options = Options.make(
         on_find=on_find, scaler=scaler, ignore=ignore, history=history, report=report, mode=mode,
         replay=replay, grad_hooks=grad_hooks, optimizer_every=optimizer_every, stats_every=stats_every,
         bundle=bundle, distributed=distributed, rank=rank, dist_timeout=dist_timeout,
-        max_findings=max_findings,
+        max_findings=max_findings, max_skips=max_skips, loader=loader, guard_saves=guard_saves,
     )
     return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._words import details, element_text, headline
+from .._words import details, element_text, headline, recovery_rows
 from .heatmap import heatmap_svg
 from .sources import road_location
 
@@ -57,6 +57,11 @@ def _road(chain: tuple[str, ...], sources: dict[str, str]) -> list[tuple[str, st
     return out
 
 
+def _recovery(report: Report) -> list[tuple[str, str]]:
+    rows = recovery_rows(report.damage, report.skipped, report.bad_samples)
+    return rows if report.damage_known else rows[1:]  # damage not measured: say nothing of it
+
+
 # ------------------------------------------------------------------ terminal text
 def text(report: Report) -> str:
     f = report.first
@@ -79,6 +84,10 @@ def text(report: Report) -> str:
         if f.hint:
             lines.append("")
             lines.append(f"  why: {f.hint}")
+        recovery = _recovery(report)
+        if recovery:
+            lines.append("")
+            lines.extend(f"  {k}: {v}" for k, v in recovery)
     if report.warnings:
         lines.append("")
         lines.append(f"Early warnings ({len(report.warnings)}):")
@@ -122,6 +131,8 @@ def rich_renderables(report: Report) -> Iterator[Any]:
             yield road
         if f.hint:
             yield Text.assemble(("why: ", "bold"), f.hint)
+        for k, v in _recovery(report):
+            yield Text.assemble((f"{k}: ", "bold"), (v, "green" if v.startswith("contained") else "red"))
     if report.warnings:
         yield Text(f"Early warnings ({len(report.warnings)}):", style="bold yellow")
         for w in report.warnings:
@@ -181,6 +192,11 @@ def html(report: Report) -> str:
             parts.append("</ol>")
         if f.hint:
             parts.append(f"<p class='hint'><b>Why:</b> {e(f.hint)}</p>")
+        recovery = _recovery(report)
+        if recovery:
+            parts.append("<table class='kv' id='recovery'>")
+            parts.extend(f"<tr><td>{e(k)}</td><td class='mono'>{e(v)}</td></tr>" for k, v in recovery)
+            parts.append("</table>")
     parts.append("<h2>Per-module abs-max over the last steps</h2>")
     svg = heatmap_svg(report.history, (f.module, f.step) if f is not None else None, f.value if f is not None else None)
     if svg:

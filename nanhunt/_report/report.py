@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._files import atomic_write, checked_fields, need
@@ -18,6 +18,7 @@ from .sources import read_sources
 __all__ = ["Report", "SCHEMA"]
 
 SCHEMA = "nanhunt.report/1"
+DAMAGE_KINDS = ("grads", "parameters", "buffers", "optimizer_state")
 
 
 class Report:
@@ -30,6 +31,9 @@ class Report:
         warnings: Sequence[dict[str, Any]] = (),
         meta: dict[str, Any] | None = None,
         sources: dict[str, str] | None = None,
+        damage: Mapping[str, Sequence[str]] | None = None,
+        skipped: Sequence[int] = (),
+        bad_samples: Sequence[int] = (),
     ) -> None:
         self.findings: list[Finding] = list(findings)
         self.history: dict[str, Any] = dict(history or {})
@@ -37,6 +41,11 @@ class Report:
         self.meta: dict[str, Any] = dict(meta or {})
         # the text of each source line the findings name ("file.py:LINE" -> text), read now
         self.sources: dict[str, str] = dict(sources) if sources is not None else read_sources(self.findings)
+        # persistent state holding NaN/Inf when the reported step ended (all empty: contained)
+        self.damage: dict[str, list[str]] = {k: list((damage or {}).get(k, ())) for k in DAMAGE_KINDS}
+        self.damage_known = damage is not None  # read when a step had a finding (else not measured)
+        self.skipped: list[int] = list(skipped)  # steps dropped by on_find="skip"
+        self.bad_samples: list[int] = sorted(bad_samples)  # dataset indices (watch(loader=...))
 
     @property
     def first(self) -> Finding | None:
@@ -51,6 +60,9 @@ class Report:
             "warnings": self.warnings,
             "meta": self.meta,
             "sources": self.sources,
+            "damage": self.damage if self.damage_known else None,
+            "skipped": self.skipped,
+            "bad_samples": self.bad_samples,
         }
 
     def _finding_dict(self, f: Finding) -> dict[str, Any]:
@@ -73,6 +85,9 @@ class Report:
             warnings=need(d, "warnings", list[dict[str, Any]] | None, "report", None) or [],
             meta=need(d, "meta", dict[str, Any] | None, "report", None) or {},
             sources={str(k): str(v) for k, v in (need(d, "sources", dict[str, Any] | None, "report", None) or {}).items()},
+            damage=need(d, "damage", dict[str, list[str]] | None, "report", None),
+            skipped=need(d, "skipped", list[int] | None, "report", None) or [],
+            bad_samples=need(d, "bad_samples", list[int] | None, "report", None) or [],
         )
 
     @classmethod

@@ -21,6 +21,9 @@ How it maps onto Lightning:
   ``training_step`` outside any module), still before this step's check.
 * Validation (also the sanity check) is checked when it ends; ``trainer.validate/test/predict``
   on their own are watched too (without an optimizer; one check per batch).
+* Checkpoints: while the watch is open, a checkpoint whose model or optimizer state holds NaN/Inf
+  is refused (`NonFiniteError`, phase ``"checkpoint"``) before anything is written; other tensors
+  (``ModelCheckpoint``'s ``kth_value = inf``) are not judged. ``guard_saves=False`` turns it off.
 * ``on_fit_end`` closes the watch (a pending finding is raised there); ``on_exception`` and
   ``teardown`` close it without raising again. The ``NonFiniteError`` raised inside the loop is
   re-raised unchanged by ``trainer.fit()``. ``.report`` stays readable after the watch closed.
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from .._record import Hunt, Options, watch
+from .._record.guard import saving_to
 from ._common import HuntOwner
 
 _INSTALL = "pip install 'nanhunt[lightning]'"
@@ -190,6 +194,26 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
             if scaler is not None:
                 options["scaler"] = scaler
         self.hunt = watch(pl_module, optimizer=optimizers or None, **options)
+        if options.get("guard_saves", True):
+            self._name_saves(trainer)
+
+    def _name_saves(self, trainer: Any) -> None:
+        """Lightning writes a checkpoint with ``torch.save`` into a buffer, then the bytes to the file:
+        tell nanhunt's save guard that file's name (the refusal names it). Undone in teardown."""
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            with saving_to(filepath):
+                return original(filepath, *args, **kwargs)
+
+        save_checkpoint.__nanhunt__ = True  # type: ignore[attr-defined]
+        trainer.save_checkpoint = save_checkpoint
+        self._named = trainer
+
+    def _unname_saves(self) -> None:
+        trainer, self._named = getattr(self, "_named", None), None
+        if trainer is not None and getattr(trainer.__dict__.get("save_checkpoint"), "__nanhunt__", False):
+            del trainer.save_checkpoint
 
     def _start_eval(self, trainer: Any, pl_module: Any) -> None:
         if self.hunt is not None and not self.hunt.closed:
@@ -210,6 +234,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
     def _abandon(self, exception: BaseException | None) -> None:
         """Close without raising: the run is already leaving (by ``exception``, if any)."""
         self._eval_only = False
+        self._unname_saves()
         hunt = self.hunt
         if hunt is None or hunt.closed:
             return

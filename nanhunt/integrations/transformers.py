@@ -16,6 +16,9 @@ How it maps onto the ``Trainer``:
   ``step()`` really runs, so the check comes after gradient clipping and before the update, once
   per optimizer step (gradient accumulation included) and ``Finding.step`` is the optimizer step.
 * An evaluation during training is checked when it ends (``on_evaluate``).
+* Checkpoints: when the Trainer is about to save (``control.should_save`` at the end of a step or
+  epoch), a model or optimizer state holding NaN/Inf is refused with `NonFiniteError` (phase
+  ``"checkpoint"``) before any file of that checkpoint is written; ``torch.save`` is guarded too.
 * ``on_train_end`` closes the watch (a pending finding is raised there).
 * The ``Trainer`` has no exception hook, so with ``on_find="raise"`` the watch closes itself
   right before it raises: ``trainer.train()`` lets ``NonFiniteError`` out and leaves no hook
@@ -25,6 +28,7 @@ How it maps onto the ``Trainer``:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -57,6 +61,8 @@ def _real_optimizer(opt: Any) -> Any:
 
 class _RaiseClosing:
     """``on_find`` for raise mode: close the watch, then raise (the Trainer has no exception hook)."""
+
+    raises = True  # the hunt puts back the buffers the failing step wrote, as in raise mode
 
     def __init__(self) -> None:
         self.hunt: Hunt | None = None
@@ -105,8 +111,33 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
         if options.get("on_find", "raise") == "raise":
             closing = options["on_find"] = _RaiseClosing()
         self.hunt = watch(model, optimizer=real, **options)
+        self.hunt._close_before_raise = True  # skip mode's NonFiniteError (max_skips) too
         if closing is not None:
             closing.hunt = self.hunt
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        self._guard_save(args, state, control, model, optimizer)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                     **kwargs: Any) -> None:
+        self._guard_save(args, state, control, model, optimizer)
+
+    def _guard_save(self, args: Any, state: Any, control: Any, model: Any, optimizer: Any) -> None:
+        """The Trainer is about to write a checkpoint (the model by safetensors, not torch.save):
+        refuse it here, before any file of it is written, if the state holds NaN/Inf."""
+        hunt = self.hunt
+        if hunt is None or hunt.closed or model is None or not getattr(control, "should_save", False):
+            return
+        obj: dict[str, Any] = {"model": model.state_dict()}
+        real = _real_optimizer(optimizer) if optimizer is not None else None
+        if real is not None:
+            obj["optimizer"] = real.state_dict()
+        try:
+            hunt.refuse_save(obj, os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}"))
+        except NonFiniteError:
+            self._abandon()  # the Trainer has no exception hook: leave nothing behind
+            raise
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hunt = self.hunt

@@ -1,0 +1,83 @@
+"""`nanhunt.audit()`: the non-finite tensors of a checkpoint, without ever running code from it.
+
+A file is read with ``torch.load(weights_only=True)`` (``.safetensors`` with safetensors): a
+pickle that names any callable outside torch's allow-list is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .checkpoint import Keys, all_bad, finding, key_path, walk
+
+__all__ = ["audit", "AuditRefused"]
+
+_SKIP = ("callbacks", "loops")  # a Lightning checkpoint's callback and loop state (kth_value = inf, ...)
+
+_HINT = ("This checkpoint holds non-finite values: a run resumed from it carries them on (or turns "
+         "NaN a few steps later). Resume from an earlier checkpoint; watch the run with nanhunt to see "
+         "where they were born.")
+
+
+class AuditRefused(ValueError):
+    """The file would run code when loaded (or is not a checkpoint): nothing in it was executed."""
+
+
+def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
+    """Every non-finite floating tensor of a checkpoint, as ``"checkpoint"`` findings.
+
+    ``path_or_object``: a path (``torch.save`` file or ``.safetensors``) or an object already loaded.
+    Not judged: a Lightning checkpoint's ``callbacks`` and ``loops`` state, and key paths (as in
+    ``['state_dict']['mask']``) or last keys (``mask``) matching an ``ignore`` glob.
+    """
+    patterns = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    if isinstance(path_or_object, (str, os.PathLike)):
+        name = os.fspath(path_or_object)
+        obj = _load(name)
+    else:
+        name, obj = "<object>", path_or_object
+    step = -1
+    if isinstance(obj, Mapping):
+        gs = obj.get("global_step", obj.get("step"))
+        if isinstance(gs, int) and not isinstance(gs, bool):
+            step = gs
+    items: list[tuple[Keys, Any]] = []
+    for keys, t, _ in walk(obj):
+        if isinstance(obj, Mapping) and keys and keys[0] in _SKIP:
+            continue
+        if patterns and _ignored(keys, patterns):
+            continue
+        items.append((keys, t))
+    return [finding(name, items[i][0], items[i][1], step=step, hint=_HINT) for i in all_bad([t for _, t in items])]
+
+
+def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
+    path, last = key_path(keys), str(keys[-1]) if keys else ""
+    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
+
+
+def _load(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such checkpoint: {path!r}")
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise AuditRefused(f"{path}: reading .safetensors needs safetensors: pip install safetensors") from None
+        return load_file(path, device="cpu")
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln or "GLOBAL" in ln), "")
+        raise AuditRefused(
+            f"{path}: refused: loading it would run code or build objects that a weights-only load does not "
+            f"allow, so nothing in it was executed" + (f" ({why})" if why else "")
+        ) from None
+    except (RuntimeError, KeyError, EOFError, ValueError) as e:
+        raise AuditRefused(f"{path}: not a checkpoint torch.load can read: {e}") from None

@@ -1,0 +1,49 @@
+"""After a hit: which persistent state holds non-finite values (`Report.damage`).
+
+Read once, when the first finding's step has ended (after nanhunt put buffers back or dropped a
+skipped step's gradients): all empty means the NaN was contained in that step's activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import all_bad
+
+__all__ = ["damage", "KINDS", "empty"]
+
+KINDS = ("grads", "parameters", "buffers", "optimizer_state")
+
+
+def empty() -> dict[str, list[str]]:
+    return {k: [] for k in KINDS}
+
+
+def damage(root: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, list[str]]:
+    """Qualified names of the non-finite gradients, parameters, buffers and optimizer state
+    (``"<parameter>.<state key>"``, e.g. ``"fc.weight.exp_avg"``)."""
+    out = empty()
+    if root is None:
+        return out
+    params = list(root.named_parameters())
+    names = {id(p): n for n, p in params}
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {
+        "grads": [(n, p.grad) for n, p in params if p.grad is not None],
+        "parameters": [(n, p) for n, p in params],
+        "buffers": list(root.named_buffers()),
+        "optimizer_state": [],
+    }
+    for opt in optimizers:
+        for gi, g in enumerate(opt.param_groups):
+            for pi, p in enumerate(g["params"]):
+                pname = names.get(id(p), f"param_groups[{gi}][{pi}]")
+                for k, v in opt.state.get(p, {}).items():
+                    if isinstance(v, torch.Tensor):
+                        groups["optimizer_state"].append((f"{pname}.{k}", v))
+    for kind, items in groups.items():
+        if items:
+            out[kind] = [items[i][0] for i in all_bad([t for _, t in items])]
+    return out

@@ -1,0 +1,221 @@
+"""The checkpoint guard: while a hunt is open, ``torch.save`` refuses non-finite model state.
+
+``torch.save`` is replaced once, while at least one hunt with ``guard_saves=True`` is open, by a
+function that asks each open hunt's :class:`SaveGuard` to judge the object first, and calls the
+original only when none objects; the original is put back when the last such hunt closes (unless
+someone replaced ``torch.save`` after us: then ours stays in their chain as a pass-through).
+
+What is judged (everything else in the object is not: a callback's ``inf`` sentinel, user
+metadata, a copy of a tensor under a name of its own):
+
+* a tensor sharing its storage with a watched parameter, buffer or optimizer state tensor (what
+  ``model.state_dict()`` and ``optimizer.state_dict()`` return);
+* a copy of a state dict (``copy.deepcopy``, ``{k: v.cpu()}``): a tensor under a key that is a
+  watched parameter's or buffer's qualified name, or ends in ``"." + name``, with the same shape;
+* every tensor in the ``state`` of something shaped like an optimizer ``state_dict()`` (a copy of
+  one), when the hunt watches an optimizer.
+
+Buffers that were already non-finite when the watch began (an intended ``-inf`` mask) are never
+judged. A hit raises `NonFiniteError` (phase ``"checkpoint"``) before the original runs: no byte
+is written and a file already at that path is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._locate.checkpoint import Keys, all_bad, finding, walk
+from .._tensors import is_checked, stack_probes
+
+if TYPE_CHECKING:
+    from .hunt import Hunt
+
+__all__ = ["SaveGuard", "saving_to"]
+
+_guards: list[SaveGuard] = []
+_original: Callable[..., Any] | None = None
+_name_hint: contextvars.ContextVar[str | None] = contextvars.ContextVar("nanhunt_save_name", default=None)
+
+_HINT = ("nanhunt refused to write this checkpoint: the watched model's or optimizer's state holds "
+         "non-finite values (a file already at that path is unchanged). The hunt's first finding says "
+         "where they were born; resume from the last good checkpoint.")
+
+
+def _guarded_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+    for g in list(_guards):
+        g.judge(obj, f)
+    original = _original if _original is not None else torch.serialization.save
+    return original(obj, f, *args, **kwargs)
+
+
+functools.update_wrapper(_guarded_save, torch.serialization.save)
+
+
+@contextlib.contextmanager
+def saving_to(path: Any) -> Iterator[None]:
+    """Name the file for a save that goes through a buffer (Lightning writes ``torch.save`` into a
+    ``BytesIO``, then the bytes to ``path``)."""
+    token = _name_hint.set(os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path))
+    try:
+        yield
+    finally:
+        _name_hint.reset(token)
+
+
+def file_name(f: Any) -> str:
+    if isinstance(f, (str, os.PathLike)):
+        return os.fspath(f)
+    hint = _name_hint.get()
+    if hint is not None:
+        return hint
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) else f"<{type(f).__name__}>"
+
+
+def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+        return None
+    return (t.device, ptr) if ptr else None
+
+
+class SaveGuard:
+    """One hunt's judge of the objects handed to ``torch.save``."""
+
+    def __init__(self, hunt: Hunt) -> None:
+        self._hunt = weakref.ref(hunt)
+        # buffers non-finite when the watch began (intended masks) are never judged. They are
+        # probed on the device at the first step (watch() never walks the model) and read at the
+        # first save, with what that save judges.
+        self.pending = True
+        self._buffers: list[tuple[str, torch.Tensor]] | None = None
+        self._flags: torch.Tensor | None = None
+        self._exempt_names: set[str] | None = None
+        self._exempt: set[tuple[Any, int]] = set()
+
+    def first_step(self, root: torch.nn.Module) -> None:
+        """The first step begins: probe the buffers as they were at watch() (no read)."""
+        self.pending = False
+        self._buffers = [(n, b) for n, b in root.named_buffers() if _judgeable(b)]
+        if self._buffers:
+            with torch.no_grad():
+                # exact (not a sum, which a huge finite buffer could overflow); once per hunt
+                self._flags = ~stack_probes([torch.isfinite(b).all() for _, b in self._buffers])
+
+    def _exemptions(self, hunt: Hunt) -> None:
+        if self._exempt_names is not None:
+            return
+        if self.pending and hunt._root is not None:
+            self.first_step(hunt._root)
+        bufs, flags = self._buffers or [], self._flags
+        bad = [i for i, f in enumerate(flags.tolist()) if f] if flags is not None else []
+        self._exempt_names = {bufs[i][0] for i in bad}
+        self._exempt = {k for i in bad if (k := _storage(bufs[i][1])) is not None}
+        self._buffers, self._flags = None, None
+
+    def install(self) -> None:
+        global _original
+        if not _guards and torch.save is not _guarded_save:
+            _original = torch.save
+            torch.save = _guarded_save  # type: ignore[assignment]
+        _guards.append(self)
+
+    def remove(self) -> None:
+        global _original
+        if self in _guards:
+            _guards.remove(self)
+        if not _guards and torch.save is _guarded_save:
+            torch.save = _original if _original is not None else torch.serialization.save  # type: ignore[assignment]
+            _original = None
+
+    # ------------------------------------------------------------------ judging
+    def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
+        self._exemptions(hunt)
+        exempt_names = self._exempt_names or set()
+        storages: dict[tuple[Any, int], str] = {}
+        names: dict[str, tuple[int, ...]] = {}
+        root = hunt._root
+        if root is not None:
+            for n, t in [*root.named_parameters(), *root.named_buffers()]:
+                if n in exempt_names or not is_checked(t):
+                    continue
+                names[n] = tuple(t.shape)
+                k = _storage(t)
+                if k is not None and k not in self._exempt:
+                    storages.setdefault(k, n)
+        for opt in hunt._opts:
+            for state in opt.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and is_checked(v):
+                        k = _storage(v)
+                        if k is not None:
+                            storages.setdefault(k, "optimizer state")
+        return storages, names
+
+    def judged(self, obj: Any) -> list[tuple[Keys, torch.Tensor]]:
+        """The tensors of ``obj`` that are the watched model's or optimizers' state."""
+        hunt = self._hunt()
+        if hunt is None:
+            return []
+        storages, names = self._watched(hunt)
+        optimizers = bool(hunt._opts)
+        out: list[tuple[Keys, torch.Tensor]] = []
+        for keys, t, in_optim in walk(obj):
+            if not is_checked(t):
+                continue
+            k = _storage(t)
+            if k is not None and k in self._exempt:
+                continue
+            if (k is not None and k in storages) or (in_optim and optimizers) or _named(keys, t, names):
+                out.append((keys, t))
+        return out
+
+    def check(self, obj: Any, file: str) -> Any:
+        """The finding for the first non-finite judged tensor of ``obj``, or None."""
+        hunt = self._hunt()
+        if hunt is None or hunt._paused or hunt.closed:
+            return None
+        items = self.judged(obj)
+        bad = all_bad([t for _, t in items])
+        if not bad:
+            return None
+        keys, t = items[bad[0]]
+        return finding(file, keys, t, step=hunt.step, hint=_HINT, rank=hunt.rank)
+
+    def judge(self, obj: Any, f: Any) -> None:
+        """Raise `NonFiniteError` if ``obj`` holds non-finite watched state (``torch.save``'s guard)."""
+        hunt = self._hunt()
+        if hunt is None or hunt._paused or hunt.closed:
+            return
+        got = self.check(obj, file_name(f))
+        if got is not None:
+            raise hunt._refused(got)
+
+
+def _judgeable(t: torch.Tensor) -> bool:
+    return is_checked(t) and t.layout is torch.strided and not t.is_meta and t.numel() > 0
+
+
+def _named(keys: Keys, t: torch.Tensor, names: dict[str, tuple[int, ...]]) -> bool:
+    """A copy of a watched tensor under its own name (``model.state_dict()`` deep-copied or moved)."""
+    if not keys or not isinstance(keys[-1], str) or not names:
+        return False
+    k = keys[-1]
+    shape = tuple(t.shape)
+    while True:
+        got = names.get(k)
+        if got is not None and got == shape:
+            return True
+        dot = k.find(".")
+        if dot < 0:
+            return False
+        k = k[dot + 1:]

@@ -1,0 +1,101 @@
+"""Protect the run after a finding: buffers put back as they were when the step began, and a
+skipped step's gradients dropped so that ``optimizer.step()`` applies nothing.
+
+Buffers (BatchNorm running statistics and counters) are written by the failing forward itself;
+the weights were never updated (the check runs before ``step()``), but poisoned running statistics
+would make every later ``eval()`` prediction NaN. :class:`BufferBackup` keeps one copy of the
+model's buffers, refreshed at the first top-level call of every step by one ``_foreach_copy_``
+(no allocation, no sync). Every buffer is copied: version counters cannot say which ones a step
+writes, since BatchNorm's kernels update the running statistics without bumping them (checked on
+torch 2.13). A model without buffers costs nothing.
+
+A step whose gradients are all ``None`` is a no-op for every ``torch.optim`` optimizer except
+LBFGS: parameters and state (Adam's per-parameter ``step`` included) stay bit-identical to a loop
+that never saw the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["BufferBackup", "drop_grads"]
+
+
+class BufferBackup:
+    """The model's buffers as they were when the current step began."""
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[dict[str, torch.Tensor | None], str, str]] | None = None  # at the first step
+        self._src: list[torch.Tensor | None] = []  # the buffers the copies were taken of
+        self._copy: list[torch.Tensor] = []
+        self._captured = False  # a copy was taken at this step's start
+        self._armed = False  # ... for the step that just ended: restore() may put it back
+
+    def capture(self, root: nn.Module) -> None:
+        """At the step's first top-level call: copy every buffer (one fused copy). The buffers are
+        found at the first step (watch() itself never walks the model)."""
+        if self._slots is None:
+            self._slots = _slots(root)
+        if not self._slots:
+            return
+        now = [d.get(k) for d, k, _ in self._slots]
+        src, copies = self._src, self._copy
+        if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
+            with torch.no_grad():
+                torch._foreach_copy_(copies, now)  # type: ignore[arg-type]
+        else:  # first step, or a buffer was replaced: fresh copies
+            self._src = now
+            self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
+        self._captured = True
+
+    def end_step(self) -> None:
+        """The step ended (its sync): :meth:`restore` now refers to it; the next step captures anew."""
+        self._armed, self._captured = self._captured, False
+
+    def restore(self) -> list[str]:
+        """Put back every buffer the step that just ended wrote; their qualified names. After a hit
+        only (it reads values back to compare)."""
+        if not self._armed or not self._slots:
+            return []
+        self._armed = False
+        names: list[str] = []
+        with torch.no_grad():
+            for (d, k, name), src, c in zip(self._slots, self._src, self._copy):
+                if src is None:
+                    continue
+                t = d.get(k)
+                if t is src and torch.equal(t, c) and not (t.is_floating_point() and t.isnan().any()):
+                    continue
+                if t is not src:  # replaced by assignment during the step: the original goes back
+                    d[k] = src
+                src.copy_(c)
+                names.append(name)
+        return names
+
+    def clear(self) -> None:
+        self._slots = None
+        self._src = []
+        self._copy = []
+        self._captured = self._armed = False
+
+
+def _slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, str]]:
+    """Every buffer of ``root`` once: (its module's buffer dict, key, qualified name)."""
+    out: list[tuple[dict[str, torch.Tensor | None], str, str]] = []
+    seen: set[int] = set()
+    for mname, m in root.named_modules():
+        for bname, b in m._buffers.items():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((m._buffers, bname, f"{mname}.{bname}" if mname else bname))
+    return out
+
+
+def drop_grads(params: Iterable[torch.Tensor]) -> None:
+    """Every gradient to ``None``: the next ``step()`` applies nothing."""
+    for p in params:
+        p.grad = None

@@ -1,0 +1,204 @@
+"""``watch(loader=DataLoader)``: the dataset indices of every batch the loop receives, and of the
+rows of a finding's batch that hold non-finite values.
+
+No device work and no sync: the loader's index sampler (``batch_sampler``, or ``sampler`` when
+``batch_size=None``) is wrapped so that every index list it hands out is queued, and the loader's
+iterator (made in ``loader._get_iterator``) gets a subclass whose ``__next__`` takes the queue's
+front as the indices of the batch it is returning. Worker processes fetch ahead, but deliver in
+order (``in_order=True``, the default), so the queue's order is the delivery order. Everything is
+put back at ``close()``. Not covered: an iterator made before ``watch()`` (e.g. a persistent one
+from an earlier epoch), ``in_order=False``, iterable datasets (no indices).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .._finding import Finding
+from .._steplog import Chk, StepLog
+from .._tensors import format_path, is_checked, tensors, version
+
+__all__ = ["LoaderIndices"]
+
+Batch = tuple[int, ...]
+
+
+class _Recording:
+    """The loader's index sampler, queueing what it hands out."""
+
+    def __init__(self, inner: Any, owner: LoaderIndices, single: bool) -> None:
+        self._nanhunt_inner = inner
+        self._nanhunt_owner = owner
+        self._nanhunt_single = single
+
+    def __iter__(self) -> Iterator[Any]:
+        queue = self._nanhunt_owner.queue
+        queue.clear()  # a new pass: whatever an abandoned iterator fetched ahead is gone
+        single = self._nanhunt_single
+        for b in self._nanhunt_inner:
+            queue.append(_batch([b] if single else b))
+            yield b
+
+    def __len__(self) -> int:
+        return len(self._nanhunt_inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nanhunt_inner, name)
+
+
+def _batch(b: Any) -> Batch | None:
+    try:
+        out = tuple(int(i) for i in b)
+    except (TypeError, ValueError):  # an iterable dataset's None, or keys that are not indices
+        return None
+    return out
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _recording_iterator(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        def __next__(self: Any) -> Any:
+            out = cls.__next__(self)  # type: ignore[attr-defined]
+            ref = getattr(self, "_nanhunt_indices", None)
+            owner = ref() if ref is not None else None
+            if owner is not None:
+                owner.delivered()
+            return out
+
+        sub = type(cls.__name__, (cls,), {"__next__": __next__, "__qualname__": cls.__qualname__,
+                                          "__module__": cls.__module__})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+class LoaderIndices:
+    """Which dataset indices the loop's batches hold; see the module docstring."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"loader must be a torch.utils.data.DataLoader; got {type(loader).__name__}")
+        self.queue: collections.deque[Batch | None] = collections.deque()
+        self.last: Batch | None = None  # the batch the loop received last
+        self._tops: list[Batch | None] = []  # the batch current at each top-level call of the step
+        self._loader: DataLoader[Any] | None = loader
+        self._attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+        self._inner = getattr(loader, self._attr)
+        self._iters: weakref.WeakSet[Any] = weakref.WeakSet()
+        object.__setattr__(loader, self._attr, _Recording(self._inner, self, single=self._attr == "sampler"))
+        original = loader._get_iterator
+        me = weakref.ref(self)
+
+        def _get_iterator() -> Any:
+            it = original()
+            owner = me()
+            if owner is not None:
+                it.__class__ = _recording_iterator(type(it))
+                it._nanhunt_indices = me  # type: ignore[attr-defined]
+                owner._iters.add(it)
+            return it
+
+        loader._get_iterator = _get_iterator  # type: ignore[method-assign]
+
+    def delivered(self) -> None:
+        self.last = self.queue.popleft() if self.queue else None
+
+    def top_started(self) -> None:
+        """A top-level call of the watched model began: it works on the last batch received."""
+        self._tops.append(self.last)
+
+    def take(self) -> list[Batch | None]:
+        """The step ended: the batch of each of its top-level calls."""
+        tops, self._tops = self._tops, []
+        return tops
+
+    def close(self) -> None:
+        loader, self._loader = self._loader, None
+        if loader is None:
+            return
+        if isinstance(loader.__dict__.get(self._attr), _Recording):
+            object.__setattr__(loader, self._attr, self._inner)
+        if "_get_iterator" in loader.__dict__:
+            del loader._get_iterator
+        for it in list(self._iters):
+            base = type(it).__mro__[1]
+            if _SUBCLASSES.get(base) is type(it):
+                it.__class__ = base
+            it.__dict__.pop("_nanhunt_indices", None)
+        self._iters = weakref.WeakSet()
+        self.queue.clear()
+        self._tops.clear()
+        self._inner = None
+
+    # ------------------------------------------------------------------ after a hit
+    def fill(self, found: Sequence[Finding], log: StepLog, tops: list[Batch | None]) -> list[Finding]:
+        """``Finding.samples`` for the findings of one step (host reads allowed: after a hit)."""
+        return [_with_samples(f, log, tops) for f in found]
+
+
+def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None]) -> Finding:
+    if f.phase not in ("forward", "backward", "check") or not tops:
+        return f
+    ti = _top_of(f, log, len(tops))
+    batch = tops[ti]
+    if not batch:
+        return f
+    n = len(batch)
+    if n == 1:  # a batch of one sample (or batch_size=None): whatever it made is its
+        return dataclasses.replace(f, samples=batch)
+    if not f.shape or f.shape[0] != n:
+        return f
+    rows = _bad_rows([t for _, t in tensors(log.tops[ti].args)] if ti < len(log.tops) else [], n)
+    if not rows:
+        t = _tensor_of(f, log)
+        rows = _bad_rows([t] if t is not None else [], n)
+    if not rows and f.index:
+        rows = [f.index[0]]
+    return dataclasses.replace(f, samples=tuple(batch[r] for r in rows if r < n))
+
+
+def _top_of(f: Finding, log: StepLog, n_tops: int) -> int:
+    if f.phase == "forward":
+        for c in log.calls:
+            if c.name == f.module and c.call == f.call and c.top < n_tops:
+                return c.top
+    return n_tops - 1
+
+
+def _tensor_of(f: Finding, log: StepLog) -> torch.Tensor | None:
+    """The finding's own tensor when the log still holds it (a checked tensor, a live output)."""
+    if f.phase == "check":
+        chk = [m.tensor for m in log.meta if isinstance(m, Chk) and m.name == f.module]
+        return chk[f.call] if f.call < len(chk) else None
+    if f.phase == "forward":
+        for c in log.calls:
+            if c.name == f.module and c.call == f.call:
+                for path, (ref, ver) in zip(c.paths, c.outs):
+                    if format_path("output", path) == f.tensor:
+                        t = ref()
+                        return t if t is not None and version(t) == ver else None
+    return None
+
+
+def _bad_rows(ts: list[torch.Tensor], n: int) -> list[int]:
+    """Rows (leading index) holding a non-finite value, over the tensors whose leading dimension is ``n``."""
+    bad: torch.Tensor | None = None
+    with torch.no_grad():
+        for t in ts:
+            if not is_checked(t) or t.dim() == 0 or t.shape[0] != n or t.is_meta:
+                continue
+            r = t.detach()
+            if r.is_complex():
+                r = torch.view_as_real(r)
+            rb = (~torch.isfinite(r)).reshape(n, -1).any(1).cpu()
+            bad = rb if bad is None else (bad | rb)
+    return [] if bad is None else bad.nonzero().flatten().tolist()

@@ -1,0 +1,195 @@
+"""The checkpoint guard: torch.save refuses non-finite model or optimizer state while a hunt is open."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nanhunt
+from tests import zoo
+
+
+def _digest(p: Any) -> tuple[str, int]:
+    with open(p, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest(), os.stat(p).st_mtime_ns
+
+
+def _blow_up(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A corrupt record in the batch; with on_find="record" the update goes through: NaN weights and momentum."""
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    x[3, 2] = float("nan")
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_refuses_before_a_byte_is_written_and_keeps_the_old_file(tmp_path: Any) -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict()}, path)
+    before = _digest(path)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, path)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor) == ("checkpoint", str(path), "['model']['fc1.weight']")
+    assert _digest(path) == before
+    assert f in hunt.findings
+
+
+def test_copies_are_judged_too(tmp_path: Any) -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with nanhunt.watch(model, opt, on_find="record"):
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save({"state": copy.deepcopy(model.state_dict())}, tmp_path / "a.pt")
+        assert ei.value.finding.tensor == "['state']['fc1.weight']"
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save(copy.deepcopy(opt.state_dict()), tmp_path / "b.pt")
+        assert ei.value.finding.tensor.startswith("['state'][0]")
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
+
+
+def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
+    model = zoo.bnmlp()
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended, already there at watch()
+    opt = torch.optim.AdamW(model.parameters())
+    with nanhunt.watch(model, opt):
+        F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()  # a clean step first: the masks were noted when it began
+        torch.save({"state_dict": model.state_dict(), "callbacks": {"kth_value": torch.tensor(float("inf"))},
+                    "user": torch.full((2,), float("nan"))}, tmp_path / "ok.pt")
+    assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["mask"][1] == float("-inf")
+
+
+def test_guard_saves_false_and_torch_save_restored_with_two_hunts(tmp_path: Any) -> None:
+    original = torch.save
+    a, b = zoo.bnmlp(), zoo.bnmlp()
+    ha = nanhunt.watch(a, on_find="record")
+    hb = nanhunt.watch(b, on_find="record")
+    assert torch.save is not original
+    ha.close()
+    assert torch.save is not original  # hb is still open
+    with torch.no_grad():
+        b.fc1.weight[0, 0] = float("nan")
+    with pytest.raises(nanhunt.NonFiniteError):
+        torch.save(b.state_dict(), tmp_path / "b.pt")
+    torch.save(a.state_dict(), tmp_path / "a.pt")  # a's hunt is closed
+    hb.close()
+    assert torch.save is original
+    with nanhunt.watch(b, guard_saves=False):
+        assert torch.save is original
+        torch.save(b.state_dict(), tmp_path / "b.pt")
+    assert torch.save is original
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_lightning_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from nanhunt.integrations.lightning import NanHunt
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = zoo.bnmlp()
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 6, generator=g)
+    x[9, 4] = float("nan")  # a corrupt record in the third batch: with on_find="record" it is trained on
+    ds = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    hunt = NanHunt(on_find="record")
+    trainer = pl.Trainer(max_steps=6, callbacks=[hunt, ckpt], accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(Net(), torch.utils.data.DataLoader(ds, batch_size=4))
+    f = ei.value.finding
+    assert f.phase == "checkpoint" and f.tensor.startswith("['state_dict']['net.")
+    assert f.module == str(tmp_path / "step=3.ckpt")
+    assert "save_checkpoint" not in vars(trainer)
+    written = sorted(os.listdir(tmp_path))
+    assert written == ["step=1.ckpt", "step=2.ckpt"]  # each clean one (with its kth_value=inf sentinel)
+    for name in written:
+        assert nanhunt.audit(tmp_path / name) == []
+    assert torch.save.__module__ == "torch.serialization"  # the guard left with the fit
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_hf_trainer_checkpoint_that_would_hold_nan_is_refused(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    tokens = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    ds = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="steps", save_steps=1, logging_strategy="no",
+                             disable_tqdm=True, learning_rate=1e30, optim="sgd", lr_scheduler_type="constant",
+                             max_grad_norm=0.0)
+    cb = NanHuntCallback(on_find="record")  # lr 1e30: step 1 overflows, its update makes the weights NaN
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert f.phase == "checkpoint" and f.module == os.path.join(str(tmp_path), "checkpoint-2")
+    assert f.tensor.startswith("['model']['transformer.")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1"]
+    assert cb.hunt is not None and cb.hunt.closed
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_lightning_skip_drops_the_poisoned_step_and_checkpoints_stay_clean(tmp_path: Any) -> None:
+    """Lightning runs forward and backward inside optimizer.step(closure): the skip happens there."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from nanhunt.integrations.lightning import NanHunt
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = zoo.bnmlp()
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 6, generator=g)
+    x[9, 4] = float("nan")  # the third batch
+    ds = torch.utils.data.TensorDataset(x, torch.randint(0, 3, (32,), generator=g))
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    hunt = NanHunt(on_find="skip")
+    trainer = pl.Trainer(max_steps=6, callbacks=[hunt, ckpt], accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    net = Net()
+    trainer.fit(net, torch.utils.data.DataLoader(ds, batch_size=4))
+    assert hunt.hunt is not None and hunt.hunt.skipped == [2] and trainer.global_step == 6
+    assert all(torch.isfinite(t).all() for t in net.state_dict().values())
+    assert len(os.listdir(tmp_path)) == 6 and all(nanhunt.audit(tmp_path / n) == [] for n in os.listdir(tmp_path))

@@ -1,0 +1,208 @@
+"""Protect and recover: on_find="skip", buffers put back after a finding, Report.damage.
+
+Real training loops (a CNN with BatchNorm and an MLP with BatchNorm1d, AdamW) fed a poisoned batch;
+each is compared bit for bit with a reference loop that drops that batch by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanhunt
+from tests import zoo
+
+
+def _batches(n: int, poisoned: Iterable[int], shape: tuple[int, ...], classes: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of 8; a poisoned one has a NaN in sample 2 (a corrupt record)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(8, *shape, generator=g)
+        y = torch.randint(0, classes, (8,), generator=g)
+        if i in set(poisoned):
+            x[2].view(-1)[0] = float("nan")
+        out.append((x, y))
+    return out
+
+
+def _models() -> list[tuple[str, Any, tuple[int, ...]]]:
+    return [("cnn", zoo.bncnn, (1, 8, 8)), ("mlp", zoo.bnmlp, (6,))]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], drop: Iterable[int] = (),
+           hunt: Any = None) -> list[int]:
+    """The user's loop; returns the batches on which NonFiniteError was raised (and caught)."""
+    raised = []
+    for i, (x, y) in enumerate(batches):
+        if i in set(drop):
+            continue
+        try:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+        except nanhunt.NonFiniteError:
+            raised.append(i)
+        opt.zero_grad()
+    return raised
+
+
+def _same(a: nn.Module, oa: torch.optim.Optimizer, b: nn.Module, ob: torch.optim.Optimizer) -> None:
+    assert zoo.same_state(zoo.snapshot(a), zoo.snapshot(b))
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for n in sa[k]:
+            assert zoo.bit_equal(sa[k][n], sb[k][n]), (k, n)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("name,build,shape", _models())
+def test_skip_is_bit_identical_to_dropping_the_batch_by_hand(name: str, build: Any, shape: tuple[int, ...],
+                                                             mode: str) -> None:
+    batches = _batches(6, {3}, shape, 3)
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, ref_opt, batches, drop={3})
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip", mode=mode) as hunt:
+        assert _train(model, opt, batches, hunt=hunt) == []
+    assert hunt.skipped == [3] and hunt.report.skipped == [3]
+    assert hunt.step == 6  # a skipped step() still counts: the user's step numbers
+    f = hunt.first
+    assert f is not None and f.step == 3
+    if mode == "full":
+        assert (f.phase, f.cause) == ("forward", "input")
+    _same(model, opt, ref, ref_opt)
+    assert hunt.report.damage == {"grads": [], "parameters": [], "buffers": [], "optimizer_state": []}
+
+
+def test_skip_without_the_buffer_restore_would_differ() -> None:
+    """The comparison above is sharp: the failing forward did write NaN into the running stats."""
+    batches = _batches(4, {2}, (1, 8, 8), 3)
+    model = zoo.bncnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in batches[:3]:
+        F.cross_entropy(model(x), y).backward()
+        opt.zero_grad()
+    assert not torch.isfinite(model.bn.running_mean).all()
+
+
+def test_raise_then_resume_with_clean_batches_stays_finite_in_eval() -> None:
+    batches = _batches(6, {2}, (1, 8, 8), 3)
+    ref = zoo.bncnn()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(ref, ref_opt, batches, drop={2})
+
+    model = zoo.bncnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hunt = nanhunt.watch(model, opt)
+    try:
+        assert _train(model, opt, batches) == [2]
+    finally:
+        hunt.close()
+    d = hunt.report.damage
+    assert d["buffers"] == [] and d["parameters"] == [] and d["optimizer_state"] == []
+    assert "conv.weight" in d["grads"]  # raise keeps the gradients for inspection
+    _same(model, opt, ref, ref_opt)
+    model.eval()
+    with torch.no_grad():
+        out = model(batches[0][0])
+    assert torch.isfinite(out).all()
+
+
+def test_max_skips_consecutive_then_raise(caplog: Any) -> None:
+    batches = _batches(8, {2, 3, 4, 5}, (6,), 3)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with caplog.at_level(logging.WARNING, logger="nanhunt"):
+        with nanhunt.watch(model, opt, on_find="skip", max_skips=3) as hunt:
+            raised = _train(model, opt, batches)
+    assert raised == [5] and hunt.skipped == [2, 3, 4]
+    assert sum("skipped step" in r.getMessage() for r in caplog.records) == 3
+    assert torch.isfinite(model.bn.running_var).all()
+
+
+def test_skips_that_are_not_consecutive_never_raise() -> None:
+    batches = _batches(9, {1, 3, 5, 7}, (6,), 3)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip", max_skips=1) as hunt:
+        assert _train(model, opt, batches) == []
+    assert hunt.skipped == [1, 3, 5, 7]
+
+
+def test_skip_cannot_undo_the_optimizers_own_overflow() -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=float("inf"))  # an exploding learning rate
+    batches = _batches(4, (), (6,), 3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, on_find="skip"):
+            for x, y in batches:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    assert ei.value.finding.phase == "optimizer"
+    assert ei.value.report.skipped == []
+
+
+def test_damage_in_record_mode_is_the_state_when_the_step_ended() -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        _train(model, opt, _batches(3, {1}, (6,), 3))
+    d = hunt.report.damage  # read before step 1's update: the forward wrote the stats, backward the grads
+    assert d["buffers"] == ["bn.running_mean", "bn.running_var"] and "fc1.weight" in d["grads"]
+    assert d["parameters"] == [] and d["optimizer_state"] == []
+    assert not torch.isfinite(model.fc1.weight).all()  # record mode let the update through afterwards
+
+
+def test_damage_after_the_optimizer_overflowed_names_weights_and_state() -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=float("inf"), momentum=0.9)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        _train(model, opt, _batches(3, (), (6,), 3))
+    f = hunt.first
+    assert f is not None and f.phase == "optimizer"
+    d = hunt.report.damage
+    assert "fc1.weight" in d["parameters"] and d["optimizer_state"] == []  # the momentum itself is finite
+    assert "contained" not in str(hunt.report) and "weights: fc1.weight" in str(hunt.report)
+
+
+def test_damage_names_optimizer_state_by_parameter_and_key() -> None:
+    from nanhunt._locate.damage import damage
+
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters())
+    F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()
+    opt.step()
+    opt.state[model.fc2.bias]["exp_avg_sq"][1] = float("nan")
+    assert damage(model, [opt])["optimizer_state"] == ["fc2.bias.exp_avg_sq"]
+
+
+def test_damage_is_in_every_report_format(tmp_path: Any) -> None:
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip") as hunt:
+        _train(model, opt, _batches(3, {1}, (6,), 3))
+    r = hunt.report
+    assert r.to_dict()["damage"] == r.damage and r.to_dict()["skipped"] == [1]
+    assert "contained" in str(r) and "skipped steps: 1" in str(r)
+    assert "contained" in r.to_html()
+    back = nanhunt.Report.from_dict(r.to_dict())
+    assert back.damage == r.damage and back.skipped == [1]
+    rich = pytest.importorskip("rich.console")
+    import io
+
+    con = rich.Console(width=120, record=True, file=io.StringIO())
+    con.print(r)
+    assert "contained" in con.export_text()

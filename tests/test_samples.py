@@ -1,0 +1,87 @@
+"""watch(loader=...): the dataset indices of the rows that carried NaN, from a shuffled DataLoader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import nanhunt
+from tests import zoo
+
+POISONED = {5, 17, 30}
+
+
+class Records(Dataset):
+    """40 records of 6 features; a few are corrupt (a NaN feature), as a bad row in a CSV would be."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(40, 6, generator=g)
+        self.y = torch.randint(0, 3, (40,), generator=g)
+        for i in POISONED:
+            self.x[i, 1] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i  # the index too: the test's ground truth
+
+
+def _loader(**kw: Any) -> DataLoader:
+    return DataLoader(Records(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3), **kw)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_are_named_from_a_shuffled_loader(workers: int) -> None:
+    loader = _loader(num_workers=workers)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    order = []
+    with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:
+        for x, y, i in loader:
+            order.append(i.tolist())
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    expected_steps = [s for s, b in enumerate(order) if POISONED & set(b)]
+    assert len(order) == 10 and sorted(sum(order, [])) == list(range(40))
+    assert hunt.skipped == expected_steps and len(expected_steps) >= 2
+    assert hunt.report.bad_samples == sorted(POISONED)
+    for f in hunt.findings:  # the data's rows for the forward finding; a weight's gradient has no rows
+        expected = tuple(i for i in order[f.step] if i in POISONED) if f.phase == "forward" else ()
+        assert f.samples == expected, f
+    back = nanhunt.Report.from_dict(hunt.report.to_dict())
+    assert back.bad_samples == sorted(POISONED) and back.findings[0].samples == hunt.findings[0].samples
+    assert "bad samples: " + ", ".join(map(str, sorted(POISONED))) in str(hunt.report)
+    # nothing of nanhunt's is left on the loader
+    assert type(loader.batch_sampler).__name__ == "BatchSampler" and "_get_iterator" not in vars(loader)
+
+
+def test_resume_without_the_bad_samples() -> None:
+    """What the README says: drop report.bad_samples with a Subset, and the run is clean."""
+    loader = _loader()
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:
+        for x, y, _ in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    bad = set(hunt.report.bad_samples)
+    clean = torch.utils.data.Subset(loader.dataset, [i for i in range(len(loader.dataset)) if i not in bad])
+    with nanhunt.watch(model, opt) as again:
+        for x, y, _ in DataLoader(clean, batch_size=4, shuffle=True, drop_last=True):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert again.first is None
+
+
+def test_loader_must_be_a_dataloader() -> None:
+    with pytest.raises(TypeError, match="DataLoader"):
+        nanhunt.watch(zoo.bnmlp(), loader=[1, 2, 3])
