@@ -65,6 +65,16 @@ def _op_key(op: str) -> str:
     return base.rstrip("_")
 
 
+# ops that fold many rows into fewer values (a scalar loss, a per-sample mean): the rows hint
+_REDUCTIONS = frozenset({
+    "sum", "mean", "prod", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "logsumexp", "std",
+    "var", "std_mean", "var_mean", "nansum", "nanmean", "nll_loss", "nll_loss_forward", "nll_loss2d_forward",
+    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "kl_div", "cross_entropy_loss", "_ctc_loss", "ctc_loss", "dot",
+    "soft_margin_loss", "margin_ranking_loss", "cosine_embedding_loss",
+})
+
+
 def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     """Numbers behind an op trace (`oplevel._Recorder` records, ``path`` from the creator to the
     reported tensor): what the hint is chosen from. Never raises."""
@@ -81,6 +91,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                     out["masked_row"] = True
         for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
             last = rec.recs[ri]
+            if _op_key(last.op).split(".")[0] not in _REDUCTIONS:
+                continue  # a view or a selection keeps (or picks) values: no row was summed away
             oshape = last.outs[0][0] if last.outs else ()
             inp = next((i for i in last.ins if i.code is not None and len(i.shape) > len(oshape) and i.shape), None)
             if inp is not None and inp.code is not None:

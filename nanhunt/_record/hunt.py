@@ -690,17 +690,20 @@ class Hunt:
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
                 self._report_at = now
                 self._write_report()
-        level = logging.WARNING if self.on_find == "warn" else logging.INFO
-        for f in found:
-            _logger.log(level, "%s", f)  # the summary, formatted only when a handler wants it
+        warn = self.on_find == "warn" and found[0].step != self._warned_step
+        for i, f in enumerate(found):  # the summaries, formatted only when a handler wants them
+            if not (warn and i == 0):
+                _logger.info("%s", f)
         if callable(self.on_find):
             for f in found:
                 self.on_find(f)
-        elif self.on_find == "warn" and found[0].step != self._warned_step:
-            # at most one warning per step; only the hunt's first finding is called the first
+        elif warn:
+            # at most one warning per step (also on the logger); only the hunt's first finding is called the first
             self._warned_step = found[0].step
             more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
-            warnings.warn(paragraph(found[0], first=first) + more, NonFiniteWarning, stacklevel=4)
+            message = paragraph(found[0], first=first) + more
+            _logger.warning("%s", message)
+            warnings.warn(message, NonFiniteWarning, stacklevel=4)
         elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
             error = NonFiniteError(found[0], self.report)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind

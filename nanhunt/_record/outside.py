@@ -15,8 +15,8 @@ Measured (benchmarks/overhead.py loops): two intercepts per step (the loss funct
 the next root call: ``zero_grad``'s ``p.grad`` reads and writes go through ``__torch_function__``
 (one call per parameter: +20% on the 24-block MLP), so code there is not watched.
 
-Several hunts (``nanhunt run``) share one switch: at most one mode is on the stack, the one of the
-hunt whose root returned last, and none while any watched root call runs.
+Several hunts share one switch: at most one mode is on the stack, recording for every hunt whose
+root call has returned (each into its own log), and none while any watched root call runs.
 """
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ def _is_lib(filename: str) -> bool:
     return k
 
 
+_own: dict[str, bool] = {}
+
+
+def _own_code(filename: str) -> bool:
+    k = _own.get(filename)
+    if k is None:
+        k = _own[filename] = os.path.abspath(filename).startswith(_NANHUNT_DIR)
+    return k
+
+
 def user_line(depth: int = 2) -> tuple[str | None, str]:
     """``file:line`` and function name of the first frame outside torch, nanhunt and the stdlib."""
     f: Any = sys._getframe(depth)
@@ -71,13 +81,22 @@ def user_line(depth: int = 2) -> tuple[str | None, str]:
 
 
 class _Switch:
-    """Which hunt's mode is on the stack (at most one, shared by every open hunt)."""
+    """The one mode on the stack, recording for every hunt whose outside code runs now.
+
+    Each hunt joins (`Outside.on`) when its root call returns and leaves (`Outside.off`) when its
+    next root call starts or its step ends. It records for the hunts whose own root call is not
+    running (a child's hunt sees its parent's code as outside code) and never nanhunt's own work
+    (another hunt's hooks), so two hunts of one model, or of a child and its parent, each record
+    what they would alone.
+    """
 
     def __init__(self) -> None:
-        self.on: Outside | None = None
+        self.on: Outside | None = None  # the mode on the stack (the carrier)
+        self.active: list[Outside] = []  # the hunts it records for
         self.modes: weakref.WeakSet[Outside] = weakref.WeakSet()
 
     def off(self) -> None:
+        """Pop the carrier (a watched root call or nanhunt's own code runs); membership stays."""
         m = self.on
         if m is None:
             return
@@ -87,17 +106,28 @@ class _Switch:
         else:  # a mode the user pushed sits above ours: ours stays, switched to pass-through
             m.stale = True
 
-    def turn_on(self, m: Outside) -> None:
-        if self.on is m:
-            return
+    def leave(self, m: Outside) -> None:
+        if m in self.active:
+            self.active.remove(m)
         self.off()
-        if any(o.busy() for o in self.modes):
-            return  # a watched root call of another hunt is running
-        if m.stale:
-            m.stale = False  # still on the stack under the user's mode
+
+    def turn_on(self, m: Outside) -> None:
+        if m not in self.active:
+            self.active.append(m)
+        self.resume(m)
+
+    def resume(self, m: Outside | None = None) -> None:
+        if self.on is not None or not self.active:
+            return
+        idle = [o for o in self.active if not o.busy()]
+        if not idle:
+            return  # every listening hunt's own root call is running
+        c = m if m is not None and m in idle else idle[-1]
+        if c.stale:
+            c.stale = False  # still on the stack under the user's mode
         else:
-            torch._C._push_on_torch_function_stack(m)
-        self.on = m
+            torch._C._push_on_torch_function_stack(c)
+        self.on = c
 
 
 _SWITCH = _Switch()
@@ -127,7 +157,7 @@ class Outside(TorchFunctionMode):
     def muted(self) -> Iterator[None]:
         """nanhunt's own tensor work in code where the mode is on (``hunt.check``): off the stack
         for its duration (a pop and a push: cheaper than passing each call through)."""
-        was_on = _SWITCH.on is self
+        was_on = _SWITCH.on is not None
         if was_on:
             _SWITCH.off()
         self.quiet += 1
@@ -136,13 +166,14 @@ class Outside(TorchFunctionMode):
         finally:
             self.quiet -= 1
             if was_on:
-                _SWITCH.turn_on(self)
+                _SWITCH.resume()
 
     def off(self) -> None:
-        if _SWITCH.on is not None:
-            _SWITCH.off()
+        _SWITCH.leave(self)
 
     def close(self) -> None:
+        if self in _SWITCH.active:
+            _SWITCH.active.remove(self)
         if _SWITCH.on is self:
             _SWITCH.off()
         self.stale = True  # left under a user's mode: it passes everything through
@@ -151,17 +182,23 @@ class Outside(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if self.stale or self.quiet or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
+        if self.stale or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
             return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
+        if _own_code(sys._getframe(1).f_code.co_filename):
+            return func(*args, **kwargs)  # nanhunt's own work (another hunt's hooks): nobody's outside code
+        recs = [m for m in _SWITCH.active if not m.quiet and not m.busy()]
+        if not recs:
+            return func(*args, **kwargs)
         if func in _BACKWARD:
-            h = self._hunt()
-            if h is not None:
-                src, _ = user_line()
-                h._log.seeds.append((args, kwargs, src))
+            src, _ = user_line()
+            for m in recs:
+                h = m._hunt()
+                if h is not None:
+                    h._log.seeds.append((args, kwargs, src))
             return func(*args, **kwargs)
         if func in _PASS:
             return func(*args, **kwargs)
-        _rng_before = torch.get_rng_state() if self.fresh else None
+        _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__" or name == "__set__":
@@ -174,19 +211,26 @@ class Outside(TorchFunctionMode):
             outs = (args[0],)  # x[i] = v writes a new value into x
         else:
             return out
+        src, fn = user_line()
+        for m in recs:
+            m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn)
+        return out
+
+    def _record(self, func: Any, args: Any, kwargs: Any, out: Any, outs: Any, name: str,
+                rng_before: torch.Tensor | None, src: str | None, fn: str) -> None:
+        """One torch call made outside this hunt's watched calls, into its step log."""
         h = self._hunt()
         if h is None or h._paused or h._closed:
-            return out
+            return
         ops = getattr(h, "_mode", None)  # mode="ops": our probes are not the user's ops
         if ops is not None:
             ops.muted += 1
         try:
             log: StepLog = h._log
             ri = len(log.outside)
-            src, fn = user_line()
             rng = None
             if self.fresh:
-                rng, self.fresh = _rng_before, False
+                rng, self.fresh = rng_before, False
             log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng))
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
@@ -196,4 +240,3 @@ class Outside(TorchFunctionMode):
         finally:
             if ops is not None:
                 ops.muted -= 1
-        return out
