@@ -99,6 +99,9 @@ class _Replay:
     def run(self, upto: int, tag: _Tag | None) -> None:
         known: set[Any] = set()
         for i, r in enumerate(self.recs[: upto + 1]):
+            if r.func is None:  # released (known finite, no backward): later calls hold their own inputs
+                self.outs.append([])
+                continue
             if r.rng is not None:
                 torch.set_rng_state(r.rng)
             if tag is not None:

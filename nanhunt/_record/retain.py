@@ -7,7 +7,9 @@ without gradients (`no_grad` / `inference_mode`: a validation loop between two o
 can only be needed if its own forward went non-finite: when the next top-level call begins,
 `settle` folds the probes recorded since that call began (its outputs, and `hunt.check()`s made
 before the next call) into one device-side flag; once that flag is known to be finite the call's
-inputs, kwargs, RNG state and checked tensors are dropped. A non-finite one is kept for the replay.
+inputs, kwargs, RNG state and checked tensors are dropped, and so are the torch calls recorded
+outside every watched call since it began (`_record.outside`: loss and metric code) whose outputs
+need no gradient. A non-finite one is kept for the replay.
 
 The flag is read without a host sync: a CPU value is already there; on an accelerator it is
 copied to pinned host memory without blocking and read when its event has completed (polled at
@@ -30,28 +32,28 @@ _GONE = torch.empty(0, dtype=torch.uint8)  # what a released call holds instead 
 
 def settle(log: StepLog) -> None:
     """A top-level call begins (its `Top` not appended yet): settle what the previous ones keep."""
-    end = len(log.sums)
+    end, oend = len(log.sums), len(log.outside)
     t = log.tops[-1] if log.tops else None
     if t is not None and not t.grad_enabled and t.rng is not _GONE:
-        start = log.span
+        start, ostart = log.span, log.out_span
         if start == end:
-            _release(log, t, start, end)
+            _release(log, t, start, end, ostart, oend)
         else:
-            log.pending.append((t, start, end, _when_ready(log.sums[start:end])))
-    log.span = end
+            log.pending.append((t, start, end, ostart, oend, _when_ready(log.sums[start:end])))
+    log.span, log.out_span = end, oend
     if log.pending:
         keep = []
         for item in log.pending:
-            top, a, b, read = item
+            top, a, b, oa, ob, read = item
             finite = read()
             if finite is None:
                 keep.append(item)
             elif finite:
-                _release(log, top, a, b)
+                _release(log, top, a, b, oa, ob)
         log.pending = keep
 
 
-def _release(log: StepLog, t: Top, start: int, end: int) -> None:
+def _release(log: StepLog, t: Top, start: int, end: int, ostart: int, oend: int) -> None:
     t.args = ()
     t.kwargs = None  # not replayable any more (it will never need to be)
     t.rng = _GONE
@@ -61,6 +63,13 @@ def _release(log: StepLog, t: Top, start: int, end: int) -> None:
         m = meta[i]
         if isinstance(m, Chk):
             m.tensor = _GONE
+    for r in log.outside[ostart:oend]:  # known finite; needed by no backward: nothing to replay
+        if r.func is not None and not any(isinstance(x, torch.Tensor) and x.requires_grad for x in _leaves(r.out)):
+            r.func, r.args, r.kwargs, r.out, r.rng = None, (), {}, None, None
+
+
+def _leaves(out: object) -> list[object]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _when_ready(probes: list[torch.Tensor] | torch.Tensor) -> Callable[[], bool | None]:
