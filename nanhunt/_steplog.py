@@ -216,7 +216,7 @@ class StepLog:
     def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
         """After a hit: which entries are non-finite (more syncs, allowed now)."""
         s = (~torch.isfinite(stack_probes(self.sums))).tolist() if self.sums else []
-        v = [(~torch.isfinite(t if isinstance(t, torch.Tensor) else t.exact())).tolist() for t, _ in self.vectors]
+        v = [(~torch.isfinite(t)).tolist() if isinstance(t, torch.Tensor) else t.flags() for t, _ in self.vectors]
         return s, v
 
     def release(self) -> None:

@@ -89,6 +89,7 @@ class Hunt:
         self._ignore = o.ignore
         self._names: dict[int, tuple[str, Any]] | None = None  # see _name_of
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
+        self._cnames: dict[nn.Module, str | None] | None = None  # for compiled graphs: _compiled_names
         self._log = StepLog()
         self._stack: list[Call] = []
         self._owner: int | None = None  # the thread whose calls this step records
@@ -108,9 +109,9 @@ class Hunt:
         self._round: set[int] = set()
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
-            self._build_names()
             first = next(model.parameters(), None)
             self._compiled = CompiledChecks(first.device if first is not None else "cpu")
+            self._build_names()
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
@@ -228,7 +229,16 @@ class Hunt:
                         ignored.add(id(m))
         self._names = names
         self._ignored = ignored
+        if self._compiled is not None:
+            self._compiled_names()
         return names
+
+    def _compiled_names(self) -> None:
+        """torch.compile traces _post_compiled: it looks names up in a plain dict keyed by module
+        (module -> name, None when ignored). Only models that run compiled get one; it holds the
+        modules until close() (dynamo's own caches hold them too)."""
+        names = self._names if self._names is not None else self._build_names()
+        self._cnames = {r(): (None if i in self._ignored else n) for i, (n, r) in names.items() if r() is not None}
 
     def _module_names(self) -> dict[nn.Module, str]:
         """The name map with strong keys, for the analysis (on a hit only)."""
@@ -426,17 +436,18 @@ class Hunt:
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
-        names, comp = self._names, self._compiled
+        names, comp = self._cnames, self._compiled
         if names is None or comp is None or self._paused:
             return
-        e = names.get(id(module))
-        if e is None or id(module) in self._ignored:
+        name = names.get(module)
+        if name is None:
             return
-        comp.record(e[0], type(module).__name__, output)
+        comp.record(name, type(module).__name__, output)
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
         if self._compiled is None:
             self._compiled = CompiledChecks(next((t.device for _, t in tensors(args)), torch.device("cpu")))
+            self._compiled_names()
 
     def _key(self, t: torch.Tensor) -> int:
         """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
@@ -772,6 +783,7 @@ class Hunt:
         self._root = None
         self._opts = []
         self._names = None
+        self._cnames = None
         self._ignored = set()
         if self._compiled is not None and self._compiled.slots:
             forget_compiled()  # compiled graphs traced our hooks in: drop them with us

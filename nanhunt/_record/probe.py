@@ -7,8 +7,8 @@ On CPU the cost of checking many small tensors is dispatch, not memory: a sum pe
 parameter and state tensors. `fused_probe` sums every small float32 tensor in one pass over one
 flat copy (``flatten_dense_tensors``: one dispatch for the list) and only large tensors one by one
 (for them the copy would cost more than the dispatch it saves). The result is a :class:`Fused`:
-its ``summary`` (a few sums) is what the step's sync reads; :meth:`Fused.exact` gives one value
-per tensor, computed only after a hit (the tensors are held until the step ends anyway).
+its ``summary`` (a few sums) is what the step's sync reads; :meth:`Fused.flags` says which
+tensor is non-finite, computed only after a hit (the tensors are held until the step ends anyway).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ _SMALL = 1 << 16  # elements: below this a tensor joins the flat copy (measured:
 class Fused:
     """Device-side sums of a list of tensors: ``summary`` non-finite iff some tensor may be.
 
-    ``exact()`` (after a hit only) is one float32 value per tensor, in order, as
-    :func:`_per_tensor` gives it."""
+    ``flags()`` (after a hit only) says which tensors are non-finite."""
 
     __slots__ = ("summary", "tensors")
 
@@ -33,8 +32,13 @@ class Fused:
         self.summary = summary
         self.tensors = tensors
 
-    def exact(self) -> torch.Tensor:
-        return _per_tensor(self.tensors)
+    def flags(self) -> list[bool]:
+        """Which tensors are non-finite (after a hit: reads back). All clear when the summary was
+        finite when probed, whatever was written into the tensors since (the user's own writes
+        between an optimizer step and the next sync are judged by the next probes, not this one)."""
+        if bool(torch.isfinite(self.summary).all()):
+            return [False] * len(self.tensors)
+        return (~torch.isfinite(_per_tensor(self.tensors))).tolist()
 
 
 def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
