@@ -42,6 +42,8 @@ _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 
 # Modules whose output can be non-finite only if their input is: their outputs are not probed
@@ -384,33 +386,40 @@ class Hunt:
         ignored = self._ignored
         skip = id(module) in ignored if ignored else False
         sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
-        for path, t in items:
-            if not (t.is_floating_point() or t.is_complex()):
-                continue
-            key = (id(t), -1 if t.is_inference() else t._version)
-            if ignored:
-                if skip:
-                    log.ignored.add(key)
+        grad = _grad_enabled()
+        if grad:  # one switch for the call instead of a detach per probe
+            _set_grad_enabled(False)
+        try:
+            for path, t in items:
+                if not (t.is_floating_point() or t.is_complex()):
                     continue
-                if key in log.ignored:
-                    continue
-            ref = seen.get(key)
-            if ref is not None and ref() is t:
-                continue  # handed on unchanged from a call already probed (containers, wrappers)
-            ref = weakref.ref(t)
-            seen[key] = ref
-            sums.append(t.detach().sum() if t.dtype is _F32 else probe(t))
-            meta.append(Fwd(ci, len(paths)))
-            if stats_on and not paths and t.numel():
-                log.stats.append(stats(t))
-                log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
-            paths.append(path)
-            outs.append((ref, key[1]))
+                key = (id(t), -1 if t.is_inference() else t._version)
+                if ignored:
+                    if skip:
+                        log.ignored.add(key)
+                        continue
+                    if key in log.ignored:
+                        continue
+                ref = seen.get(key)
+                if ref is not None and ref() is t:
+                    continue  # handed on unchanged from a call already probed (containers, wrappers)
+                ref = weakref.ref(t)
+                seen[key] = ref
+                sums.append(t.sum() if t.dtype is _F32 else probe(t))
+                meta.append(Fwd(ci, len(paths)))
+                if stats_on and not paths and t.numel():
+                    log.stats.append(stats(t))
+                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+                paths.append(path)
+                outs.append((ref, key[1]))
+        finally:
+            if grad:
+                _set_grad_enabled(True)
         depth = c.depth
         if not depth:
             top = log.tops[c.top]
             top.kwargs = kwargs
-        if not torch.is_grad_enabled():
+        if not grad:
             return
         if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
             for path, t in tensors(output):
