@@ -5,6 +5,22 @@ to the step's log (per-module gradient hooks only with ``grad_hooks=True``). Not
 to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when no
 optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
 non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate.locate`.
+
+What the hooks see, and what they leave alone:
+- **Threads.** A step is recorded from one thread, its owner: the thread that steps a watched
+  optimizer (before the first ``step()``, the first thread that calls a watched module); without
+  an optimizer, the thread of the current root call (any thread takes the next one). Calls from
+  other threads meanwhile are not recorded: they never raise and never mix into the step.
+  Gradient hooks run in whatever thread autograd uses.
+- **The user's forward hooks.** torch runs global hooks before a module's own; for a module with
+  forward hooks of its own, nanhunt probes from a forward hook of that module kept after the
+  user's (added lazily, removed at close), so it judges the output the program sees.
+- **Models that change.** The name map is keyed by id with weak references (it keeps no module
+  alive) and is rebuilt after a watched module gains or swaps a child (torch's global module
+  registration hook).
+- **torch.func.** Calls inside ``vmap``/``grad``/... transforms (functorch-wrapped tensors) are not
+  recorded; the gradients they produce are checked as usual at the step's end.
+- **Internal faults.** Every hook stage runs under ``try``: see :mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -349,13 +365,13 @@ class Hunt:
 
     def _late_hook(self, module: nn.Module) -> None:
         """Make sure our per-module forward hook runs after every forward hook the user added."""
-        hooks = module._forward_hooks
+        hooks = module._forward_hooks  # an OrderedDict
         h = self._late.get(id(module))
         if h is None:
             h = module.register_forward_hook(self._late_post, with_kwargs=True, always_call=True)
             self._late[id(module)] = h
         elif next(reversed(hooks)) != h.id:
-            hooks.move_to_end(h.id)
+            hooks.move_to_end(h.id)  # type: ignore[attr-defined]
 
     def _late_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
         try:
