@@ -306,42 +306,116 @@ _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
 def kept_bytes(bench: Bench) -> int:
     """Bytes of tensor storage reachable from an open hunt between steps, other than the model's
     parameters, gradients and optimizer state (which it references but does not own)."""
-    owned = set()
-    for p in bench.model.parameters():
-        owned.add(p.untyped_storage().data_ptr())
-    for b in bench.model.buffers():
-        owned.add(b.untyped_storage().data_ptr())
-    for st in bench.opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                owned.add(v.untyped_storage().data_ptr())
     with variant("full", bench) as hunt:
         for _ in range(2):
             bench.step(hunt)
-        gc.collect()
-        stop = {id(bench.model), id(bench.opt), id(bench.batch)} | {id(m) for m in bench.model.modules()}
-        seen: set[int] = set()
-        stack: list[Any] = [hunt]
-        total = 0
-        storages: set[int] = set()
-        while stack:
-            obj = stack.pop()
-            if id(obj) in seen or id(obj) in stop:
-                continue
-            seen.add(id(obj))
-            if isinstance(obj, torch.Tensor):
-                s = obj.untyped_storage()
-                if s.data_ptr() not in owned and s.data_ptr() not in storages:
-                    storages.add(s.data_ptr())
-                    total += s.nbytes()
-                continue
-            if isinstance(obj, _OPAQUE):  # code and globals, not data the hunt holds
-                continue
-            if isinstance(obj, types.MethodType):
-                stack.append(obj.__self__)
-                continue
-            stack.extend(gc.get_referents(obj))
-    return total
+        return held(hunt, bench.model, bench.opt, bench.batch)[0]
+
+
+def held(hunt: Any, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> tuple[int, int]:
+    """(tensor bytes, Python objects) reachable from ``hunt`` now, not counting the model, its
+    parameters, buffers, gradients and optimizer state (which it references but does not own)."""
+    owned = set()
+    for p in model.parameters():
+        owned.add(p.untyped_storage().data_ptr())
+    for b in model.buffers():
+        owned.add(b.untyped_storage().data_ptr())
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                owned.add(v.untyped_storage().data_ptr())
+    gc.collect()
+    stop = {id(model), id(opt), id(batch), id(opt.state), id(opt.param_groups)} | {id(m) for m in model.modules()}
+    stop |= {id(p) for p in model.parameters()} | {id(st) for st in opt.state.values()}
+    seen: set[int] = set()
+    stack: list[Any] = [hunt]
+    total = 0
+    objects = 0
+    storages: set[int] = set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in stop:
+            continue
+        seen.add(id(obj))
+        objects += 1
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            if s.data_ptr() not in owned and s.data_ptr() not in storages:
+                storages.add(s.data_ptr())
+                total += s.nbytes()
+            continue
+        if isinstance(obj, _OPAQUE):  # code and globals, not data the hunt holds
+            continue
+        if isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+            continue
+        stack.extend(gc.get_referents(obj))
+    return total, objects
+
+
+# --------------------------------------------------------------------------- scale
+SCALE = (10, 100, 1000, 10000)
+
+
+def scale_row(n: int, rounds: int = 3, k: int = 2) -> dict[str, float]:
+    """How cost grows with model size: ``nn.Sequential`` of ``n`` ``Linear(4, 4)`` (n + 1 module
+    calls a step), SGD. Registration (watch + close), the first watched step's extra (the name
+    map, built lazily), per-step overhead of full and sentinel over plain (interleaved, min of
+    ``rounds`` blocks of ``k`` steps: the least disturbed), and what the hunt holds between steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(n)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(2, 4)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    reg = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        nanhunt.watch(model, optimizer=opt).close()
+        reg.append(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {"plain": [], "full": [], "sentinel": []}
+    first: list[float] = []
+    for r in range(rounds):
+        for v in ("plain", "full", "sentinel")[r % 3:] + ("plain", "full", "sentinel")[:r % 3]:
+            hunt = nanhunt.watch(model, optimizer=opt, on_find="record", mode=v) if v != "plain" else None
+            t0 = time.perf_counter()
+            step()  # the first step builds the name map
+            if v == "full":
+                first.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                step()
+            times[v].append((time.perf_counter() - t0) / k)
+            if hunt is not None:
+                if v == "full" and r == 0:
+                    kept, objects = held(hunt, model, opt, x)
+                hunt.close()
+    plain = min(times["plain"])
+    return {
+        "modules": n + 1, "register_ms": statistics.median(reg) * 1e3,
+        "first_extra_ms": (min(first) - min(times["full"])) * 1e3, "plain_ms": plain * 1e3,
+        "full_ms": (min(times["full"]) - plain) * 1e3, "sentinel_ms": (min(times["sentinel"]) - plain) * 1e3,
+        "per_call_us": (min(times["full"]) - plain) / (n + 1) * 1e6,
+        "kept_bytes": kept, "kept_objects": objects,
+    }
+
+
+def render_scale(rows: list[dict[str, float]]) -> str:
+    head = ["modules", "watch+close ms", "1st step extra ms", "plain ms/step", "full +ms/step",
+            "full us/call", "sentinel +ms/step", "kept between steps"]
+    body = [[f"{r['modules']:,}", f"{r['register_ms']:.3f}", f"{r['first_extra_ms']:.1f}", f"{r['plain_ms']:.1f}",
+             f"{r['full_ms']:.2f}", f"{r['per_call_us']:.1f}", f"{r['sentinel_ms']:.2f}",
+             f"{r['kept_bytes'] / 2**10:.1f} KB, {r['kept_objects']:,} objects"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = " | ".join(f"{{:>{w}}}" for w in widths)
+    out = ["## Scale: nn.Sequential of Linear(4, 4), SGD (min of interleaved blocks)", fmt.format(*head),
+           "-+-".join("-" * w for w in widths)]
+    return "\n".join(out + [fmt.format(*b) for b in body])
 
 
 # --------------------------------------------------------------------------- registration, hit
@@ -462,6 +536,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del bench
         gc.collect()
     results["registration_ms"] = registration_ms(repeats=5 if args.quick else 20)
+    if args.scale:
+        results["scale"] = []
+        for n in (SCALE[:2] if args.quick else SCALE):
+            t0 = time.perf_counter()
+            results["scale"].append(scale_row(n, rounds=2 if args.quick else 3))
+            _progress(f"scale: {n} modules", t0)
     return results
 
 
@@ -547,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated variants to leave out")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--memory", action="store_true", help="measure peak memory even with --quick")
+    ap.add_argument("--scale", action="store_true", help="also the scale table (10 to 10,000 modules)")
+    ap.add_argument("--scale-only", action="store_true", help="only the scale table")
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--_mem", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -554,9 +636,19 @@ def main(argv: list[str] | None = None) -> int:
     if args._mem:
         _mem_child(args._mem[0], args._mem[1], args.device)
         return 0
+    if args.scale_only:
+        torch.set_num_threads(args.threads)
+        rows = []
+        for n in (SCALE[:2] if args.quick else SCALE):
+            rows.append(scale_row(n, rounds=2 if args.quick else 3))
+        print(render_scale(rows))
+        return 0
     results = run(args)
     print()
     print(render(results))
+    if results.get("scale"):
+        print()
+        print(render_scale(results["scale"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

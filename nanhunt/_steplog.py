@@ -215,7 +215,8 @@ class StepLog:
     def __init__(self) -> None:
         self.sums: list[torch.Tensor] = []
         self.meta: list[Entry] = []
-        self.vectors: list[tuple[torch.Tensor, Vector]] = []  # fused checks (grads, params, state)
+        # fused checks (grads, params, state): a vector, one value per tensor, or a `_record.probe.Fused`
+        self.vectors: list[tuple[Any, Vector]] = []
         self.calls: list[Call] = []
         self.tops: list[Top] = []
         self.tensors: list[TensorInfo] = []
@@ -242,8 +243,8 @@ class StepLog:
         parts = []
         if self.sums:
             parts.append(torch.isfinite(stack_probes(self.sums)).all())
-        for v, _ in self.vectors:
-            parts.append(torch.isfinite(v).all())
+        for v, _ in self.vectors:  # a fused probe (`_record.probe.Fused`) is read by its summary
+            parts.append(torch.isfinite(v if isinstance(v, torch.Tensor) else v.summary).all())
         if not parts:
             return None
         if len(parts) == 1:
@@ -254,7 +255,7 @@ class StepLog:
     def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
         """After a hit: which entries are non-finite (more syncs, allowed now)."""
         s = (~torch.isfinite(stack_probes(self.sums))).tolist() if self.sums else []
-        v = [(~torch.isfinite(t)).tolist() for t, _ in self.vectors]
+        v = [(~torch.isfinite(t)).tolist() if isinstance(t, torch.Tensor) else t.flags() for t, _ in self.vectors]
         return s, v
 
     def release(self) -> None:

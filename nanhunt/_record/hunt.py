@@ -5,6 +5,22 @@ to the step's log (per-module gradient hooks only with ``grad_hooks=True``). Not
 to the host until the step ends (`optimizer.step()` pre-hook, the model's next root call when no
 optimizer is watched, or `close()`), where one `.item()`-like read decides whether anything was
 non-finite. Only then is the step handed, as a read-only `StepView`, to `_locate.locate`.
+
+What the hooks see, and what they leave alone:
+- **Threads.** A step is recorded from one thread, its owner: the thread that steps a watched
+  optimizer (before the first ``step()``, the first thread that calls a watched module); without
+  an optimizer, the thread of the current root call (any thread takes the next one). Calls from
+  other threads meanwhile are not recorded: they never raise and never mix into the step.
+  Gradient hooks run in whatever thread autograd uses.
+- **The user's forward hooks.** torch runs global hooks before a module's own; for a module with
+  forward hooks of its own, nanhunt probes from a forward hook of that module kept after the
+  user's (added lazily, removed at close), so it judges the output the program sees.
+- **Models that change.** The name map is keyed by id with weak references (it keeps no module
+  alive) and is rebuilt after a watched module gains or swaps a child (torch's global module
+  registration hook).
+- **torch.func.** Calls inside ``vmap``/``grad``/... transforms (functorch-wrapped tensors) are not
+  recorded; the gradients they produce are checked as usual at the step's end.
+- **Internal faults.** Every hook stage runs under ``try``: see :mod:`.faults`.
 """
 
 from __future__ import annotations
@@ -12,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -22,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
 
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
@@ -34,6 +52,7 @@ from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
+from .faults import InternalError, log_fault
 from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
@@ -49,6 +68,13 @@ __all__ = ["Hunt", "NonFiniteWarning"]
 _logger = logging.getLogger("nanhunt")
 
 _NO = object()
+_F32 = torch.float32
+_is_compiling = torch.compiler.is_compiling
+_get_ident = threading.get_ident
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
@@ -102,10 +128,16 @@ class Hunt:
         self._opts: list[torch.optim.Optimizer] = opts
         self._scaler = o.scaler
         self._ignore = o.ignore
-        self._names: dict[nn.Module, str] | None = None
-        self._ignored: set[nn.Module] = set()
+        self._names: dict[int, tuple[str, Any]] | None = None  # see _name_of
+        self._ignored: set[int] = set()  # ids of modules matching `ignore`
+        self._cnames: dict[nn.Module, str | None] | None = None  # for compiled graphs: _compiled_names
         self._log = StepLog()
         self._stack: list[Call] = []
+        self._owner: int | None = None  # the thread whose calls this step records
+        self._owner_lock = threading.Lock()
+        self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
+        self._pending: list[Call] = []  # calls whose outputs _late_post records
+        self._user_exc: BaseException | None = None  # raised by the user's on_find: not a fault
         self._paused = False
         self._closed = False
         self._steps_applied = 0
@@ -118,9 +150,9 @@ class Hunt:
         self._round: set[int] = set()
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
-            self._build_names()
             first = next(model.parameters(), None)
             self._compiled = CompiledChecks(first.device if first is not None else "cpu")
+            self._build_names()
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
@@ -136,6 +168,7 @@ class Hunt:
 
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
+            self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         else:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
@@ -202,15 +235,20 @@ class Hunt:
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
         if self._closed:
             self._open("hunt.check()")
-        if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor):
+        if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor):
             return tensor
-        with self._outside.muted():
-            log = self._log
-            log.sums.append(probe(tensor))
-            log.meta.append(Chk(name, tensor.detach()))
-            if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
-                k = self._key(tensor)
-                log.tensors[k].consumers.append((-1, (name,)))
+        if _get_ident() != self._owner and not self._take_step():
+            return tensor  # another thread owns the step
+        try:
+            with self._outside.muted():
+                log = self._log
+                log.sums.append(probe(tensor))
+                log.meta.append(Chk(name, tensor.detach()))
+                if self._grad_hooks and tensor.requires_grad and torch.is_grad_enabled():
+                    k = self._key(tensor)
+                    log.tensors[k].consumers.append((-1, (name,)))
+        except Exception as exc:
+            self._fault(exc, "check()")
         return tensor
 
     def close(self, *, raise_pending: bool = True) -> None:
@@ -239,147 +277,246 @@ class Hunt:
         return f"<nanhunt.Hunt {state} step={self.step} findings={len(self.findings)}>"
 
     # ------------------------------------------------------------------ hooks
+    # The name map: id(module) -> (qualified name, weak reference), built lazily on the first call
+    # and again after a watched module gains or swaps a child (torch's global module registration
+    # hook tells us); it keeps no module alive. The weak reference tells a module apart from a
+    # dead one whose id was reused.
     def _name_of(self, module: nn.Module) -> str | None:
         names = self._names
         if names is None:
             names = self._build_names()
-        return names.get(module)
+        e = names.get(id(module))
+        return e[0] if e is not None and e[1]() is module else None
 
-    def _build_names(self) -> dict[nn.Module, str]:
+    def _build_names(self) -> dict[int, tuple[str, Any]]:
         root = self._root
-        names: dict[nn.Module, str] = {}
+        names: dict[int, tuple[str, Any]] = {}
+        ignored: set[int] = set()
         if root is not None:
             for n, m in root.named_modules(remove_duplicate=False):
-                names.setdefault(m, n)
+                if id(m) not in names:
+                    names[id(m)] = (n, weakref.ref(m))
+                    if any(fnmatch.fnmatchcase(n, p) for p in self._ignore):
+                        ignored.add(id(m))
         self._names = names
-        self._ignored = {m for m, n in names.items() if any(fnmatch.fnmatchcase(n, p) for p in self._ignore)}
+        self._ignored = ignored
+        if self._compiled is not None:
+            self._compiled_names()
         return names
 
-    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
-            return  # inside a compiled graph only _post_compiled runs; a replay is no hunt's program
+    def _compiled_names(self) -> None:
+        """torch.compile traces _post_compiled: it looks names up in a plain dict keyed by module
+        (module -> name, None when ignored). Only models that run compiled get one; it holds the
+        modules until close() (dynamo's own caches hold them too)."""
+        names = self._names if self._names is not None else self._build_names()
+        self._cnames = {r(): (None if i in self._ignored else n) for i, (n, r) in names.items() if r() is not None}
+
+    def _module_names(self) -> dict[nn.Module, str]:
+        """The name map with strong keys, for the analysis (on a hit only)."""
+        names = self._names if self._names is not None else (self._build_names() if self._root is not None else {})
+        out: dict[nn.Module, str] = {}
+        for n, r in names.values():
+            m = r()
+            if m is not None:
+                out[m] = n
+        return out
+
+    def _on_register(self, parent: nn.Module, name: str, sub: Any) -> None:
+        """torch's global module registration hook: a watched module gained or swapped a child."""
         names = self._names
-        name = names.get(module) if names is not None else self._name_of(module)
-        wrapper = None
-        if name is None:
-            orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
-            if not isinstance(orig, nn.Module) or self._names is None:
-                return
-            name = self._names.get(orig)
-            if name is None:
-                return
-            wrapper, module = module, orig
-            self._compiled_buffer(args)
-        stack = self._stack
-        log = self._log
-        if not stack:
-            self._outside.off()
-            if module is self._root and not self._opts:
-                if log.root_calls:
-                    self._end_step(advance=True)
-                    if self._closed:  # on_find closed the hunt
+        if names is not None and id(parent) in names:
+            self._names = None  # rebuilt at the next call
+
+    def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._paused or _is_compiling() or (REPLAYING and get_ident() in REPLAYING):
+            return  # inside a compiled graph only _post_compiled runs; a replay is no hunt's program
+        try:
+            if _get_ident() != self._owner and not self._take_step():
+                return  # another thread owns the step (see "Threads" in the module docstring)
+            if _functorch_level() is not None:
+                return  # inside torch.func transforms (vmap/grad): not recorded
+            names = self._names
+            if names is None:
+                names = self._build_names()
+            e = names.get(id(module))
+            wrapper = None
+            if e is None or e[1]() is not module:
+                orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
+                if not isinstance(orig, nn.Module):
+                    return
+                e = names.get(id(orig))
+                if e is None or e[1]() is not orig:
+                    return
+                wrapper, module = module, orig
+                self._compiled_buffer(args)
+            if module._forward_hooks:  # the user's own forward hooks: probe after them
+                self._late_hook(module)
+            stack = self._stack
+            log = self._log
+            if not stack:
+                self._outside.off()
+                if module is self._root and not self._opts:
+                    if log.root_calls:
+                        self._end_step(advance=True)
+                        if self._closed:  # on_find closed the hunt
+                            return
+                        log = self._log
+                    log.root_calls += 1
+                elif len(log) > _MAX_ENTRIES and not self.distributed:
+                    self._end_step(advance=False)
+                    if self._closed:
                         return
                     log = self._log
-                log.root_calls += 1
-            elif len(log) > _MAX_ENTRIES and not self.distributed:
-                self._end_step(advance=False)
-                if self._closed:
-                    return
-                log = self._log
-            if log.tops:
-                settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
-            top = len(log.tops)
-            if not top:  # the step begins
-                if self._backup is not None:
-                    self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
-                if self._guard is not None and self._guard.pending:
-                    self._guard.first_step(self._root)  # type: ignore[arg-type]
-            if self._batches is not None:
-                self._batches.top_started()
-            log.tops.append(_capture_top(module, args))
-            log.tops[-1].compiled = wrapper  # the compiled configuration: what a verdict replays
-            self._state.capture(log.tops[-1])
-            parent, depth = -1, 0
-        else:
-            p = stack[-1]
-            top, parent, depth = p.top, p.index, p.depth + 1
-        counts = log.counts
-        n = counts.get(module, 0)
-        counts[module] = n + 1
-        t = log.tops[top]
-        c = Call(module, name, n, depth, parent, top, t.calls)
-        t.calls += 1
-        c.index = len(log.calls)
-        log.calls.append(c)
-        stack.append(c)
+                if log.tops:
+                    settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
+                top = len(log.tops)
+                if not top:  # the step begins
+                    if self._backup is not None:
+                        self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
+                    if self._guard is not None and self._guard.pending:
+                        self._guard.first_step(self._root)  # type: ignore[arg-type]
+                if self._batches is not None:
+                    self._batches.top_started()
+                t = _capture_top(module, args)
+                t.compiled = wrapper  # the compiled configuration: what a verdict replays
+                self._state.capture(t)
+                log.tops.append(t)
+                parent, depth = -1, 0
+            else:
+                p = stack[-1]
+                top, parent, depth = p.top, p.index, p.depth + 1
+                t = log.tops[top]
+            counts = log.counts
+            n = counts.get(module, 0)
+            counts[module] = n + 1
+            c = Call(module, e[0], n, depth, parent, top, t.calls)
+            t.calls += 1
+            c.index = len(log.calls)
+            log.calls.append(c)
+            stack.append(c)
+        except Exception as exc:
+            self._fault(exc, "the forward pre-hook")
+
+    def _take_step(self) -> bool:
+        """Threads: the calling thread owns the step if nobody does (rare: once per step)."""
+        with self._owner_lock:
+            if self._owner is None:
+                self._owner = _get_ident()
+                return True
+            return False
 
     def _post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self._post_compiled(module, output)
             return
-        if output is _NO:  # the always-call path after an exception: (module, args, result)
-            output, kwargs = kwargs, {}
-        stack = self._stack
-        if not stack or self._paused or (REPLAYING and get_ident() in REPLAYING):
-            return
-        c = stack[-1]
-        if c.module is not module:
-            module = getattr(module, "_orig_mod", module)  # torch.compile(model)'s wrapper
+        try:
+            if output is _NO:  # the always-call path after an exception: (module, args, result)
+                output, kwargs = kwargs, {}
+            stack = self._stack
+            if not stack or self._paused or _get_ident() != self._owner or (REPLAYING and get_ident() in REPLAYING):
+                return
+            c = stack[-1]
             if c.module is not module:
-                if not any(x.module is module for x in stack):
-                    return
-                while stack[-1].module is not module:  # a child raised and was not unwound
-                    stack.pop()
-        c = stack.pop()
+                module = getattr(module, "_orig_mod", module)  # torch.compile(model)'s wrapper
+                if c.module is not module:
+                    if not any(x.module is module for x in stack):
+                        return
+                    while stack[-1].module is not module:  # a child raised and was not unwound
+                        stack.pop()
+            c = stack.pop()
+            if module._forward_hooks and id(module) in self._late:
+                self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
+            else:
+                self._record(c, module, args, kwargs, output)
+            if not stack and not self._opts:
+                self._owner = None  # no optimizer: each root call is a step; any thread may take the next
+        except Exception as exc:
+            self._fault(exc, "the forward hook")
+
+    def _late_hook(self, module: nn.Module) -> None:
+        """Make sure our per-module forward hook runs after every forward hook the user added."""
+        hooks = module._forward_hooks  # an OrderedDict
+        h = self._late.get(id(module))
+        if h is None:
+            h = module.register_forward_hook(self._late_post, with_kwargs=True, always_call=True)
+            self._late[id(module)] = h
+        elif next(reversed(hooks)) != h.id:
+            hooks.move_to_end(h.id)  # type: ignore[attr-defined]
+
+    def _late_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        try:
+            if output is _NO:
+                output, kwargs = kwargs, {}
+            pending = self._pending
+            if pending and pending[-1].module is module:
+                c = pending.pop()
+                if _get_ident() == self._owner and not self._paused:
+                    self._record(c, module, args, kwargs, output)
+        except Exception as exc:
+            self._fault(exc, "the forward hook")
+
+    def _record(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """Probe the outputs of the watched call ``c`` (the hot path's main cost)."""
         log = self._log
+        if c.index >= len(log.calls) or log.calls[c.index] is not c:
+            return  # the step ended inside this call (a sync from another thread)
         ci = c.index
+        stats_on = self._stats_on
         if c.depth and type(module) in _PASSTHROUGH:
             items: Any = ()
-            if self._stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
+            if stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
                 log.stats.append(st := stats(output))  # sampled steps only: keeps the heatmap whole
                 log.stats_of[(id(output), version(output))] = st
                 log.stats_rows.append((c.name, str(output.dtype)[6:], output.numel()))
         else:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
-        skip = module in ignored if ignored else False
+        skip = id(module) in ignored if ignored else False
         sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
-        stat = self._stats_on  # sampled steps: statistics of the call's first floating output
-        for path, t in items:
-            if not (t.is_floating_point() or t.is_complex()):
-                continue
-            key = (id(t), version(t))
-            if ignored:
-                if skip:
-                    log.ignored.add(key)
+        grad = _grad_enabled()
+        if grad:  # one switch for the call instead of a detach per probe
+            _set_grad_enabled(False)
+        stat = stats_on  # sampled steps: statistics of the call's first floating output
+        try:
+            for path, t in items:
+                if not (t.is_floating_point() or t.is_complex()):
                     continue
-                if key in log.ignored:
-                    continue
-            ref = seen.get(key)
-            if ref is not None and ref() is t:
-                if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                key = (id(t), -1 if t.is_inference() else t._version)
+                if ignored:
+                    if skip:
+                        log.ignored.add(key)
+                        continue
+                    if key in log.ignored:
+                        continue
+                ref = seen.get(key)
+                if ref is not None and ref() is t:
+                    if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                        stat = False
+                        if t.numel():
+                            log.stats.append(log.stats_of[key] if key in log.stats_of else stats(t))
+                            log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+                    continue  # handed on unchanged from a call already probed (containers, wrappers)
+                ref = weakref.ref(t)
+                seen[key] = ref
+                sums.append(t.sum() if t.dtype is _F32 else probe(t))
+                meta.append(Fwd(ci, len(paths)))
+                if stat:
                     stat = False
                     if t.numel():
-                        log.stats.append(log.stats_of[key] if key in log.stats_of else stats(t))
+                        log.stats.append(st := stats(t))
+                        log.stats_of[key] = st
                         log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
-                continue  # handed on unchanged from a call already probed (containers, wrappers)
-            ref = weakref.ref(t)
-            seen[key] = ref
-            sums.append(probe(t))
-            meta.append(Fwd(ci, len(paths)))
-            if stat:
-                stat = False
-                if t.numel():
-                    log.stats.append(st := stats(t))
-                    log.stats_of[key] = st
-                    log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
-            paths.append(path)
-            outs.append((ref, key[1]))
-        if c.depth == 0:
+                paths.append(path)
+                outs.append((ref, key[1]))
+        finally:
+            if grad:
+                _set_grad_enabled(True)
+        depth = c.depth
+        if not depth:
             top = log.tops[c.top]
             top.kwargs = kwargs
-        if not torch.is_grad_enabled():
-            if c.depth == 0:
+        if not grad:
+            if not depth:
                 self._outside.on()
             return
         if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
@@ -393,7 +530,7 @@ class Hunt:
                     k = self._key(t)
                     log.tensors[k].consumers.append((ci, path))
                     c.in_keys.append((k, path))
-        if c.depth == 0:  # the gradients arriving at the model's outputs: what a backward replay needs
+        if not depth:  # the gradients arriving at the model's outputs: what a backward replay needs
             if not self._grad_hooks:
                 for path, t in tensors(output):
                     if t.requires_grad and is_checked(t):
@@ -407,17 +544,18 @@ class Hunt:
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
-        names, comp = self._names, self._compiled
+        names, comp = self._cnames, self._compiled
         if names is None or comp is None or self._paused:
             return
         name = names.get(module)
-        if name is None or module in self._ignored:
+        if name is None:
             return
         comp.record(name, type(module).__name__, output)
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
         if self._compiled is None:
             self._compiled = CompiledChecks(next((t.device for _, t in tensors(args)), torch.device("cpu")))
+            self._compiled_names()
 
     def _key(self, t: torch.Tensor) -> int:
         """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
@@ -435,13 +573,47 @@ class Hunt:
         return i
 
     def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
-        if g is None or log is not self._log or self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(g):
+        try:
+            if (g is None or log is not self._log or self._paused or not is_checked(g) or _is_wrapped(g)
+                    or (REPLAYING and get_ident() in REPLAYING)):
+                return
+            log.sums.append(probe(g))
+            log.meta.append(Bwd(i))
+            info = log.tensors[i]
+            if info.keep_grad:
+                info.grad = g
+        except Exception as exc:
+            self._fault(exc, "a gradient hook")
+
+    # ------------------------------------------------------------------ internal faults
+    def _fault(self, exc: Exception, stage: str) -> None:
+        """An exception inside a hook stage: nanhunt's job (a finding in raise mode, the user's
+        own ``on_find``) goes on to the user; anything else is an internal fault: logged once,
+        the hunt switches itself off, and only raise mode raises (`InternalError`)."""
+        if isinstance(exc, NonFiniteError) or exc is self._user_exc:
+            raise exc
+        if self._closed:
             return
-        log.sums.append(probe(g))
-        log.meta.append(Bwd(i))
-        info = log.tensors[i]
-        if info.keep_grad:
-            info.grad = g
+        msg = log_fault(stage, exc)
+        self._switch_off()
+        if self.on_find == "raise":
+            raise InternalError(msg) from exc
+
+    def _switch_off(self) -> None:
+        """Close without a last sync, and without anything that could fail the run again."""
+        self._closed = True
+        self._paused = True
+        try:
+            self._release()
+        except Exception:  # noqa: BLE001  (already switching off after a fault: nothing more to do)
+            for h in self._handles:
+                try:
+                    h.remove()
+                except Exception:  # noqa: BLE001, S110
+                    pass
+            self._handles.clear()
+        finally:
+            self._paused = False
 
     def _join(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         """A call already under way when this hunt started (``nanhunt run`` discovers roots from
@@ -455,51 +627,64 @@ class Hunt:
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
             return
-        self._outside.off()
-        log = self._log
-        if not self._opts:
-            if log.root_calls:
-                self._end_step(advance=True)
-                if self._closed:  # on_find closed the hunt
-                    return
-                log = self._log
-            log.root_calls += 1
-        if log.tops:
-            settle(log)
-        if not log.tops:
-            if self._backup is not None:
-                self._backup.capture(module)
-            if self._guard is not None and self._guard.pending:
-                self._guard.first_step(module)
-        if self._batches is not None:
-            self._batches.top_started()
-        top = _capture_top(module, args)
-        top.kwargs = kwargs
-        self._state.capture(top)
-        log.tops.append(top)
-        c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
-        log.counts[module] = c.call + 1
-        c.index = len(log.calls)
-        log.calls.append(c)
-        self._stack.append(c)
+        try:
+            if _get_ident() != self._owner and not self._take_step():
+                return
+            if _functorch_level() is not None:
+                return  # inside torch.func transforms: not recorded
+            self._outside.off()
+            log = self._log
+            if not self._opts:
+                if log.root_calls:
+                    self._end_step(advance=True)
+                    if self._closed:  # on_find closed the hunt
+                        return
+                    log = self._log
+                log.root_calls += 1
+            if log.tops:
+                settle(log)
+            if not log.tops:
+                if self._backup is not None:
+                    self._backup.capture(module)
+                if self._guard is not None and self._guard.pending:
+                    self._guard.first_step(module)
+            if self._batches is not None:
+                self._batches.top_started()
+            top = _capture_top(module, args)
+            top.kwargs = kwargs
+            self._state.capture(top)
+            log.tops.append(top)
+            c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
+            log.counts[module] = c.call + 1
+            c.index = len(log.calls)
+            log.calls.append(c)
+            self._stack.append(c)
+        except Exception as exc:
+            self._fault(exc, "the forward pre-hook")
 
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
-        if output is _NO:
-            output, kwargs = kwargs, {}
-        if REPLAYING and get_ident() in REPLAYING:
-            return
-        if self._stack and self._stack[-1].module is module:
-            c = self._stack.pop()
-            if torch.is_grad_enabled():  # for a backward replay: the gradients arriving at the output
-                top = self._log.tops[c.top]
-                for path, t in tensors(output):
-                    if t.requires_grad and is_checked(t):
-                        k = self._key(t)
-                        self._log.tensors[k].keep_grad = True
-                        top.out_keys.append(k)
-                        c.out_keys.append((k, path))
-            if not self._paused:
-                self._outside.on()
+        try:
+            if output is _NO:
+                output, kwargs = kwargs, {}
+            if REPLAYING and get_ident() in REPLAYING:
+                return
+            if self._stack and self._stack[-1].module is module and _get_ident() == self._owner:
+                c = self._stack.pop()
+                log = self._log
+                if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
+                    top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
+                    for path, t in tensors(output):
+                        if t.requires_grad and is_checked(t):
+                            k = self._key(t)
+                            log.tensors[k].keep_grad = True
+                            top.out_keys.append(k)
+                            c.out_keys.append((k, path))
+                if not self._stack and not self._opts:
+                    self._owner = None
+                if not self._paused:
+                    self._outside.on()
+        except Exception as exc:
+            self._fault(exc, "the forward hook")
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
@@ -507,6 +692,7 @@ class Hunt:
             return None
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
+        self._owner = _get_ident()  # the thread that steps the optimizer owns the steps
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
@@ -532,23 +718,34 @@ class Hunt:
         return loss
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
-        params, grads = [], []
-        # skip: the round's first step() judges every watched optimizer's gradients, so that a
-        # skipped round applies none of them
-        opts = self._opts if self.on_find == "skip" and not self._round else [opt]
-        for g in (g for o in opts for g in o.param_groups):
-            for p in g["params"]:
-                gr = p.grad
-                if gr is not None:
-                    params.append(p)
-                    grads.append(gr.to_dense() if gr.is_sparse else gr)
-        if grads:
-            self._log.vectors.append((fused_probe(grads), Grads(i, params)))
-        self._end_step(advance=False, collective=True)
+        if self._closed:
+            return
+        try:
+            params, grads = [], []
+            # skip: the round's first step() judges every watched optimizer's gradients, so that a
+            # skipped round applies none of them
+            opts = self._opts if self.on_find == "skip" and not self._round else [opt]
+            for g in (g for o in opts for g in o.param_groups):
+                for p in g["params"]:
+                    gr = p.grad
+                    if gr is not None:
+                        params.append(p)
+                        grads.append(gr.to_dense() if gr.is_sparse else gr)
+            if grads:
+                self._log.vectors.append((fused_probe(grads), Grads(i, params)))
+            self._end_step(advance=False, collective=True)
+        except Exception as exc:
+            self._fault(exc, "the optimizer step pre-hook")
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._paused:
+        if self._paused or self._closed:
             return
+        try:
+            self._post_step_body(i, opt)
+        except Exception as exc:
+            self._fault(exc, "the optimizer step post-hook")
+
+    def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
         self._steps_applied += 1
         step = self.step
         # one training step is a round in which each watched optimizer steps once; an optimizer
@@ -616,6 +813,7 @@ class Hunt:
         if self._backup is not None:
             self._backup.end_step()
         batches = self._batches.take() if self._batches is not None else None
+        self._pending.clear()
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
@@ -696,7 +894,11 @@ class Hunt:
                 _logger.info("%s", f)
         if callable(self.on_find):
             for f in found:
-                self.on_find(f)
+                try:
+                    self.on_find(f)
+                except Exception as exc:  # the user's own code: theirs to see, not an internal fault
+                    self._user_exc = exc
+                    raise
         elif warn:
             # at most one warning per step (also on the logger); only the hunt's first finding is called the first
             self._warned_step = found[0].step
@@ -755,9 +957,10 @@ class Hunt:
 
     def _view(self, log: StepLog, step: int) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
-        names = self._names if self._names is not None else (self._build_names() if self._root is not None else {})
+        names = self._module_names()
+        ignored = frozenset(m for m in names if id(m) in self._ignored)
         return StepView(
-            log=log, step=step, root=self._root, names=names, ignored=frozenset(self._ignored),
+            log=log, step=step, root=self._root, names=names, ignored=ignored,
             mode=self.mode, replay=self.replay, rank=self.rank, optimizers=tuple(self._opts),
             after_step=self._after_step, steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
@@ -785,6 +988,12 @@ class Hunt:
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
+        except Exception as exc:
+            if isinstance(exc, NonFiniteError) or exc is self._user_exc:
+                raise
+            msg = log_fault("close()", exc)
+            if self.on_find == "raise":
+                raise InternalError(msg) from exc
         finally:
             self._release()
 
@@ -809,6 +1018,10 @@ class Hunt:
                 continue
             h.remove()
         self._handles.clear()
+        for h in self._late.values():
+            h.remove()
+        self._late.clear()
+        self._pending.clear()
         self._log.release()
         self._stack.clear()
         if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
@@ -817,6 +1030,7 @@ class Hunt:
         self._root = None
         self._opts = []
         self._names = None
+        self._cnames = None
         self._ignored = set()
         if self._compiled is not None and self._compiled.slots:
             forget_compiled()  # compiled graphs traced our hooks in: drop them with us
