@@ -140,6 +140,7 @@ class Hunt:
         self._user_exc: BaseException | None = None  # raised by the user's on_find: not a fault
         self._paused = False
         self._closed = False
+        self._faulted = False  # switched itself off after an internal fault (see _fault)
         self._steps_applied = 0
         self._skipped_steps = 0
         self._history = History(o.history)
@@ -213,12 +214,13 @@ class Hunt:
         For loops the hooks cannot see the end of (integrations); ``advance=True`` also counts a
         step, for loops without a watched optimizer.
         """
-        self._open("hunt.sync()")
-        self._end_step(advance=advance, collective=bool(self._opts))
+        if self._open("hunt.sync()"):
+            self._end_step(advance=advance, collective=bool(self._opts))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Watch one more optimizer; its ``step()`` calls now count the training step."""
-        self._open("hunt.add_optimizer()")
+        if not self._open("hunt.add_optimizer()"):
+            return
         (opt,) = _optimizers(optimizer)
         if any(o is opt for o in self._opts):
             return
@@ -233,8 +235,8 @@ class Hunt:
             raise TypeError(f"hunt.check() needs a torch.Tensor, got {type(tensor).__name__} for {name!r}")
         if not isinstance(name, str):
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
-        if self._closed:
-            self._open("hunt.check()")
+        if self._closed and not self._open("hunt.check()"):
+            return tensor
         if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor):
             return tensor
         if _get_ident() != self._owner and not self._take_step():
@@ -264,10 +266,15 @@ class Hunt:
         self._open("`with hunt:`")
         return self
 
-    def _open(self, what: str) -> None:
+    def _open(self, what: str) -> bool:
+        """Is the hunt open? A hunt closed by ``close()`` says so (RuntimeError); one that switched
+        itself off after an internal fault answers False: the run goes on unwatched, silently."""
         if self._closed:
+            if self._faulted:
+                return False
             raise RuntimeError(f"{what} on a closed nanhunt hunt: close() ended it (its findings and report "
                                "stay readable); start a new one with nanhunt.watch()")
+        return True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._close(raise_pending=exc_type is None)
@@ -602,6 +609,7 @@ class Hunt:
     def _switch_off(self) -> None:
         """Close without a last sync, and without anything that could fail the run again."""
         self._closed = True
+        self._faulted = True
         self._paused = True
         try:
             self._release()
@@ -849,12 +857,12 @@ class Hunt:
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
                         found = locate(self._view(log, step))
+                    if batches is not None and self._batches is not None:
+                        found = self._batches.fill(found, log, batches)
                 except Exception as e:  # the other ranks still wait for this rank's findings
                     if d is None:
                         raise
                     failed = e
-                    if batches is not None and self._batches is not None:
-                        found = self._batches.fill(found, log, batches)
                 finally:
                     self._paused = False
             if d is not None:
