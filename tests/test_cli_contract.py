@@ -55,7 +55,7 @@ def test_no_command_shows_help_and_exits_2(cli):
     (("demo", "--steps", "-5"), "nanhunt demo: error: argument --steps: must be >= 1; got -5"),
     (("demo", "--steps", "0"), "nanhunt demo: error: argument --steps: must be >= 1; got 0"),
     (("demo", "--steps", "many"), "nanhunt demo: error: argument --steps: must be a whole number >= 1; got 'many'"),
-    (("bogus",), "nanhunt: error: argument {run,demo,show,replay}: invalid choice: 'bogus'"),
+    (("bogus",), "nanhunt: error: argument {run,demo,show,replay,audit}: invalid choice: 'bogus'"),
     (("run", "--mode", "fast", "x.py"), "nanhunt run: error: argument --mode: invalid choice: 'fast'"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(cli, args, says):
