@@ -188,6 +188,7 @@ STAGES = {
     "forward hook (record)": (hunt_mod.Hunt, "_record"),
     "forward hook (history stats)": (hunt_mod, "stats"),
     "gradient hook (key)": (hunt_mod.Hunt, "_key"),
+    "check() (probe)": (hunt_mod, "probe"),
     "optimizer pre-hook (fused probe)": (hunt_mod, "fused_probe"),
     "optimizer post-hook (state)": (hunt_mod, "optimizer_tensors"),
     "step end (sync)": (StepLog, "bad_flag"),
@@ -231,6 +232,19 @@ def test_an_internal_fault_is_logged_once_and_the_run_is_bit_identical(
     records = [r for r in caplog.records if r.name == "nanhunt"]
     assert len(records) == 1 and "internal error" in records[0].getMessage()
     assert hunt.closed and hunt.findings == []
+
+
+def test_a_fault_in_a_gradient_hook_during_backward(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    model = zoo.mlp()
+    x = torch.randn(3, 4)
+    ref = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    monkeypatch.setattr(hunt_mod, "probe", _boom)
+    with caplog.at_level(logging.ERROR, logger="nanhunt"):
+        with nanhunt.watch(model, on_find="record", grad_hooks=True) as hunt:
+            got = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert hunt.closed and len([r for r in caplog.records if r.name == "nanhunt"]) == 1
 
 
 @pytest.mark.parametrize("stage", list(STAGES))

@@ -167,9 +167,9 @@ class Hunt:
         self._warned_step = -1
         self._step_lines: dict[int, str | None] = {}
 
+        self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
-            self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         else:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
