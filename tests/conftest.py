@@ -42,6 +42,9 @@ def global_hooks() -> dict[str, Any]:
 def _no_global_hooks_left() -> Iterator[None]:
     """Whatever a test does, the global hook tables are as they were afterwards."""
     before = global_hooks()
+    modes = (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
     yield
     gc.collect()
     assert global_hooks() == before, "a global hook survived the test"
+    left = (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
+    assert left == modes, f"a torch function/dispatch mode survived the test: {modes} -> {left}"

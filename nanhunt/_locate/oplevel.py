@@ -56,8 +56,9 @@ class OpOrigin:
 
 # ---------------------------------------------------------------- source lines
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_NANHUNT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_DEMO = os.path.join(_NANHUNT_DIR, "_cli", "demo.py")
 _USER, _SKIP, _STOP = 0, 1, 2
 _kinds: dict[str, int] = {}
 
@@ -67,7 +68,7 @@ def _kind(filename: str) -> int:
     if k is None:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_NANHUNT_DIR):
-            k = _USER if os.path.basename(path) == "_demo.py" else _STOP  # the demo's model is "user" code
+            k = _USER if path == _DEMO else _STOP  # the demo's model is "user" code
         elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen") or (
             path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path[len(_STDLIB_DIR):]
         ):

@@ -597,7 +597,7 @@ class Hunt:
         """An exception inside a hook stage: nanhunt's job (a finding in raise mode, the user's
         own ``on_find``) goes on to the user; anything else is an internal fault: logged once,
         the hunt switches itself off, and only raise mode raises (`InternalError`)."""
-        if isinstance(exc, NonFiniteError) or exc is self._user_exc:
+        if isinstance(exc, (NonFiniteError, _dist.SilentRankError)) or exc is self._user_exc:
             raise exc
         if self._closed:
             return
@@ -997,7 +997,7 @@ class Hunt:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
         except Exception as exc:
-            if isinstance(exc, NonFiniteError) or exc is self._user_exc:
+            if isinstance(exc, (NonFiniteError, _dist.SilentRankError)) or exc is self._user_exc:
                 raise
             msg = log_fault("close()", exc)
             if self.on_find == "raise":
