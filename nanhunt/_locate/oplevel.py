@@ -59,6 +59,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _DEMO = os.path.join(_NANHUNT_DIR, "_cli", "demo.py")
+_OUTSIDE = os.path.join(_NANHUNT_DIR, "_record", "outside.py")
 _USER, _SKIP, _STOP = 0, 1, 2
 _kinds: dict[str, int] = {}
 
@@ -68,7 +69,8 @@ def _kind(filename: str) -> int:
     if k is None:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_NANHUNT_DIR):
-            k = _USER if path == _DEMO else _STOP  # the demo's model is "user" code
+            # the demo's model is "user" code; a pass-through outside-code mode is nobody's frame
+            k = _USER if path == _DEMO else (_SKIP if path == _OUTSIDE else _STOP)
         elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen") or (
             path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path[len(_STDLIB_DIR):]
         ):

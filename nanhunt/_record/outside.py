@@ -92,19 +92,33 @@ class _Switch:
 
     def __init__(self) -> None:
         self.on: Outside | None = None  # the mode on the stack (the carrier)
+        self.orphans: list[Outside] = []  # pass-through modes still on a stack (see `off`)
         self.active: list[Outside] = []  # the hunts it records for
         self.modes: weakref.WeakSet[Outside] = weakref.WeakSet()
 
     def off(self) -> None:
         """Pop the carrier (a watched root call or nanhunt's own code runs); membership stays."""
+        self.sweep()
         m = self.on
         if m is None:
             return
         self.on = None
         if torch._C._len_torch_function_stack() and torch.overrides._get_current_function_mode() is m:
             torch._C._pop_torch_function_stack()
-        else:  # a mode the user pushed sits above ours: ours stays, switched to pass-through
+        else:  # a mode the user pushed sits above ours (or we run inside its own handler: torch
+            # pushes it back when the handler returns): ours stays, switched to pass-through, and
+            # is popped at the next chance (`sweep`)
             m.stale = True
+            self.orphans.append(m)
+
+    def sweep(self) -> None:
+        """Pop pass-through modes left on top of the stack (see `off`)."""
+        while self.orphans and torch._C._len_torch_function_stack():
+            top = torch.overrides._get_current_function_mode()
+            if top not in self.orphans or self.on is top:
+                break
+            torch._C._pop_torch_function_stack()
+            self.orphans.remove(top)
 
     def leave(self, m: Outside) -> None:
         if m in self.active:
@@ -112,6 +126,7 @@ class _Switch:
         self.off()
 
     def turn_on(self, m: Outside) -> None:
+        self.sweep()
         if m not in self.active:
             self.active.append(m)
         self.resume(m)
@@ -142,6 +157,7 @@ class Outside(TorchFunctionMode):
         self.stale = False
         self.quiet = 0
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
+        _SWITCH.sweep()
         _SWITCH.modes.add(self)
 
     def busy(self) -> bool:
@@ -172,6 +188,7 @@ class Outside(TorchFunctionMode):
         _SWITCH.leave(self)
 
     def close(self) -> None:
+        _SWITCH.sweep()
         if self in _SWITCH.active:
             _SWITCH.active.remove(self)
         if _SWITCH.on is self:
