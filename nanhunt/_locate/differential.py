@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .._finding import Finding
 from .._hooks import GlobalHooks
 from .._steplog import CompiledSlots, StepView, Top
-from .._tensors import Path, format_path, get_path, is_bad, tensors
+from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph
 from .replay import faithful
 
@@ -179,6 +179,17 @@ class _Run:
     scope: _Scope | None = None  # the target call as the replay saw it (module, RNG, inputs)
 
 
+def _float32(top: Top) -> tuple[Top, dict[str, Any]]:
+    """``top`` as its float32 reference runs it: inputs, parameters and buffers in float32, no
+    autocast (the parameters as a state for ``functional_call``: the model itself is untouched)."""
+    with torch.no_grad():
+        run = copy.copy(top)
+        run.autocast = ()
+        run.args = _as32(top.args)
+        run.kwargs = _as32(top.kwargs or {})
+        return run, {k: _as32(v) for k, v in own_tensors(top.module)}
+
+
 def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
          eager: bool = False, float32: bool = False, trace: bool = False, keep: Sequence[torch.Tensor] = ()) -> _Run:
     """One replay of ``top``; what the ``ordinal``-th watched call put at output ``path``."""
@@ -187,13 +198,8 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
     scope = _Scope(names, ordinal, mode)
     run = top
     try:
-        with torch.no_grad():
-            if float32:
-                run = copy.copy(top)
-                run.autocast = ()
-                run.args = _as32(top.args)
-                run.kwargs = _as32(top.kwargs or {})
-                state = {k: _as32(v) for k, v in [*top.module.named_parameters(), *top.module.named_buffers()]}
+        if float32:
+            run, state = _float32(top)
         with _reference_mode(eager or float32, deterministic=eager or float32), faithful(run):
             if compiled is not None:
                 out = compiled(*run.args, **(run.kwargs or {}))
@@ -239,7 +245,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
             if float32:
                 run.autocast = ()
                 run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
-                state = {k: _as32(v) for k, v in [*module.named_parameters(), *module.named_buffers()]}
+                state = {k: _as32(v) for k, v in own_tensors(module)}
             with _reference_mode(float32, deterministic=float32), faithful(run), mode:
                 if float32:
                     out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
@@ -282,13 +288,9 @@ def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Pat
     run = top
     scope = _Input(names, ordinal, path)
     try:
-        with torch.no_grad():
-            if float32:
-                run = copy.copy(top)
-                run.autocast = ()
-                run.args = _as32(top.args)
-                run.kwargs = _as32(top.kwargs or {})
-                state = {k: _as32(v) for k, v in [*top.module.named_parameters(), *top.module.named_buffers()]}
+        if float32:
+            run, state = _float32(top)
+            with torch.no_grad():
                 grads = [_as32(g) for g in grads]
         with _reference_mode(float32, deterministic=float32), faithful(run), torch.enable_grad():
             try:

@@ -361,34 +361,12 @@ class Hunt:
             stack = self._stack
             log = self._log
             if not stack:
-                self._outside.off()
-                if module is self._root and not self._opts:
-                    if log.root_calls:
-                        self._end_step(advance=True)
-                        if self._closed:  # on_find closed the hunt
-                            return
-                        log = self._log
-                    log.root_calls += 1
-                elif len(log) > _MAX_ENTRIES and not self.distributed:
-                    self._end_step(advance=False)
-                    if self._closed:
-                        return
-                    log = self._log
-                if log.tops:
-                    settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
-                top = len(log.tops)
-                if not top:  # the step begins
-                    if self._backup is not None:
-                        self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
-                    if self._guard is not None and self._guard.pending:
-                        self._guard.first_step(self._root)  # type: ignore[arg-type]
-                if self._batches is not None:
-                    self._batches.top_started()
-                t = _capture_top(module, args)
+                got = self._begin_top(module, args, cap=True)
+                if got is None:  # on_find closed the hunt
+                    return
+                log, t = got
                 t.compiled = wrapper  # the compiled configuration: what a verdict replays
-                self._state.capture(t)
-                log.tops.append(t)
-                parent, depth = -1, 0
+                top, parent, depth = len(log.tops) - 1, -1, 0
             else:
                 p = stack[-1]
                 top, parent, depth = p.top, p.index, p.depth + 1
@@ -403,6 +381,39 @@ class Hunt:
             stack.append(c)
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
+
+    def _begin_top(self, module: nn.Module, args: tuple[Any, ...], *, cap: bool) -> tuple[StepLog, Top] | None:
+        """A top-level call begins (both modes): it may end the previous step (no optimizer: each
+        root call is one), settles what earlier calls keep, captures what a restore and a replay
+        need, and records its `Top`. ``cap``: end a step that never ends past `_MAX_ENTRIES`.
+        None when ``on_find`` closed the hunt meanwhile."""
+        self._outside.off()
+        log = self._log
+        if module is self._root and not self._opts:
+            if log.root_calls:
+                self._end_step(advance=True)
+                if self._closed:
+                    return None
+                log = self._log
+            log.root_calls += 1
+        elif cap and len(log) > _MAX_ENTRIES and not self.distributed:
+            self._end_step(advance=False)
+            if self._closed:
+                return None
+            log = self._log
+        if log.tops:
+            settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
+        else:  # the step begins
+            if self._backup is not None:
+                self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
+            if self._guard is not None and self._guard.pending:
+                self._guard.first_step(self._root)  # type: ignore[arg-type]
+        if self._batches is not None:
+            self._batches.top_started()
+        t = _capture_top(module, args)
+        self._state.capture(t)
+        log.tops.append(t)
+        return log, t
 
     def _take_step(self) -> bool:
         """Threads: the calling thread owns the step if nobody does (rare: once per step)."""
@@ -640,28 +651,11 @@ class Hunt:
                 return
             if _functorch_level() is not None:
                 return  # inside torch.func transforms: not recorded
-            self._outside.off()
-            log = self._log
-            if not self._opts:
-                if log.root_calls:
-                    self._end_step(advance=True)
-                    if self._closed:  # on_find closed the hunt
-                        return
-                    log = self._log
-                log.root_calls += 1
-            if log.tops:
-                settle(log)
-            if not log.tops:
-                if self._backup is not None:
-                    self._backup.capture(module)
-                if self._guard is not None and self._guard.pending:
-                    self._guard.first_step(module)
-            if self._batches is not None:
-                self._batches.top_started()
-            top = _capture_top(module, args)
+            got = self._begin_top(module, args, cap=False)
+            if got is None:  # on_find closed the hunt
+                return
+            log, top = got
             top.kwargs = kwargs
-            self._state.capture(top)
-            log.tops.append(top)
             c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
             log.counts[module] = c.call + 1
             c.index = len(log.calls)
