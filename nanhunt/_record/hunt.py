@@ -48,7 +48,7 @@ from .._locate.damage import damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
-from .._tensors import is_checked, optimizer_tensors, probe, tensors, version
+from .._tensors import is_checked, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, forget_compiled
@@ -57,7 +57,7 @@ from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
 from .outside import Outside, user_line
-from .probe import fused_probe
+from .probe import OptimizerProbe, fused_probe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
 from .samples import LoaderIndices
@@ -174,6 +174,7 @@ class Hunt:
             self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
         self._opts = []
+        self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         for opt in opts:
             self.add_optimizer(opt)
         if o.scaler is not None:
@@ -226,6 +227,7 @@ class Hunt:
             return
         i = len(self._opts)
         self._opts.append(opt)
+        self._oprobes.append(OptimizerProbe(opt))
         self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
         self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
 
@@ -765,10 +767,11 @@ class Hunt:
         # optimizer's writes from the user's.
         self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
         if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
-            items, tens = optimizer_tensors(opt)
+            op = self._oprobes[i]
+            items, tens = op.current()
             if tens:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
-                self._log.vectors.append((fused_probe(tens), OptimState(i, step, items, tens, fed)))
+                self._log.vectors.append((op.probe(), OptimState(i, step, items, tens, fed)))
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
@@ -1031,6 +1034,7 @@ class Hunt:
         self._scaler = None
         self._root = None
         self._opts = []
+        self._oprobes = []
         self._names = None
         self._cnames = None
         self._ignored = set()
