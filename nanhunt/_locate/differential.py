@@ -42,6 +42,7 @@ from .._hooks import GlobalHooks
 from .._steplog import CompiledSlots, StepView, Top
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph
+from .inductor import inductor_settings, locate_inductor
 from .replay import faithful
 
 __all__ = ["Examined", "examine", "judge", "REDUCED"]
@@ -433,7 +434,11 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
     if compiled is not None:
         eager = _run(top, names, ordinal, path, eager=True)
         if eager.bad is False:
-            origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
+            settings = inductor_settings(compiled)
+            if settings is not None:  # fused kernels dispatch nothing: a capturing re-compile
+                origin = locate_inductor(compiled, settings, top, prefix, path if ordinal == 0 else None, keep)
+            else:
+                origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
             ref: dict[str, Any] = {"config": "eager"}
             if f.dtype:
                 ref["dtype"] = f.dtype

@@ -33,7 +33,7 @@ from .._tensors import Path, tensors
 from .oplevel import _first, _fmt, _Recorder
 from .replay import faithful
 
-__all__ = ["GraphOrigin", "locate_graph", "node_of_frame"]
+__all__ = ["GraphOrigin", "locate_graph", "node_of_frame", "with_element"]
 
 
 @dataclass
@@ -191,6 +191,11 @@ def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOri
     shape, code = next(((s, c) for s, c in rec.recs[last].outs if c is not None), ((), None))
     origin = GraphOrigin(rec.recs[first].op, node.name if node is not None else "", module, mtype,
                          rec.recs[first].src, chain, shape=tuple(shape), dtype=mode.dtypes[last])
+    return with_element(origin, code)
+
+
+def with_element(origin: GraphOrigin, code: torch.Tensor | None) -> GraphOrigin:
+    """``origin`` with the first non-finite element of ``code`` (``oplevel._code``), its value and counts."""
     if code is not None:
         idx = _first(code)
         v = int(code[idx]) if code.numel() else 0
