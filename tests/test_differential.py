@@ -190,8 +190,16 @@ def _analysed(compiled, model, x):
     return hunt.first
 
 
-def _left_behind() -> None:
-    """Nothing of the analysis is left: hooks, modes, Inductor settings."""
+def _nan_at(f: Finding, bad: torch.Tensor) -> None:
+    """The finding's element is the first of ``bad`` (an independent computation's NaNs)."""
+    assert f.index == tuple(int(i) for i in bad.nonzero()[0])
+    assert f.value is not None and f.value != f.value  # NaN
+    assert f.counts == {"nan": int(bad.sum()), "+inf": 0, "-inf": 0}
+
+
+def _left_behind(compiled, x) -> None:
+    """Nothing of the analysis is left (hooks, modes, Inductor settings); the user's callable
+    still runs compiled."""
     from torch._inductor import config as inductor_config
     from torch.nn.modules import module as module_mod
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -199,6 +207,7 @@ def _left_behind() -> None:
     assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
     assert not _get_current_dispatch_mode_stack()
     assert inductor_config.cpp.inject_relu_bug_TESTING_ONLY is None
+    assert not bool(torch.isfinite(compiled(x)).all())  # eager is finite: compiled code ran
 
 
 def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line():
@@ -220,12 +229,8 @@ def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line():
         with torch.no_grad():
             e = (model.attn.q(x) * 30.0).exp()
             naive = e / e.sum(-1, keepdim=True)
-        bad = torch.isnan(naive)
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        assert f.index == first and f.value is not None and f.value != f.value  # NaN
-        assert f.counts == {"nan": int(bad.sum()), "+inf": 0, "-inf": 0}
-        _left_behind()
-        assert not bool(torch.isfinite(compiled(x)).all())  # still compiled
+        _nan_at(f, torch.isnan(naive))
+        _left_behind(compiled, x)
     finally:
         torch._dynamo.reset()
 
@@ -246,10 +251,8 @@ def test_nan_only_inductor_codegen_makes_is_bisected_to_its_op():
         assert f.reference["node"] == "log"
         with torch.no_grad():
             bad = model.lin(x) + 1.0 + 1e-3 < 0  # log of the bugged relu's h + 1, plus 1e-3
-        assert f.index == tuple(int(i) for i in bad.nonzero()[0])
-        assert f.counts == {"nan": int(bad.sum()), "+inf": 0, "-inf": 0}
-        _left_behind()
-        assert not bool(torch.isfinite(compiled(x)).all())  # still compiled
+        _nan_at(f, bad)
+        _left_behind(compiled, x)
     finally:
         torch._dynamo.reset()
 
