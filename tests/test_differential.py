@@ -257,6 +257,39 @@ def test_nan_only_inductor_codegen_makes_is_bisected_to_its_op():
         torch._dynamo.reset()
 
 
+class _Broken(nn.Module):
+    """A graph break before SharpScores: its graph is the second, reached through a stack slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = zoo.SharpScores()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + 0.0
+        torch._dynamo.graph_break()
+        return self.body(x)
+
+
+def test_nan_only_inductor_makes_after_a_graph_break_in_training_names_its_module():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Broken(), torch.randn(4, 8) * 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+                compiled(x).sum().backward()
+                opt.step()
+        f = hunt.first
+        assert f is not None and (f.phase, f.verdict) == ("forward", "compiler")
+        assert (f.module, f.module_type, f.op) == ("body.attn", "SharpAttention", "aten.exp.default")
+        assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
+    finally:
+        torch._dynamo.reset()
+
+
 def test_inductor_finite_model_no_finding_no_graph_break():
     """The default ``torch.compile(model)``, finite: the watch adds no graph break and no finding."""
     from torch._dynamo.utils import counters

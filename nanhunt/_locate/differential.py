@@ -545,7 +545,8 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
                                     reproducible=True, cause="created")
         return f
     known = set(view.names.values())
-    module, mtype = (o.module, o.module_type) if o.module in known and o.module is not None else (f.module, f.module_type)
+    name = o.module if o.module in known else next((n for m, n in view.names.items() if id(m) == o.module_id), None)
+    module, mtype = (name, o.module_type) if name is not None else (f.module, f.module_type)
     return dataclasses.replace(
         f, module=module, module_type=mtype or f.module_type, tensor="output" if module != f.module else f.tensor,
         op=o.op, source=o.source, chain=tuple(o.chain), cause="created", reproducible=True,

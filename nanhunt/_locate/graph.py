@@ -40,7 +40,7 @@ from .._tensors import Path, tensors
 from .oplevel import _first, _fmt, _Recorder
 from .replay import faithful
 
-__all__ = ["GraphOrigin", "guarded", "locate_graph", "node_of_frame", "with_element"]
+__all__ = ["GraphOrigin", "guarded", "locate_graph", "module_id", "node_of_frame", "with_element"]
 
 
 @dataclass
@@ -57,6 +57,9 @@ class GraphOrigin:
     counts: dict[str, int] = field(default_factory=dict)
     shape: tuple[int, ...] = ()
     dtype: str = ""
+    # id() of that module, dynamo's nn_module_stack key: names it when the source path cannot
+    # (a graph resumed after a graph break reaches the module through a stack slot, ``___stack0``)
+    module_id: int | None = None
 
 
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
@@ -135,6 +138,13 @@ class GraphMode(TorchDispatchMode):
         return out
 
 
+def module_id(node: Any) -> int | None:
+    """The ``id()`` of the module that ran ``node`` (the key of its last ``nn_module_stack`` entry)."""
+    stack = node.meta.get("nn_module_stack") if node is not None else None
+    key = list(stack)[-1] if stack else None
+    return int(key) if isinstance(key, str) and key.isdigit() else None
+
+
 def _module_of(node: Any, prefix: str) -> tuple[str | None, str | None]:
     stack = node.meta.get("nn_module_stack") if node is not None else None
     if not stack:
@@ -204,6 +214,7 @@ def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOri
     shape, code = next(((s, c) for s, c in rec.recs[last].outs if c is not None), ((), None))
     origin = GraphOrigin(rec.recs[first].op, node.name if node is not None else "", module, mtype,
                          rec.recs[first].src, chain, shape=tuple(shape), dtype=mode.dtypes[last])
+    origin.module_id = module_id(node)
     return with_element(origin, code)
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from .._steplog import Top
 from .._tensors import Path
-from .graph import GraphOrigin, _locate_graph, _module_of, _source, guarded, with_element
+from .graph import GraphOrigin, _locate_graph, _module_of, _source, guarded, module_id, with_element
 from .oplevel import _code, _fmt
 from .replay import faithful
 
@@ -255,5 +255,5 @@ def _origin(node: Any, value: torch.Tensor, prefix: str) -> GraphOrigin:
     src = _source(node.meta.get("stack_trace"))
     op = str(node.target)
     origin = GraphOrigin(op, node.name, module, mtype, src, [_fmt(op, src)], shape=tuple(value.shape),
-                         dtype=str(value.dtype).removeprefix("torch."))
+                         dtype=str(value.dtype).removeprefix("torch."), module_id=module_id(node))
     return with_element(origin, _code(value))
