@@ -169,6 +169,160 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run):
     assert torch.compiler.is_compiling() is False and bool(torch.isnan(compiled(x)).any())  # still compiled
 
 
+# ---------------------------------------------------------------- Inductor (the default backend)
+def _analysed(compiled, model, x):
+    """A watched compiled call analysed (``sync``) inside the watch, after two finite steps (the
+    watch's own traces settle at the second); then the user's compiled callable runs its own
+    compiled code on: the analysis's re-compile lives on a code object of its own."""
+    from torch._dynamo.utils import counters
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(model, on_find="record") as hunt:
+            for _ in range(2):
+                assert bool(torch.isfinite(compiled(x * 1e-3)).all())
+                hunt.sync()
+            compiled(x)
+            hunt.sync()
+            graphs = counters["stats"]["unique_graphs"]
+            assert not bool(torch.isfinite(compiled(x)).all())
+            assert counters["stats"]["unique_graphs"] == graphs  # no retrace
+    return hunt.first
+
+
+def _nan_at(f: Finding, bad: torch.Tensor) -> None:
+    """The finding's element is the first of ``bad`` (an independent computation's NaNs)."""
+    assert f.index == tuple(int(i) for i in bad.nonzero()[0])
+    assert f.value is not None and f.value != f.value  # NaN
+    assert f.counts == {"nan": int(bad.sum()), "+inf": 0, "-inf": 0}
+
+
+def _left_behind(compiled, x) -> None:
+    """Nothing of the analysis is left (hooks, modes, Inductor settings); the user's callable
+    still runs compiled."""
+    from torch._inductor import config as inductor_config
+    from torch.nn.modules import module as module_mod
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
+    assert not _get_current_dispatch_mode_stack()
+    assert inductor_config.cpp.inject_relu_bug_TESTING_ONLY is None
+    assert not bool(torch.isfinite(compiled(x)).all())  # eager is finite: compiled code ran
+
+
+def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line():
+    """A wrong softmax decomposition handed to Inductor itself: the fused C++ kernel dispatches
+    nothing, the captured aten graph names the op, its module and line."""
+    torch._dynamo.reset()
+    model, x = zoo.sharp_scores(0)
+    assert bool(torch.isfinite(model(x)).all())
+    compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
+    try:
+        f = _analysed(compiled, model, x)
+        assert f is not None and f.verdict == "compiler"
+        assert (f.module, f.module_type, f.op) == ("attn", "SharpAttention", "aten.exp.default")
+        assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
+        assert f.chain[0].startswith("aten.exp.default") and any(c.startswith("aten.div") for c in f.chain)
+        assert f.reference["config"] == "eager" and f.reference["op"] == "aten.exp.default"
+        assert f.reproducible is True
+        # the element: where the wrong softmax's output (the module's last op on the chain) is NaN
+        with torch.no_grad():
+            e = (model.attn.q(x) * 30.0).exp()
+            naive = e / e.sum(-1, keepdim=True)
+        _nan_at(f, torch.isnan(naive))
+        _left_behind(compiled, x)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_nan_only_inductor_codegen_makes_is_bisected_to_its_op():
+    """Inductor's testing-only relu bug (the generated C++ computes ``h + 1``): the aten graph run
+    node by node is finite, the compiled prefixes are bisected to the first op whose compiled
+    value is non-finite where the graph's is finite."""
+    torch._dynamo.reset()
+    model, x = zoo.relu_log(0)
+    assert bool(torch.isfinite(model(x)).all())
+    compiled = torch.compile(model, options={"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"})
+    try:
+        f = _analysed(compiled, model, x)
+        assert f is not None and f.verdict == "compiler"
+        assert (f.module, f.module_type, f.op) == ("", "ReluLog", "aten.log.default")
+        assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.RELU_LOG_LINE}")
+        assert f.reference["node"] == "log"
+        with torch.no_grad():
+            bad = model.lin(x) + 1.0 + 1e-3 < 0  # log of the bugged relu's h + 1, plus 1e-3
+        _nan_at(f, bad)
+        _left_behind(compiled, x)
+    finally:
+        torch._dynamo.reset()
+
+
+class _Broken(nn.Module):
+    """A graph break before SharpScores: its graph is the second, reached through a stack slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = zoo.SharpScores()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + 0.0
+        torch._dynamo.graph_break()
+        return self.body(x)
+
+
+def test_nan_only_inductor_makes_after_a_graph_break_in_training_names_its_module():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Broken(), torch.randn(4, 8) * 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+                compiled(x).sum().backward()
+                opt.step()
+        f = hunt.first
+        assert f is not None and (f.phase, f.verdict) == ("forward", "compiler")
+        assert (f.module, f.module_type, f.op) == ("body.attn", "SharpAttention", "aten.exp.default")
+        assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
+    finally:
+        torch._dynamo.reset()
+
+
+def test_inductor_finite_model_no_finding_no_graph_break():
+    """The default ``torch.compile(model)``, finite: the watch adds no graph break and no finding."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, x = zoo.relu_log(0)
+    compiled = torch.compile(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, on_find="record") as hunt:
+                for _ in range(2):
+                    assert bool(torch.isfinite(compiled(x)).all())
+        assert hunt.findings == []
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_inductor_settings_are_the_users():
+    from nanhunt._locate.inductor import inductor_settings
+
+    model = nn.Linear(2, 2)
+    assert inductor_settings(torch.compile(model, backend="aot_eager")) is None
+    assert inductor_settings(torch.compile(model)) == {"config_patches": {}}
+    got = inductor_settings(torch.compile(model, options={"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}))
+    assert got == {"config_patches": {"cpp.inject_relu_bug_TESTING_ONLY": "accuracy"}}
+    got = inductor_settings(torch.compile(model, backend=zoo.naive_softmax_inductor()))
+    assert got is not None and got["decompositions"][torch.ops.aten._softmax.default] is zoo.naive_softmax
+    assert inductor_settings(model) is None
+
+
 # ---------------------------------------------------------------- breakpoint
 def test_breakpoint_stops_inside_a_replay_of_the_failing_op(monkeypatch):
     monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")

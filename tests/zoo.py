@@ -7,6 +7,7 @@ the transformers models are built from tiny configs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections import namedtuple
@@ -419,16 +420,17 @@ SHARP_SOFTMAX_LINE = next(
 )
 
 
+def naive_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    """A wrong ``aten._softmax`` decomposition: ``exp(x) / sum(exp(x))`` without subtracting the
+    max, so sharp scores give inf / inf = NaN where eager is finite."""
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
 def naive_softmax_backend(run: str = "python") -> Any:
     """A legitimate ``torch.compile`` backend (AOT autograd; graphs run as generated Python, or
-    node by node by ``torch.fx.Interpreter`` with ``run="interpreter"``) with a wrong softmax
-    decomposition: ``exp(x) / sum(exp(x))`` without subtracting the max, so sharp scores give
-    inf / inf = NaN where eager is finite."""
+    node by node by ``torch.fx.Interpreter`` with ``run="interpreter"``) with :func:`naive_softmax`."""
     from torch._dynamo.backends.common import aot_autograd
-
-    def naive_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
-        e = torch.exp(x)
-        return e / e.sum(dim, keepdim=True)
 
     def run_as_python(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         return gm.forward
@@ -438,6 +440,43 @@ def naive_softmax_backend(run: str = "python") -> Any:
 
     compiler = interpret if run == "interpreter" else run_as_python
     return aot_autograd(fw_compiler=compiler, decompositions={torch.ops.aten._softmax.default: naive_softmax})
+
+
+def naive_softmax_inductor() -> Any:
+    """Inductor itself (``compile_fx``, its own decompositions and C++ codegen) with
+    :func:`naive_softmax` in place of its softmax decomposition."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    return functools.partial(
+        compile_fx, decompositions={**select_decomp_table(), torch.ops.aten._softmax.default: naive_softmax})
+
+
+class ReluLog(nn.Module):
+    """``log(relu(h) + 1e-3)``: finite in eager for any ``h``. Under Inductor's testing-only relu
+    bug (``cpp.inject_relu_bug_TESTING_ONLY="accuracy"``: ``relu(h)`` becomes ``h + 1``) the log
+    gets negative arguments: a NaN only the generated C++ makes."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = torch.log(torch.relu(h) + 1e-3)  # RELU_LOG_LINE
+        return self.head(y)
+
+
+def relu_log(seed: int = 0) -> tuple[ReluLog, torch.Tensor]:
+    torch.manual_seed(seed)
+    return ReluLog(), torch.randn(4, 8) * 3
+
+
+RELU_LOG_LINE = next(
+    n for n, line in enumerate(inspect.getsource(ReluLog.forward).splitlines(), ReluLog.forward.__code__.co_firstlineno)
+    if line.endswith("# RELU_LOG_LINE")
+)
 
 
 # ---------------------------------------------------------------------------- reference runs

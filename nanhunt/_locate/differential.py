@@ -42,6 +42,7 @@ from .._hooks import GlobalHooks
 from .._steplog import CompiledSlots, StepView, Top
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph
+from .inductor import inductor_settings, locate_inductor
 from .replay import faithful
 
 __all__ = ["Examined", "examine", "judge", "REDUCED"]
@@ -433,7 +434,11 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
     if compiled is not None:
         eager = _run(top, names, ordinal, path, eager=True)
         if eager.bad is False:
-            origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
+            settings = inductor_settings(compiled)
+            if settings is not None:  # fused kernels dispatch nothing: a capturing re-compile
+                origin = locate_inductor(compiled, settings, top, prefix, path if ordinal == 0 else None, keep)
+            else:
+                origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
             ref: dict[str, Any] = {"config": "eager"}
             if f.dtype:
                 ref["dtype"] = f.dtype
@@ -540,7 +545,8 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
                                     reproducible=True, cause="created")
         return f
     known = set(view.names.values())
-    module, mtype = (o.module, o.module_type) if o.module in known and o.module is not None else (f.module, f.module_type)
+    name = o.module if o.module in known else next((n for m, n in view.names.items() if id(m) == o.module_id), None)
+    module, mtype = (name, o.module_type) if name is not None else (f.module, f.module_type)
     return dataclasses.replace(
         f, module=module, module_type=mtype or f.module_type, tensor="output" if module != f.module else f.tensor,
         op=o.op, source=o.source, chain=tuple(o.chain), cause="created", reproducible=True,
