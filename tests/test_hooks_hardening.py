@@ -190,7 +190,7 @@ STAGES = {
     "gradient hook (key)": (hunt_mod.Hunt, "_key"),
     "check() (probe)": (hunt_mod, "probe"),
     "optimizer pre-hook (fused probe)": (hunt_mod, "fused_probe"),
-    "optimizer post-hook (state)": (hunt_mod, "optimizer_tensors"),
+    "optimizer post-hook (state)": (hunt_mod.OptimizerProbe, "current"),
     "step end (sync)": (StepLog, "bad_flag"),
 }
 

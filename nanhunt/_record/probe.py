@@ -68,11 +68,11 @@ class _Plan:
 
 def _plan(tensors: list[torch.Tensor]) -> _Plan:
     tensors = [local(t) for t in tensors]  # FSDP2: each rank judges its own shard
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
-        return _Plan(tensors, None, [])
     groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
     rest: list[torch.Tensor] = []
     for t in tensors:
+        if not t.is_cpu:
+            return _Plan(tensors, None, [])
         if t.dtype is _F32 and t.dim() and t.numel() <= _SMALL:
             groups.setdefault(t.shape[1:], []).append(t)  # `cat` joins these without a view each
         else:
