@@ -205,6 +205,17 @@ class CompiledSlots:
     def __init__(self, slots: list[tuple[str, str, Path]]) -> None:
         self.slots = slots
 
+    def first(self, flags: list[bool]) -> tuple[str, str, Path] | None:
+        """The module where the non-finite values began, from the slots' flags: the first flagged
+        module (``named_modules`` order) none of whose submodules is flagged (its parents only
+        handed the values on)."""
+        bad = [s for s, b in zip(self.slots, flags) if b]
+        for s in bad:
+            prefix = s[0] + "." if s[0] else ""
+            if not any(o[0] != s[0] and o[0].startswith(prefix) for o in bad):
+                return s
+        return bad[0] if bad else None
+
 
 Vector = Grads | OptimState | CompiledSlots
 
@@ -240,13 +251,16 @@ class StepLog:
 
     def bad_flag(self) -> torch.Tensor | None:
         """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
-        parts = []
-        if self.sums:
-            parts.append(torch.isfinite(stack_probes(self.sums)).all())
-        for v, _ in self.vectors:  # a fused probe (`_record.probe.Fused`) is read by its summary
-            parts.append(torch.isfinite(v if isinstance(v, torch.Tensor) else v.summary).all())
-        if not parts:
+        vecs = [stack_probes(self.sums)] if self.sums else []
+        # a fused probe (`_record.probe.Fused`) is read by its summary
+        vecs += [v if isinstance(v, torch.Tensor) else v.summary for v, _ in self.vectors]
+        if not vecs:
             return None
+        try:
+            return ~torch.isfinite(torch.cat(vecs) if len(vecs) > 1 else vecs[0]).all()  # one device: 3-4 dispatches
+        except RuntimeError:  # probes on several devices (model parallel)
+            pass
+        parts = [torch.isfinite(v).all() for v in vecs]
         if len(parts) == 1:
             return ~parts[0]
         dev = parts[0].device

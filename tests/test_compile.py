@@ -71,3 +71,33 @@ def test_compiled_graphs_forget_the_hunt_after_close():
         model[0].weight.fill_(float("nan"))
     fn(torch.randn(2, 8))  # runs without the hunt: nothing recorded, nothing raised
     assert hunt.findings == []
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_watched_compiled_model_is_traced_once(how):
+    """The in-graph checks' slots exist before the first trace: the graph's guards hold from its
+    first call (a slot made while tracing made dynamo trace every frame again on the second call)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if how == "torch.compile":
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile(backend="aot_eager")
+        fn = model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+            _step(fn, opt, torch.randn(4, 8))
+            traced = counters["stats"]["unique_graphs"]
+            for _ in range(3):
+                _step(fn, opt, torch.randn(4, 8))
+            assert counters["stats"]["unique_graphs"] == traced >= 1
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("inf")  # a poisoned Linear weight: its slot, not a later one's
+            _step(fn, opt, torch.randn(4, 8))
+    assert hunt.first is not None and hunt.first.module == "0"
+    torch._dynamo.reset()

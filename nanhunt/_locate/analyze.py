@@ -557,7 +557,7 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
 
 def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Finding:
     """Inside a compiled graph, without a replay: the module and output, nothing finer."""
-    name, mtype, path = entry.slots[flags.index(True)]
+    name, mtype, path = entry.first(flags) or entry.slots[flags.index(True)]
     root = ctx.view.root
     module = root.get_submodule(name) if root is not None else None
     poisoned = module is not None and any(is_bad(p) for _, p in own_tensors(module))

@@ -514,7 +514,7 @@ def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
     _, vbad = view.log.bad_flags()
     for (_, entry), flags in zip(view.log.vectors, vbad):
         if isinstance(entry, CompiledSlots) and any(flags):
-            return entry.slots[flags.index(True)]
+            return entry.first(flags)
     return None
 
 

@@ -1,9 +1,9 @@
 """Checks inside `torch.compile` graphs: a branch-free write into a device buffer.
 
 Inside a compiled graph the module hooks are traced. A data-dependent branch or a Python list
-append there would break the graph, so each (module, output path) gets a slot of a device buffer,
-assigned at trace time, and the traced hook only adds the output's probe sum into it. The step's
-sync reads the buffer with everything else.
+append there would break the graph, so each watched module gets a slot of a device buffer, assigned
+before tracing, and the traced hook only adds its outputs' probe sums into it. The step's sync
+reads the buffer with everything else.
 """
 
 from __future__ import annotations
@@ -18,34 +18,44 @@ from .._tensors import is_checked, probe, tensors
 
 __all__ = ["CompiledChecks", "forget_compiled"]
 
-SLOTS = 4096  # (module, output) pairs checked inside compiled graphs
-
-
 class CompiledChecks:
-    def __init__(self, device: torch.device | str) -> None:
-        self.buf = torch.zeros(SLOTS, device=device)
-        self.slots: dict[tuple[str, Any], int] = {}
-        self.meta: list[tuple[str, str, Any]] = []  # per slot: module name, class name, output path
+    """One slot per watched module, assigned before any graph is traced (:meth:`assign`): the traced
+    hook only reads the slot map, so the graph's guards hold from its first call (a slot added while
+    tracing made dynamo retrace every compiled frame once more on its second call). A module's
+    outputs add into its one slot; the finding names the module (the replay names the output)."""
 
-    def record(self, name: str, module_type: str, output: Any) -> None:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.buf = torch.zeros(1, device=self.device)
+        self.meta: list[tuple[str, str, Any]] = []  # per slot: module name, class name, output path ()
+
+    def assign(self, names: dict[Any, str | None]) -> dict[Any, int | None]:
+        """Slots for the watched modules (module -> name, None when ignored), in ``names``' order
+        (``named_modules``: parents before children); returns module -> slot (None: unchecked)."""
+        slots: dict[Any, int | None] = {}
+        meta: list[tuple[str, str, Any]] = []
+        for m, name in names.items():
+            if name is None:
+                slots[m] = None
+            else:
+                slots[m] = len(meta)
+                meta.append((name, type(m).__name__, ()))
+        self.meta = meta
+        self.buf = torch.zeros(max(len(meta), 1), device=self.device)
+        return slots
+
+    def record(self, slot: int, output: Any) -> None:
         buf = self.buf
-        for path, t in tensors(output):
-            if not is_checked(t) or t.device != buf.device:
-                continue
-            slot = self.slots.get((name, path))
-            if slot is None:
-                if len(self.slots) >= buf.numel():
-                    continue
-                slot = self.slots[(name, path)] = len(self.slots)
-                self.meta.append((name, module_type, path))
-            with torch.no_grad():
-                buf[slot].add_(probe(t))
+        for _, t in tensors(output):
+            if is_checked(t) and t.device == buf.device:
+                with torch.no_grad():
+                    buf[slot].add_(probe(t))
 
     def drain(self) -> tuple[torch.Tensor, CompiledSlots] | None:
         """This step's slots (for the sync), and a zeroed buffer for the next step. No host read."""
-        if not self.slots:
+        if not self.meta:
             return None
-        values = self.buf[: len(self.slots)].clone()
+        values = self.buf[: len(self.meta)].clone()
         self.buf.zero_()
         return values, CompiledSlots(list(self.meta))
 

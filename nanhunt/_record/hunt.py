@@ -130,7 +130,7 @@ class Hunt:
         self._ignore = o.ignore
         self._names: dict[int, tuple[str, Any]] | None = None  # see _name_of
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
-        self._cnames: dict[nn.Module, str | None] | None = None  # for compiled graphs: _compiled_names
+        self._cnames: dict[nn.Module, int | None] | None = None  # for compiled graphs: _compiled_names
         self._log = StepLog()
         self._stack: list[Call] = []
         self._owner: int | None = None  # the thread whose calls this step records
@@ -314,11 +314,14 @@ class Hunt:
         return names
 
     def _compiled_names(self) -> None:
-        """torch.compile traces _post_compiled: it looks names up in a plain dict keyed by module
-        (module -> name, None when ignored). Only models that run compiled get one; it holds the
-        modules until close() (dynamo's own caches hold them too)."""
+        """torch.compile traces _post_compiled: it looks slots up in a plain dict keyed by module
+        (module -> slot of `CompiledChecks`, None when ignored), filled before any trace. Only
+        models that run compiled get one; it holds the modules until close() (dynamo's own caches
+        hold them too)."""
         names = self._names if self._names is not None else self._build_names()
-        self._cnames = {r(): (None if i in self._ignored else n) for i, (n, r) in names.items() if r() is not None}
+        if self._compiled is not None:
+            self._cnames = self._compiled.assign(
+                {r(): (None if i in self._ignored else n) for i, (n, r) in names.items() if r() is not None})
 
     def _module_names(self) -> dict[nn.Module, str]:
         """The name map with strong keys, for the analysis (on a hit only)."""
@@ -564,13 +567,13 @@ class Hunt:
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
-        names, comp = self._cnames, self._compiled
-        if names is None or comp is None or self._paused:
+        slots, comp = self._cnames, self._compiled
+        if slots is None or comp is None or self._paused:
             return
-        name = names.get(module)
-        if name is None:
+        slot = slots.get(module)
+        if slot is None:
             return
-        comp.record(name, type(module).__name__, output)
+        comp.record(slot, output)
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
         if self._compiled is None:
@@ -1038,7 +1041,7 @@ class Hunt:
         self._names = None
         self._cnames = None
         self._ignored = set()
-        if self._compiled is not None and self._compiled.slots:
+        if self._compiled is not None and self._compiled.meta:
             forget_compiled()  # compiled graphs traced our hooks in: drop them with us
         self._compiled = None
         if self._report_path is not None:
