@@ -144,7 +144,10 @@ def analyze(view: StepView) -> list[Finding]:
         if f is not None:
             out.append(f)
     compiled = [(e, flags) for (_v, e), flags in zip(log.vectors, vbad) if isinstance(e, CompiledSlots) and any(flags)]
-    if (view.mode == "sentinel" or compiled) and not any(f.phase in ("forward", "backward") for f in out):
+    # sentinel: the forward is judged by a replay of its top-level calls, also when the loss code's
+    # backward already went non-finite (a value fed from a poisoned forward: the forward goes first)
+    if ((view.mode == "sentinel" and not any(f.phase == "forward" for f in out))
+            or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
         out[:0] = _sentinel_findings(ctx)
     if compiled and not any(f.phase == "forward" for f in out):
         out[:0] = [_compiled_finding(ctx, *compiled[0])]

@@ -223,6 +223,8 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     if not roots:
         return None
     leaves = rep.leaves
+    if any(is_bad(x) for x in leaves):
+        return None  # the loss code was fed non-finite values (a poisoned forward): its backward only carries them
 
     def run() -> None:
         torch.autograd.grad(roots, leaves, grads, allow_unused=True)

@@ -1,0 +1,83 @@
+"""mode="sentinel" (probes at the model's boundary only; the failing call replayed on a hit) gives
+the same first finding as full mode, also when the loop checks its loss (a value fed from a
+poisoned forward makes the loss and the loss code's backward non-finite first in the log)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanhunt
+from tests import zoo
+
+
+def _poisoned_ln() -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 1))
+
+    def poison(m: nn.Module) -> None:
+        with torch.no_grad():
+            m[1].weight[3] = float("nan")
+
+    return model, poison
+
+
+def _log0() -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    def zero_bias(m: nn.Module) -> None:  # ReLU zeros -> log(0) = -inf
+        with torch.no_grad():
+            m.lin.weight.zero_()
+            m.lin.bias.zero_()
+
+    return zoo.lognet(0), zero_bias
+
+
+def _sqrt0() -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    return zoo.distnet(0), lambda m: None  # equal halves below: sqrt at 0 in backward
+
+
+CASES: dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], None]]]] = {
+    "poisoned LayerNorm weight": _poisoned_ln,
+    "log(0)": _log0,
+    "sqrt at 0 (backward)": _sqrt0,
+}
+
+
+def _run(case: str, mode: str, check: bool) -> list[Any]:
+    model, poison = CASES[case]()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    d_in = model[0].in_features if isinstance(model, nn.Sequential) else 4
+
+    def batch() -> torch.Tensor:
+        x = torch.randn(4, d_in, generator=g)
+        if case.startswith("sqrt"):
+            x[1, 2:] = x[1, :2]  # equal halves: a == b exactly
+        return x
+
+    with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+        for step in range(3):
+            if step == 2:
+                poison(model)
+            loss = model(batch()).pow(2).mean()
+            if check:
+                hunt.check(loss, "loss")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return hunt.findings
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check(loss)", "no check"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sentinel_names_what_full_mode_names(case: str, check: bool) -> None:
+    full = _run(case, "full", check)
+    sentinel = _run(case, "sentinel", check)
+    assert full and sentinel
+    keys = ("phase", "module", "module_type", "tensor", "step", "cause", "index", "op")
+    f, s = full[0], sentinel[0]
+    assert {k: getattr(s, k) for k in keys} == {k: getattr(f, k) for k in keys}, (str(f), str(s))
+    assert s.phase in ("forward", "backward") and s.module not in ("", "loss")
