@@ -101,3 +101,41 @@ def test_a_watched_compiled_model_is_traced_once(how):
             _step(fn, opt, torch.randn(4, 8))
     assert hunt.first is not None and hunt.first.module == "0"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_sentinel_adds_no_graph_break_and_still_finds_the_nan(how):
+    """Sentinel's root hooks are traced into the graph: they must not break it (they read the RNG
+    state and thread id eagerly). Under torch.compile(model) the wrapper's eager call is caught from
+    the first step end on, so the finding names the poisoned module as in eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if how == "torch.compile":
+        fn = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile(backend="aot_eager")
+        fn = model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(model, optimizer=opt, on_find="record", mode="sentinel") as hunt:
+            for _ in range(3):
+                _step(fn, opt, torch.randn(4, 8))
+            assert not hunt.findings
+            with torch.no_grad():
+                model[1].weight[3] = float("nan")  # a poisoned LayerNorm weight
+            loss = fn(torch.randn(4, 8)).pow(2).mean()
+            hunt.check(loss, "loss")
+            loss.backward()
+            opt.step()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    first = hunt.first
+    assert first is not None
+    if how == "torch.compile":
+        assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    else:  # no eager call to catch: the loss says it
+        assert (first.phase, first.module) == ("check", "loss")
+    torch._dynamo.reset()

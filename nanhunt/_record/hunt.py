@@ -157,6 +157,8 @@ class Hunt:
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
+        self._traced = False  # sentinel: the root's hooks were traced into a compiled graph
+        self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
@@ -649,6 +651,9 @@ class Hunt:
 
     # sentinel mode: only the root's calls are recorded, for the replay
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _is_compiling():  # traced into a compiled graph: nothing to record there (no graph break)
+            self._traced = True  # see _catch_wrapper
+            return
         if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
             return
         try:
@@ -669,7 +674,34 @@ class Hunt:
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
 
+    # Sentinel under torch.compile(model): the root's own hooks are traced into the graph, so the
+    # top-level call is seen from the compiled wrapper's call instead, which runs eagerly. Global
+    # hooks for that are added at the first step end after a trace (before: no cost at all; dynamo
+    # then traces the graph once more, as global hooks are part of its guards); they act only for
+    # a wrapper of the root, and every other eager call pays torch's hook dispatch. (model.compile()
+    # has no eager call to catch: there sentinel judges the loss, gradients and optimizer only.)
+    def _catch_wrapper(self) -> None:
+        if self._wrappers is None and self._root is not None:
+            self._wrappers = GlobalHooks(self._wrapper_pre, self._wrapper_post)
+            self._handles.append(self._wrappers)
+
+    def _wrapper_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if getattr(module, "_orig_mod", None) is self._root and self._root is not None and not _is_compiling():
+            self._root_pre(self._root, args, {})
+            if self._stack and self._stack[-1].module is self._root:
+                self._log.tops[self._stack[-1].top].compiled = module  # what a verdict replays
+
+    def _wrapper_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if getattr(module, "_orig_mod", None) is self._root and self._root is not None and not _is_compiling():
+            if output is _NO:
+                output, kwargs = kwargs, {}
+            if self._stack and self._stack[-1].module is self._root:
+                self._log.tops[self._stack[-1].top].kwargs = kwargs
+            self._root_post(self._root, args, kwargs, output)
+
     def _root_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if _is_compiling():
+            return
         try:
             if output is _NO:
                 output, kwargs = kwargs, {}
@@ -816,6 +848,8 @@ class Hunt:
         watched optimizer's step, which every rank runs; elsewhere each rank judges its own.
         """
         self._outside.off()
+        if self._traced and self._wrappers is None:
+            self._catch_wrapper()
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if self._backup is not None:
