@@ -138,12 +138,17 @@ def test_replays_that_disagree_are_nondeterministic():
 
 
 # ---------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
 @pytest.mark.parametrize("run", ["python", "interpreter"])
-def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run):
+def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run, how):
     torch._dynamo.reset()
     model, x = zoo.sharp_scores(0)
     assert bool(torch.isfinite(model(x)).all())  # eager: finite
-    compiled = torch.compile(model, backend=zoo.naive_softmax_backend(run))
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend=zoo.naive_softmax_backend(run))
+    else:
+        model.compile(backend=zoo.naive_softmax_backend(run))
+        compiled = model
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -210,13 +215,19 @@ def _left_behind(compiled, x) -> None:
     assert not bool(torch.isfinite(compiled(x)).all())  # eager is finite: compiled code ran
 
 
-def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line():
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line(how):
     """A wrong softmax decomposition handed to Inductor itself: the fused C++ kernel dispatches
-    nothing, the captured aten graph names the op, its module and line."""
+    nothing, the captured aten graph names the op, its module and line. ``model.compile()`` too:
+    its top-level call is seen around the compiled call (and the model's own is put back)."""
     torch._dynamo.reset()
     model, x = zoo.sharp_scores(0)
     assert bool(torch.isfinite(model(x)).all())
-    compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
+    else:
+        model.compile(backend=zoo.naive_softmax_inductor())
+        compiled, own = model, model._compiled_call_impl
     try:
         f = _analysed(compiled, model, x)
         assert f is not None and f.verdict == "compiler"
@@ -231,6 +242,8 @@ def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line():
             naive = e / e.sum(-1, keepdim=True)
         _nan_at(f, torch.isnan(naive))
         _left_behind(compiled, x)
+        if how == "model.compile":
+            assert model._compiled_call_impl is own
     finally:
         torch._dynamo.reset()
 

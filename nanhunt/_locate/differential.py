@@ -201,7 +201,8 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
     try:
         if float32:
             run, state = _float32(top)
-        with _reference_mode(eager or float32, deterministic=eager or float32), faithful(run):
+        with (_reference_mode(eager or float32, deterministic=eager or float32),
+              faithful(run, compiled=compiled is not None)):
             if compiled is not None:
                 out = compiled(*run.args, **(run.kwargs or {}))
                 got = dict(tensors(out)).get(tuple(path)) if ordinal == 0 else None

@@ -181,7 +181,7 @@ def guarded(keep: Any, run: Callable[[], GraphOrigin | None]) -> GraphOrigin | N
 def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
     mode = GraphMode()
     rec = mode.rec
-    with faithful(top), mode:
+    with faithful(top, compiled=True), mode:
         out = fn(*top.args, **(top.kwargs or {}))
     outs = dict(tensors(out))
     t = outs.get(tuple(path)) if path is not None else None

@@ -61,7 +61,8 @@ def inductor_settings(compiled: Any) -> dict[str, Any] | None:
         from torch._dynamo.eval_frame import innermost_backend
         from torch._inductor.compile_fx import compile_fx
 
-        b = innermost_backend(compiled.dynamo_ctx.callback)
+        ctx = getattr(compiled, "dynamo_ctx", None)  # torch.compile(model)'s OptimizedModule
+        b = innermost_backend(ctx.callback if ctx is not None else _closure(compiled, "callback"))
     except Exception:
         return None
     if isinstance(b, torch._TorchCompileInductorWrapper) and type(b) is torch._TorchCompileInductorWrapper:
@@ -79,6 +80,12 @@ def inductor_settings(compiled: Any) -> dict[str, Any] | None:
     if isinstance(fn, functools.partial) and fn.func is compile_fx and not fn.args:
         return dict(fn.keywords)
     return None
+
+
+def _closure(fn: Any, name: str) -> Any:
+    """A free variable of ``fn`` (model.compile()'s compiled call keeps its backend as ``callback``)."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    return cells[name].cell_contents
 
 
 @dataclass
@@ -156,7 +163,9 @@ def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path
     cap = _Capture(settings.pop("inner_compile", compile_fx_inner))
     backend = functools.partial(compile_fx, **settings, inner_compile=cap)
     fn = torch.compile(_fresh_entry(), backend=backend, dynamic=False)
-    mod = getattr(compiled, "_orig_mod", top.module)
+    mod = getattr(compiled, "_orig_mod", None)
+    if mod is None:  # model.compile(): the module's own (uncompiled) call
+        mod = top.module._call_impl if getattr(top.module, "_compiled_call_impl", None) is not None else top.module
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(mod, *args, **kwargs)
@@ -164,7 +173,7 @@ def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path
     patches = settings.get("config_patches") or {}
     # an AOT cache hit would skip inner_compile: nothing would be captured
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
-        with faithful(top):
+        with faithful(top, compiled=True):
             call(*top.args, **(top.kwargs or {}))  # compiles; records each graph's arguments
         if not cap.graphs:
             return None

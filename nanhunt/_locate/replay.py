@@ -9,6 +9,7 @@ afterwards, and no `.grad` is touched: the user's run goes on exactly as if no r
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,8 +108,11 @@ def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
 
 
 @contextlib.contextmanager
-def faithful(top: Top) -> Iterator[None]:
-    """Run inside the state ``top`` was called in; restore the user's state afterwards."""
+def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
+    """Run inside the state ``top`` was called in; restore the user's state afterwards.
+
+    A ``model.compile()``d module runs eagerly here (``force_eager``: a replay records every
+    watched call), unless ``compiled``: the caller runs the failing configuration itself."""
     mod = top.module
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
@@ -121,6 +125,8 @@ def faithful(top: Top) -> Iterator[None]:
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
+        if not compiled and getattr(mod, "_compiled_call_impl", None) is not None and "torch._dynamo" in sys.modules:
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         torch.set_rng_state(top.rng)
         if top.cuda_rng is not None:
             torch.cuda.set_rng_state_all(top.cuda_rng)

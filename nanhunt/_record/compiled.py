@@ -16,7 +16,7 @@ import torch
 from .._steplog import CompiledSlots
 from .._tensors import is_checked, probe, tensors
 
-__all__ = ["CompiledChecks", "forget_compiled"]
+__all__ = ["CompiledChecks", "CompiledRoot", "forget_compiled"]
 
 class CompiledChecks:
     """One slot per watched module, assigned before any graph is traced (:meth:`assign`): the traced
@@ -58,6 +58,36 @@ class CompiledChecks:
         values = self.buf[: len(self.meta)].clone()
         self.buf.zero_()
         return values, CompiledSlots(list(self.meta))
+
+
+class CompiledRoot:
+    """``model.compile()``: the model's own hooks run inside its compiled ``_call_impl`` (traced),
+    so no hook sees the top-level call eagerly. This wraps the instance's ``_compiled_call_impl``
+    so that ``begin(model, args, kwargs, compiled)`` and ``end(model, args, kwargs, output)`` run
+    around it, eagerly; ``remove()`` puts the user's back (unless the model was compiled again
+    meanwhile: then the user's new one stays)."""
+
+    def __init__(self, model: Any, begin: Any, end: Any) -> None:
+        self.model = model
+        self.orig = orig = model._compiled_call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            begin(model, args, kwargs, orig)
+            try:
+                out = orig(*args, **kwargs)
+            except BaseException:
+                end(model, args, kwargs, None)
+                raise
+            end(model, args, kwargs, out)
+            return out
+
+        self.call = call
+        model._compiled_call_impl = call
+
+    def remove(self) -> None:
+        if self.model.__dict__.get("_compiled_call_impl") is self.call:
+            self.model._compiled_call_impl = self.orig
+        self.model = self.orig = None
 
 
 def forget_compiled() -> None:

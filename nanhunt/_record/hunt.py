@@ -51,7 +51,7 @@ from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView
 from .._tensors import is_checked, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
-from .compiled import CompiledChecks, forget_compiled
+from .compiled import CompiledChecks, CompiledRoot, forget_compiled
 from .faults import InternalError, log_fault
 from .guard import SaveGuard
 from .history import History, stats
@@ -170,6 +170,8 @@ class Hunt:
         self._step_lines: dict[int, str | None] = {}
 
         self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
+        if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
+            self._handles.append(CompiledRoot(model, self._compiled_begin, self._compiled_end))
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
         else:
@@ -674,12 +676,28 @@ class Hunt:
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
 
+    # model.compile(): the top-level call seen around the compiled call (see CompiledRoot)
+    def _compiled_begin(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], compiled: Any) -> None:
+        if self._per_module:
+            self._pre(model, args)
+        else:
+            self._root_pre(model, args, kwargs)
+        stack = self._stack
+        if stack and stack[-1].module is model and stack[-1].depth == 0:
+            self._log.tops[stack[-1].top].compiled = compiled  # what a verdict replays
+
+    def _compiled_end(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._per_module:
+            self._post(model, args, kwargs, output)
+        else:
+            self._root_post(model, args, kwargs, output)
+
     # Sentinel under torch.compile(model): the root's own hooks are traced into the graph, so the
     # top-level call is seen from the compiled wrapper's call instead, which runs eagerly. Global
     # hooks for that are added at the first step end after a trace (before: no cost at all; dynamo
     # then traces the graph once more, as global hooks are part of its guards); they act only for
     # a wrapper of the root, and every other eager call pays torch's hook dispatch. (model.compile()
-    # has no eager call to catch: there sentinel judges the loss, gradients and optimizer only.)
+    # is caught by CompiledRoot from the start.)
     def _catch_wrapper(self) -> None:
         if self._wrappers is None and self._root is not None:
             self._wrappers = GlobalHooks(self._wrapper_pre, self._wrapper_post)
