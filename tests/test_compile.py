@@ -137,3 +137,25 @@ def test_sentinel_adds_no_graph_break_and_still_finds_the_nan(how):
     assert first is not None
     assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_watching_the_compiled_wrapper_names_modules_as_the_model_does(mode):
+    """``model = torch.compile(model); watch(model)``: names are the model's own (no ``_orig_mod.``
+    prefix) and the finding is localised, as when the inner model is watched."""
+    torch._dynamo.reset()
+    model = _model()
+    wrapper = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(wrapper.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(wrapper, optimizer=opt, on_find="record", mode=mode) as hunt:
+            for _ in range(2):
+                _step(wrapper, opt, torch.randn(4, 8))
+            with torch.no_grad():
+                model[1].weight[3] = float("nan")
+            _step(wrapper, opt, torch.randn(4, 8))
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    torch._dynamo.reset()

@@ -116,7 +116,7 @@ class Hunt:
         self.rank = o.rank if o.rank is not None else _dist.rank()
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
         self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
-        model = _dist.unwrap(model)  # DDP: names and replays of the inner module
+        model = _unwrap(model)  # DDP, torch.compile(model): names and replays of the inner module
         self._dist: _dist.Distributed | None = None
         if self.distributed and _dist.world() > 1:
             self._dist = _dist.Distributed(model, o.dist_timeout)
@@ -1098,6 +1098,19 @@ class Hunt:
         self._compiled = None
         if self._report_path is not None:
             self._write_report()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module a wrapper runs: DDP's ``.module``, ``torch.compile(model)``'s ``_orig_mod`` (its
+    calls are still seen: the wrapper's own call runs eagerly, and is what a verdict replays)."""
+    while True:
+        inner = _dist.unwrap(model)
+        orig = getattr(inner, "_orig_mod", None)
+        if type(inner).__name__ == "OptimizedModule" and isinstance(orig, nn.Module):
+            inner = orig
+        if inner is model:
+            return model
+        model = inner
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
