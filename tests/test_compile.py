@@ -159,3 +159,30 @@ def test_watching_the_compiled_wrapper_names_modules_as_the_model_does(mode):
     assert first is not None
     assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("order", ["first opened closes first", "last opened closes first"])
+def test_two_hunts_on_a_model_compiled_model_leave_its_compiled_call_as_it_was(order):
+    """Each hunt wraps model.compile()'s compiled call; closing them in any order takes each
+    wrapper out of the chain, and both hunts see the finding meanwhile."""
+    torch._dynamo.reset()
+    model = _model()
+    model.compile(backend="aot_eager")
+    own = model._compiled_call_impl
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = nanhunt.watch(model, on_find="record")
+        b = nanhunt.watch(model, on_find="record", mode="sentinel")
+        model(torch.randn(2, 8))
+        with torch.no_grad():
+            model[1].weight[3] = float("nan")
+        model(torch.randn(2, 8))
+        model(torch.randn(2, 8))
+        first, second = (a, b) if order.startswith("first") else (b, a)
+        first.close()
+        model(torch.randn(2, 8))  # the other hunt still watches
+        second.close()
+    assert model._compiled_call_impl is own
+    for hunt in (a, b):
+        assert hunt.first is not None and (hunt.first.module, hunt.first.cause) == ("1", "parameter")
+    torch._dynamo.reset()

@@ -64,30 +64,53 @@ class CompiledRoot:
     """``model.compile()``: the model's own hooks run inside its compiled ``_call_impl`` (traced),
     so no hook sees the top-level call eagerly. This wraps the instance's ``_compiled_call_impl``
     so that ``begin(model, args, kwargs, compiled)`` and ``end(model, args, kwargs, output)`` run
-    around it, eagerly; ``remove()`` puts the user's back (unless the model was compiled again
-    meanwhile: then the user's new one stays)."""
+    around it, eagerly. ``remove()`` takes the wrapper out of the chain (two hunts on one model
+    close in any order) and leaves a ``_compiled_call_impl`` the user set meanwhile alone."""
 
     def __init__(self, model: Any, begin: Any, end: Any) -> None:
         self.model = model
-        self.orig = orig = model._compiled_call_impl
+        self.orig = model._compiled_call_impl  # what this wrapper calls (another hunt's wrapper, or the user's)
+        compiled = _users(self.orig)
+        me = self
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            begin(model, args, kwargs, orig)
+            begin(model, args, kwargs, compiled)
             try:
-                out = orig(*args, **kwargs)
+                out = me.orig(*args, **kwargs)
             except BaseException:
                 end(model, args, kwargs, None)
                 raise
             end(model, args, kwargs, out)
             return out
 
+        call.__nanhunt_root__ = self  # type: ignore[attr-defined]
         self.call = call
         model._compiled_call_impl = call
 
     def remove(self) -> None:
-        if self.model.__dict__.get("_compiled_call_impl") is self.call:
-            self.model._compiled_call_impl = self.orig
+        model = self.model
+        if model is None:
+            return
+        cur = model.__dict__.get("_compiled_call_impl")
+        if cur is self.call:
+            model._compiled_call_impl = self.orig
+        else:  # another hunt wrapped ours: the wrapper that calls ours calls what ours called
+            while cur is not None:
+                outer = getattr(cur, "__nanhunt_root__", None)
+                if outer is None:
+                    break
+                if outer.orig is self.call:
+                    outer.orig = self.orig
+                    break
+                cur = outer.orig
         self.model = self.orig = None
+
+
+def _users(fn: Any) -> Any:
+    """The user's compiled call under any nanhunt wrappers (what a verdict replays)."""
+    while getattr(fn, "__nanhunt_root__", None) is not None:
+        fn = fn.__nanhunt_root__.orig
+    return fn
 
 
 def forget_compiled() -> None:
