@@ -15,6 +15,8 @@ machine noise is shared, and a ratio is the median per-step time of a variant ov
   sentinel   the same with mode="sentinel"
   ops        the same with mode="ops" (every aten op probed: a debugging setting; step time only)
   naive      the article's forward hook on every module: isnan(out).any() or isinf(out).any()
+  hooks      two global hooks that do nothing (a pre-hook and an always-called forward hook with
+             kwargs, as full mode registers): the floor of any per-module-hook design
   anomaly    torch.autograd.detect_anomaly(check_nan=True)
   hf         transformers.debug_utils.DebugUnderflowOverflow(model)
 
@@ -57,7 +59,7 @@ from torch import nn
 import nanhunt
 
 MODELS = ("gpt2", "cnn", "mlp")
-VARIANTS = ("plain", "full", "sentinel", "ops", "naive", "anomaly", "hf")
+VARIANTS = ("plain", "full", "sentinel", "ops", "naive", "hooks", "anomaly", "hf")
 NANHUNT = ("full", "sentinel")
 TITLES = {
     "plain": "plain ms/step",
@@ -65,6 +67,7 @@ TITLES = {
     "sentinel": "nanhunt sentinel",
     "ops": "nanhunt ops",
     "naive": "naive hook",
+    "hooks": "2 empty hooks",
     "anomaly": "detect_anomaly",
     "hf": "HF DebugUO",
 }
@@ -173,6 +176,20 @@ def variant(name: str, bench: Bench, on_find: str = "record") -> Iterator[Any]:
         finally:
             for h in handles:
                 h.remove()
+    elif name == "hooks":
+        from torch.nn.modules import module as module_mod
+
+        def nothing(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        pre = module_mod.register_module_forward_pre_hook(nothing)
+        post = module_mod.register_module_forward_hook(nothing, with_kwargs=True, always_call=True)
+        try:
+            yield None
+        finally:
+            pre.remove()
+            post.remove()
+            module_mod._global_forward_hooks_with_kwargs.pop(post.id, None)
     elif name == "anomaly":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled ..."
@@ -602,6 +619,9 @@ def render(results: dict[str, Any]) -> str:
             ok = x <= target
             lines.append(f"  {'yes' if ok else 'NO '}  {name:5} {v:8} x{x:.3f} (target <= {target:.2f}"
                          f"{'' if ok else f', over by {100 * (x - target):.1f} points'})")
+        if "naive" in r["ratio"]:
+            x, n = r["ratio"]["full"], r["ratio"]["naive"]
+            lines.append(f"  {'yes' if x < n else 'NO '}  {name:5} full x{x:.3f} below the naive hook x{n:.3f}")
         worst = max(r["syncs"][v] - r["syncs"]["plain"] for v in NANHUNT)
         lines.append(f"  {'yes' if worst <= 1 else 'NO '}  {name:5} syncs added per step: {worst:+.1f} (target <= 1)")
         if "peak" in r:

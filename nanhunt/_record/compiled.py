@@ -18,6 +18,7 @@ from .._tensors import is_checked, probe, tensors
 
 __all__ = ["CompiledChecks", "CompiledRoot", "forget_compiled"]
 
+
 class CompiledChecks:
     """One slot per watched module, assigned before any graph is traced (:meth:`assign`): the traced
     hook only reads the slot map, so the graph's guards hold from its first call (a slot added while
