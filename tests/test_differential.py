@@ -336,6 +336,38 @@ def test_inductor_settings_are_the_users():
     assert inductor_settings(model) is None
 
 
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_nan_only_the_compiled_backward_makes_is_compiler_at_its_node_and_line(how):
+    """A wrong tanh_backward decomposition in the backward graph: eager's gradient is finite, the
+    compiled one NaN where tanh saturated. The finding is the backward node's op, the forward op's
+    module and line, with verdict compiler; the element is an independent computation's NaN."""
+    torch._dynamo.reset()
+    model, x = zoo.sat_tanh(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.tanh(model.lin(x)).detach()
+    saturated = (1 - y * y) == 0
+    assert bool(saturated.any())
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend=zoo.wrong_tanh_backward_backend())
+    else:
+        model.compile(backend=zoo.wrong_tanh_backward_backend())
+        compiled = model
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+                compiled(x).pow(2).mean().backward()
+                opt.step()
+    finally:
+        torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None and f.phase == "backward" and f.verdict == "compiler"
+    assert (f.module, f.module_type, f.op) == ("", "SatTanh", "aten.div.Tensor")
+    assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SAT_TANH_LINE}")
+    assert f.reference["config"] == "eager" and f.reference["op"] == "aten.div.Tensor"
+    _nan_at(f, saturated)
+
+
 # ---------------------------------------------------------------- breakpoint
 def test_breakpoint_stops_inside_a_replay_of_the_failing_op(monkeypatch):
     monkeypatch.setenv("PYTHONBREAKPOINT", "tests.breakpoint_recorder.record")

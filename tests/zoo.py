@@ -479,6 +479,52 @@ RELU_LOG_LINE = next(
 )
 
 
+class SatTanh(nn.Module):
+    """``tanh`` of large pre-activations: saturated (exactly +-1 in float32) and finite, and so is
+    its gradient (``1 - y*y`` = 0)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 8)
+        self.head = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.lin.weight.mul_(30.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))  # SAT_TANH_LINE
+        return self.head(y)
+
+
+def sat_tanh(seed: int = 0) -> tuple[SatTanh, torch.Tensor]:
+    torch.manual_seed(seed)
+    return SatTanh(), torch.randn(8, 4)
+
+
+SAT_TANH_LINE = next(
+    n for n, line in enumerate(inspect.getsource(SatTanh.forward).splitlines(), SatTanh.forward.__code__.co_firstlineno)
+    if line.endswith("# SAT_TANH_LINE")
+)
+
+
+def wrong_tanh_backward(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A wrong ``aten.tanh_backward`` decomposition: ``g * s / s * s`` with ``s = 1 - y*y`` is
+    ``g * s`` except where ``tanh`` saturated (``s`` = 0): 0 / 0 = NaN."""
+    s = 1 - y * y
+    return g * s / s * s
+
+
+def wrong_tanh_backward_backend() -> Any:
+    """A legitimate AOT-autograd backend (graphs run as generated Python) whose backward graph uses
+    :func:`wrong_tanh_backward`: a NaN only the compiled backward makes."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run_as_python(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        return gm.forward
+
+    return aot_autograd(fw_compiler=run_as_python, bw_compiler=run_as_python,
+                        decompositions={torch.ops.aten.tanh_backward.default: wrong_tanh_backward})
+
+
 # ---------------------------------------------------------------------------- reference runs
 #
 # Expected values are computed from an *unwatched* copy of the model run on the same data: the

@@ -31,6 +31,7 @@ from .._tensors import (
 from . import bundle as _bundle
 from . import debug as _debug
 from . import differential as _differential
+from . import graph as _graph
 from . import hints as _hints
 from . import nodes as _nodes
 from . import oplevel as _oplevel
@@ -157,6 +158,8 @@ def analyze(view: StepView) -> list[Finding]:
         for ti, top in enumerate(log.tops):
             if top.out_keys:
                 fb = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
+                if fb is None and top.compiled is not None:  # eager is finite: the compiled backward's own node
+                    fb = _compiled_backward(ctx, ti)
                 if fb is not None:
                     out.append(fb)
                     break
@@ -478,6 +481,28 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     return f
+
+
+def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
+    """A gradient only the compiled backward makes (an eager replay of the step's backward is
+    finite): the backward graph's node, its forward op's module and line; verdict ``compiler``."""
+    top = ctx.log.tops[top_i]
+    grads = [ctx.log.tensors[k].grad for k in top.out_keys]
+    names = ctx.view.names
+    o = _graph.locate_graph_backward(top.compiled, top, names.get(top.module, ""), grads, ctx.view.scratch)
+    if o is None:
+        return None
+    known = set(names.values())
+    name = o.module if o.module in known else next((n for m, n in names.items() if id(m) == o.module_id), None)
+    if name is None:
+        name = names.get(top.module, "")
+    module = next((m for m, n in names.items() if n == name), top.module)
+    return Finding(
+        phase="backward", module=name, module_type=o.module_type or type(module).__name__, tensor="grad_input",
+        step=ctx.step, call=0, index=o.index, value=o.value, counts=dict(o.counts), shape=tuple(o.shape),
+        dtype=o.dtype, cause="created", op=o.op, source=o.source, chain=tuple(o.chain), reproducible=True,
+        verdict="compiler", reference={"config": "eager", "op": o.op, "node": o.node, "dtype": o.dtype},
+    )
 
 
 def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:

@@ -40,7 +40,8 @@ from .._tensors import Path, tensors
 from .oplevel import _first, _fmt, _Recorder
 from .replay import faithful
 
-__all__ = ["GraphOrigin", "guarded", "locate_graph", "module_id", "node_of_frame", "with_element"]
+__all__ = ["GraphOrigin", "guarded", "locate_graph", "locate_graph_backward", "module_id", "node_of_frame",
+           "with_element"]
 
 
 @dataclass
@@ -138,15 +139,22 @@ class GraphMode(TorchDispatchMode):
         return out
 
 
+def _stack(node: Any) -> Any:
+    """A node's module stack: its own, or (a backward node) that of the forward op it differentiates."""
+    if node is None:
+        return None
+    return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+
+
 def module_id(node: Any) -> int | None:
     """The ``id()`` of the module that ran ``node`` (the key of its last ``nn_module_stack`` entry)."""
-    stack = node.meta.get("nn_module_stack") if node is not None else None
+    stack = _stack(node)
     key = list(stack)[-1] if stack else None
     return int(key) if isinstance(key, str) and key.isdigit() else None
 
 
 def _module_of(node: Any, prefix: str) -> tuple[str | None, str | None]:
-    stack = node.meta.get("nn_module_stack") if node is not None else None
+    stack = _stack(node)
     if not stack:
         return None, None
     expr, cls = list(stack.values())[-1]
@@ -227,3 +235,44 @@ def with_element(origin: GraphOrigin, code: torch.Tensor | None) -> GraphOrigin:
         origin.value = {1: float("nan"), 2: float("inf"), 3: float("-inf")}.get(v)
         origin.counts = {"nan": int((code == 1).sum()), "+inf": int((code == 2).sum()), "-inf": int((code == 3).sum())}
     return origin
+
+
+def locate_graph_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | None],
+                          keep: Any = ()) -> GraphOrigin | None:
+    """The compiled backward's node that made the first non-finite gradient from finite ones:
+    ``top`` run through the compiled ``fn`` and differentiated from ``grads`` (those that arrived at
+    its outputs) with ``autograd.grad`` (nothing accumulates into ``.grad``), the backward under
+    :class:`GraphMode`. A backward node carries its forward op's module (``fwd_nn_module_stack``)
+    and ``seq_nr``; the line is that of the forward node with the same ``seq_nr``."""
+    return guarded(keep, lambda: _locate_backward(fn, top, prefix, grads))
+
+
+def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | None]) -> GraphOrigin | None:
+    fwd = GraphMode()
+    mode = GraphMode()
+    with faithful(top, compiled=True), torch.enable_grad():
+        with fwd:
+            out = fn(*top.args, **(top.kwargs or {}))
+        outs = [t for _, t in tensors(out) if t.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+        wrt: list[torch.Tensor] = [p for p in top.module.parameters() if p.requires_grad]
+        wrt += [t for _, t in tensors((top.args, top.kwargs or {})) if t.requires_grad and t.is_leaf]
+        if not pairs or not wrt:
+            return None
+        with mode:
+            torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    rec = mode.rec
+    first = next((ri for ri, r in enumerate(rec.recs)
+                  if any(c is not None for _, c in r.outs) and not any(i.code is not None for i in r.ins)), None)
+    if first is None:
+        return None
+    node = mode.nodes[first]
+    seq = node.meta.get("seq_nr") if node is not None else None
+    src = next((_source(n.meta.get("stack_trace")) for n in fwd.nodes
+                if n is not None and seq is not None and n.meta.get("seq_nr") == seq and n.meta.get("stack_trace")), None)
+    r = rec.recs[first]
+    module, mtype = _module_of(node, prefix)
+    shape, code = next(((sh, c) for sh, c in r.outs if c is not None), ((), None))
+    origin = GraphOrigin(r.op, node.name if node is not None else "", module, mtype, src, [_fmt(r.op, src)],
+                         shape=tuple(shape), dtype=mode.dtypes[first], module_id=module_id(node))
+    return with_element(origin, code)
