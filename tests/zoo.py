@@ -525,6 +525,15 @@ def wrong_tanh_backward_backend() -> Any:
                         decompositions={torch.ops.aten.tanh_backward.default: wrong_tanh_backward})
 
 
+def wrong_tanh_backward_inductor() -> Any:
+    """Inductor itself with :func:`wrong_tanh_backward` in its decomposition table."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    return functools.partial(
+        compile_fx, decompositions={**select_decomp_table(), torch.ops.aten.tanh_backward.default: wrong_tanh_backward})
+
+
 # ---------------------------------------------------------------------------- reference runs
 #
 # Expected values are computed from an *unwatched* copy of the model run on the same data: the

@@ -33,6 +33,7 @@ from . import debug as _debug
 from . import differential as _differential
 from . import graph as _graph
 from . import hints as _hints
+from . import inductor as _inductor
 from . import nodes as _nodes
 from . import oplevel as _oplevel
 from . import optim as _optim
@@ -489,7 +490,12 @@ def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
     top = ctx.log.tops[top_i]
     grads = [ctx.log.tensors[k].grad for k in top.out_keys]
     names = ctx.view.names
-    o = _graph.locate_graph_backward(top.compiled, top, names.get(top.module, ""), grads, ctx.view.scratch)
+    prefix = names.get(top.module, "")
+    settings = _inductor.inductor_settings(top.compiled)
+    if settings is not None:  # Inductor's kernels dispatch nothing: its captured backward graph, node by node
+        o = _inductor.locate_inductor_backward(top.compiled, settings, top, prefix, grads, ctx.view.scratch)
+    else:
+        o = _graph.locate_graph_backward(top.compiled, top, prefix, grads, ctx.view.scratch)
     if o is None:
         return None
     known = set(names.values())

@@ -247,7 +247,10 @@ def locate_graph_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tens
     return guarded(keep, lambda: _locate_backward(fn, top, prefix, grads))
 
 
-def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | None]) -> GraphOrigin | None:
+def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | None],
+                     forward_nodes: Callable[[], list[Any]] | None = None) -> GraphOrigin | None:
+    """(``forward_nodes``: the forward graphs' nodes, when the compiled forward dispatches nothing
+    that names them: Inductor.)"""
     fwd = GraphMode()
     mode = GraphMode()
     with faithful(top, compiled=True), torch.enable_grad():
@@ -268,7 +271,8 @@ def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | 
         return None
     node = mode.nodes[first]
     seq = node.meta.get("seq_nr") if node is not None else None
-    src = next((_source(n.meta.get("stack_trace")) for n in fwd.nodes
+    candidates = list(fwd.nodes) + (forward_nodes() if forward_nodes is not None else [])
+    src = next((_source(n.meta.get("stack_trace")) for n in candidates
                 if n is not None and seq is not None and n.meta.get("seq_nr") == seq and n.meta.get("stack_trace")), None)
     r = rec.recs[first]
     module, mtype = _module_of(node, prefix)

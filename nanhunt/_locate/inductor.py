@@ -44,11 +44,11 @@ from torch import nn
 
 from .._steplog import Top
 from .._tensors import Path
-from .graph import GraphOrigin, _locate_graph, _module_of, _source, guarded, module_id, with_element
+from .graph import GraphOrigin, _locate_backward, _locate_graph, _module_of, _source, guarded, module_id, with_element
 from .oplevel import _code, _fmt
 from .replay import faithful
 
-__all__ = ["BUDGET_S", "inductor_settings", "locate_inductor"]
+__all__ = ["BUDGET_S", "inductor_settings", "locate_inductor", "locate_inductor_backward"]
 
 BUDGET_S = 60.0  # wall time the bisection may spend compiling prefixes
 
@@ -106,10 +106,11 @@ class _Capture:
         self.graphs: list[_Graph] = []
         self.kwargs: dict[str, Any] = {}
         self.interpret = False
+        self.interpret_backward = False  # backward graphs run node by node (compiled, kept as is)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
         if kw.get("is_backward"):
-            return self.inner(gm, example_inputs, **kw)
+            return self._backward(gm, example_inputs, **kw)
         g = _Graph(copy.deepcopy(gm))
         self.kwargs = {k: v for k, v in kw.items() if k in ("is_inference", "static_input_idxs")}
         real = self.inner(gm, example_inputs, **kw)
@@ -124,6 +125,20 @@ class _Capture:
             out = real(args)
             g.compiled_outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             return out
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def _backward(self, gm: torch.fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
+        bw = copy.deepcopy(gm)
+        real = self.inner(gm, example_inputs, **kw)
+        cap = self
+
+        def run(args: list[Any]) -> Any:
+            if cap.interpret_backward:
+                out = torch.fx.Interpreter(bw).run(*args)
+                return list(out) if isinstance(out, (tuple, list)) else [out]
+            return real(args)
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
@@ -154,9 +169,9 @@ def locate_inductor(compiled: Any, settings: dict[str, Any], top: Top, prefix: s
     return guarded(keep, lambda: _locate(compiled, settings, top, prefix, path))
 
 
-def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
-    import torch._functorch.config as functorch_config
-    from torch._inductor import config as inductor_config
+def _capturing(compiled: Any, settings: dict[str, Any], top: Top) -> tuple[_Capture, Callable[..., Any], dict[str, Any]]:
+    """A fresh compile of ``top``'s module with the user's Inductor settings through a `_Capture`:
+    the capture, the compiled callable, and the Inductor config patches to run it under."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     settings = dict(settings)
@@ -170,7 +185,14 @@ def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(mod, *args, **kwargs)
 
-    patches = settings.get("config_patches") or {}
+    return cap, call, settings.get("config_patches") or {}
+
+
+def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    cap, call, patches = _capturing(compiled, settings, top)
     # an AOT cache hit would skip inner_compile: nothing would be captured
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
         with faithful(top, compiled=True):
@@ -185,6 +207,25 @@ def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path
         if origin is not None:
             return origin
         return _bisect(cap, prefix, time.monotonic() + BUDGET_S)
+
+
+def locate_inductor_backward(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
+                             grads: list[torch.Tensor | None], keep: Any = ()) -> GraphOrigin | None:
+    """A gradient only the Inductor-compiled backward makes: the backward graph Inductor received,
+    run node by node from the compiled forward's saved values (a wrong decomposition; a backward
+    codegen bug is not bisected), its node's forward module and line (through ``seq_nr``)."""
+    return guarded(keep, lambda: _locate_bw(compiled, settings, top, prefix, grads))
+
+
+def _locate_bw(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
+               grads: list[torch.Tensor | None]) -> GraphOrigin | None:
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    cap, call, patches = _capturing(compiled, settings, top)
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
+        cap.interpret_backward = True
+        return _locate_backward(call, top, prefix, grads, lambda: [n for g in cap.graphs for n in g.gm.graph.nodes])
 
 
 # ---------------------------------------------------------------- codegen bugs: bisection
