@@ -186,3 +186,32 @@ def test_two_hunts_on_a_model_compiled_model_leave_its_compiled_call_as_it_was(o
     for hunt in (a, b):
         assert hunt.first is not None and (hunt.first.module, hunt.first.cause) == ("1", "parameter")
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_compiled_after_watch_is_watched_from_the_next_step(mode):
+    """``watch(model)`` then ``model.compile()``: the first step's graphs traced hooks with nothing
+    to write into; from its end on the hunt catches the compiled call (and full mode's graphs are
+    traced once more with their slots), so a later NaN is localised as in eager."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+            model.compile(backend="aot_eager")
+            for _ in range(3):
+                _step(model, opt, torch.randn(4, 8))
+            assert not hunt.findings
+            with torch.no_grad():
+                model[1].weight[3] = float("nan")
+            _step(model, opt, torch.randn(4, 8))
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    assert "_compiled_call_impl" not in model.__dict__ or not hasattr(model._compiled_call_impl, "__nanhunt_root__")
+    torch._dynamo.reset()

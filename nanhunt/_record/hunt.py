@@ -157,7 +157,7 @@ class Hunt:
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
-        self._traced = False  # sentinel: the root's hooks were traced into a compiled graph
+        self._traced = False  # our hooks were traced into a graph the hunt was not ready for: see _after_trace
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
         self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
@@ -170,8 +170,10 @@ class Hunt:
         self._step_lines: dict[int, str | None] = {}
 
         self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
+        self._croot: CompiledRoot | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
-            self._handles.append(CompiledRoot(model, self._compiled_begin, self._compiled_end))
+            self._croot = CompiledRoot(model, self._compiled_begin, self._compiled_end)
+            self._handles.append(self._croot)
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
         else:
@@ -572,7 +574,10 @@ class Hunt:
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
     def _post_compiled(self, module: nn.Module, output: Any) -> None:
         slots, comp = self._cnames, self._compiled
-        if slots is None or comp is None or self._paused:
+        if comp is None:
+            self._traced = True  # compiled without slots to write into (compiled after watch()): see _after_trace
+            return
+        if slots is None or self._paused:
             return
         slot = slots.get(module)
         if slot is None:
@@ -698,6 +703,27 @@ class Hunt:
     # then traces the graph once more, as global hooks are part of its guards); they act only for
     # a wrapper of the root, and every other eager call pays torch's hook dispatch. (model.compile()
     # is caught by CompiledRoot from the start.)
+    def _after_trace(self) -> None:
+        """At a step's end after our hooks were traced into a graph the hunt had not prepared for
+        (the model compiled after watch(), a compiled function that calls it, sentinel under
+        torch.compile(model)): catch model.compile()'s top-level call from now on; full mode makes
+        its in-graph slots and has dynamo trace again (once) so the graphs write into them;
+        sentinel catches a torch.compile wrapper's calls."""
+        self._traced = False
+        root = self._root
+        if root is None:
+            return
+        if self._croot is None and getattr(root, "_compiled_call_impl", None) is not None:
+            self._croot = CompiledRoot(root, self._compiled_begin, self._compiled_end)
+            self._handles.append(self._croot)
+        if not self._per_module:
+            self._catch_wrapper()
+        elif self._compiled is None:
+            first = next(root.parameters(), None)
+            self._compiled = CompiledChecks(first.device if first is not None else "cpu")
+            self._compiled_names()
+            forget_compiled()
+
     def _catch_wrapper(self) -> None:
         if self._wrappers is None and self._root is not None:
             self._wrappers = GlobalHooks(self._wrapper_pre, self._wrapper_post)
@@ -866,8 +892,8 @@ class Hunt:
         watched optimizer's step, which every rank runs; elsewhere each rank judges its own.
         """
         self._outside.off()
-        if self._traced and self._wrappers is None:
-            self._catch_wrapper()
+        if self._traced:
+            self._after_trace()
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if self._backup is not None:
