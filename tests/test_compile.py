@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from tests import zoo
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)`:UserWarning"),
@@ -38,11 +39,7 @@ def test_compiled_model_no_graph_break_and_module_level_finding(how):
     counters.clear()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    if how == "torch.compile":
-        fn = torch.compile(model, backend="aot_eager")
-    else:
-        model.compile(backend="aot_eager")
-        fn = model
+    fn = zoo.compiled(model, how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _step(fn, opt, torch.randn(4, 8))  # compiled before watch(): the watch must force a retrace
@@ -83,11 +80,7 @@ def test_a_watched_compiled_model_is_traced_once(how):
     counters.clear()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    if how == "torch.compile":
-        fn = torch.compile(model, backend="aot_eager")
-    else:
-        model.compile(backend="aot_eager")
-        fn = model
+    fn = zoo.compiled(model, how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
@@ -115,11 +108,7 @@ def test_sentinel_adds_no_graph_break_and_still_finds_the_nan(how):
     counters.clear()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    if how == "torch.compile":
-        fn = torch.compile(model, backend="aot_eager")
-    else:
-        model.compile(backend="aot_eager")
-        fn = model
+    fn = zoo.compiled(model, how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanhunt.watch(model, optimizer=opt, on_find="record", mode="sentinel") as hunt:

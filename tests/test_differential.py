@@ -144,11 +144,7 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run, h
     torch._dynamo.reset()
     model, x = zoo.sharp_scores(0)
     assert bool(torch.isfinite(model(x)).all())  # eager: finite
-    if how == "torch.compile":
-        compiled = torch.compile(model, backend=zoo.naive_softmax_backend(run))
-    else:
-        model.compile(backend=zoo.naive_softmax_backend(run))
-        compiled = model
+    compiled = zoo.compiled(model, how, zoo.naive_softmax_backend(run))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -171,7 +167,7 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run, h
     assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
     assert not _get_current_dispatch_mode_stack()
     assert not torch.are_deterministic_algorithms_enabled()
-    assert torch.compiler.is_compiling() is False and bool(torch.isnan(compiled(x)).any())  # still compiled
+    assert bool(torch.isnan(compiled(x)).any())  # the stance is back: the user's call still runs compiled
 
 
 # ---------------------------------------------------------------- Inductor (the default backend)
@@ -223,11 +219,8 @@ def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line(how):
     torch._dynamo.reset()
     model, x = zoo.sharp_scores(0)
     assert bool(torch.isfinite(model(x)).all())
-    if how == "torch.compile":
-        compiled = torch.compile(model, backend=zoo.naive_softmax_inductor())
-    else:
-        model.compile(backend=zoo.naive_softmax_inductor())
-        compiled, own = model, model._compiled_call_impl
+    compiled = zoo.compiled(model, how, zoo.naive_softmax_inductor())
+    own = model.__dict__.get("_compiled_call_impl")  # model.compile()'s own compiled call, else None
     try:
         f = _analysed(compiled, model, x)
         assert f is not None and f.verdict == "compiler"
@@ -242,8 +235,7 @@ def test_nan_only_inductor_makes_is_compiler_at_its_op_and_line(how):
             naive = e / e.sum(-1, keepdim=True)
         _nan_at(f, torch.isnan(naive))
         _left_behind(compiled, x)
-        if how == "model.compile":
-            assert model._compiled_call_impl is own
+        assert model.__dict__.get("_compiled_call_impl") is own
     finally:
         torch._dynamo.reset()
 
@@ -351,11 +343,7 @@ def test_nan_only_the_compiled_backward_makes_is_compiler_at_its_node_and_line(h
     saturated = (1 - y * y) == 0
     assert bool(saturated.any())
     compiler = zoo.wrong_tanh_backward_backend() if backend == "aot" else zoo.wrong_tanh_backward_inductor()
-    if how == "torch.compile":
-        compiled = torch.compile(model, backend=compiler)
-    else:
-        model.compile(backend=compiler)
-        compiled = model
+    compiled = zoo.compiled(model, how, compiler)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -44,6 +44,12 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], None]]]] = 
     "log(0)": _log0,
     "sqrt at 0 (backward)": _sqrt0,
 }
+# what both modes must name: (phase, module, module_type, tensor, cause)
+EXPECTED = {
+    "poisoned LayerNorm weight": ("forward", "1", "LayerNorm", "output", "parameter"),
+    "log(0)": ("forward", "log", "Log", "output", "created"),
+    "sqrt at 0 (backward)": ("backward", "dist", "PairDistance", "grad_input[0]", "created"),
+}
 
 
 def _run(case: str, mode: str, check: bool) -> list[Any]:
@@ -80,4 +86,4 @@ def test_sentinel_names_what_full_mode_names(case: str, check: bool) -> None:
     keys = ("phase", "module", "module_type", "tensor", "step", "cause", "index", "op")
     f, s = full[0], sentinel[0]
     assert {k: getattr(s, k) for k in keys} == {k: getattr(f, k) for k in keys}, (str(f), str(s))
-    assert s.phase in ("forward", "backward") and s.module not in ("", "loss")
+    assert (s.phase, s.module, s.module_type, s.tensor, s.cause) == EXPECTED[case], str(s)

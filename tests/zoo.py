@@ -420,6 +420,15 @@ SHARP_SOFTMAX_LINE = next(
 )
 
 
+def compiled(model: nn.Module, how: str, backend: Any = "aot_eager") -> Any:
+    """``torch.compile(model, backend=...)`` (the wrapper) when ``how == "torch.compile"``, else
+    ``model.compile(backend=...)`` in place; the callable that runs it."""
+    if how == "torch.compile":
+        return torch.compile(model, backend=backend)
+    model.compile(backend=backend)
+    return model
+
+
 def naive_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     """A wrong ``aten._softmax`` decomposition: ``exp(x) / sum(exp(x))`` without subtracting the
     max, so sharp scores give inf / inf = NaN where eager is finite."""

@@ -158,8 +158,10 @@ def analyze(view: StepView) -> list[Finding]:
         # no per-module gradient hooks (the default): find the backward's creator by replay
         for ti, top in enumerate(log.tops):
             if top.out_keys:
-                fb = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
-                if fb is None and top.compiled is not None:  # eager is finite: the compiled backward's own node
+                r = ctx.replay(ti, backward=True)
+                fb = _backward_from_replay(ctx, ti, r)
+                if (fb is None and top.compiled is not None and r is not None and r.error is None
+                        and not any(is_bad(g) for _, g in r.grads)):  # eager is finite: the compiled backward's own node
                     fb = _compiled_backward(ctx, ti)
                 if fb is not None:
                     out.append(fb)
@@ -498,8 +500,7 @@ def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
         o = _graph.locate_graph_backward(top.compiled, top, prefix, grads, ctx.view.scratch)
     if o is None:
         return None
-    known = set(names.values())
-    name = o.module if o.module in known else next((n for m, n in names.items() if id(m) == o.module_id), None)
+    name = _graph.watched_name(o, names)
     if name is None:
         name = names.get(top.module, "")
     module = next((m for m, n in names.items() if n == name), top.module)
@@ -599,8 +600,8 @@ def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Fin
         phase="forward", module=name, module_type=mtype, tensor=format_path("output", path),
         step=ctx.step, call=0, index=None, value=None, counts={}, shape=(), dtype="",
         cause="parameter" if poisoned else "unknown",
-        hint="" if poisoned else "Found inside a compiled graph that could not be replayed eagerly "
-        "(model.compile()): only the module and output are known. Watch torch.compile(model) instead.",
+        hint="" if poisoned else "Found by the compiled graph's own check, with no replay to say more "
+        "(replay=False, or the call's inputs were changed in place since): only the module is known.",
     )
 
 

@@ -28,9 +28,9 @@ import math
 import socket
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from .._finding import Finding
 from .._hooks import GlobalHooks
 from .._steplog import CompiledSlots, StepView, Top
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
-from .graph import GraphOrigin, locate_graph
+from .graph import GraphOrigin, locate_graph, watched_name
 from .inductor import inductor_settings, locate_inductor
 from .replay import faithful
 
@@ -404,6 +404,24 @@ def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str
     return None
 
 
+def _agreement(first: bool | None, again: Callable[[], bool | None], top: Top) -> Examined | Literal[True] | None:
+    """Do replays of the failing configuration agree? ``first``: the first one's answer (None: it
+    failed to run), ``again()`` runs one more (a third when neither reproduced it). True when every
+    replay that ran reproduced it; else the verdict (``transient``, ``nondeterministic``), or None
+    when no replay ran."""
+    runs = [first, again()]
+    if not any(runs):
+        runs.append(again())
+    seen = [r for r in runs if r is not None]
+    if not seen:
+        return None
+    if not any(seen):
+        return Examined("transient", {"replays": len(seen), **_where_device(top)})
+    if not all(seen):
+        return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+    return True
+
+
 def examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path, *,
             compiled: Any = None, prefix: str = "", keep: Sequence[torch.Tensor] = ()) -> Examined | None:
     """The verdict on a forward finding made in ``top`` at the ``ordinal``-th call's output ``path``.
@@ -422,16 +440,9 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
     def failing() -> bool | None:
         return _run(top, names, ordinal, path, compiled=compiled, keep=keep).bad
 
-    runs: list[bool | None] = [f.reproducible if compiled is None else failing(), failing()]
-    if not any(runs):
-        runs.append(failing())
-    seen = [r for r in runs if r is not None]
-    if not seen:
-        return None
-    if not any(seen):
-        return Examined("transient", {"replays": len(seen), **_where_device(top)})
-    if not all(seen):
-        return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+    agreed = _agreement(f.reproducible if compiled is None else failing(), failing, top)
+    if agreed is not True:
+        return agreed
     if compiled is not None:
         eager = _run(top, names, ordinal, path, eager=True)
         if eager.bad is False:
@@ -481,16 +492,9 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
     """The verdict on a backward finding: the gradient w.r.t. input ``path`` of the ``ordinal``-th
     call, replayed from ``grads`` (those that arrived at ``top``'s outputs). Eager only."""
     try:
-        runs: list[bool | None] = [f.reproducible, _run_backward(top, names, ordinal, path, grads).bad]
-        if not any(runs):
-            runs.append(_run_backward(top, names, ordinal, path, grads).bad)
-        seen = [r for r in runs if r is not None]
-        if not seen:
-            return None
-        if not any(seen):
-            return Examined("transient", {"replays": len(seen), **_where_device(top)})
-        if not all(seen):
-            return Examined("nondeterministic", {"replays": len(seen), "reproduced": sum(seen), **_where_device(top)})
+        agreed = _agreement(f.reproducible, lambda: _run_backward(top, names, ordinal, path, grads).bad, top)
+        if agreed is not True:
+            return agreed
         low = _low_dtype(top, f)
         if low is None:
             return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
@@ -528,7 +532,7 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
     top = view.log.tops[top_i]
     if phase == "backward":
         if top.compiled is not None:
-            return f  # a compiled backward is not replayed as compiled (yet): no verdict
+            return f  # a gradient only the compiled backward makes has its verdict already (analyze._compiled_backward)
         grads = [view.log.tensors[k].grad for k in top.out_keys]
         e = examine_backward(top, view.names, f, ordinal, path, grads)
         return f if e is None else dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
@@ -545,8 +549,7 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
             f = dataclasses.replace(f, module=sname, module_type=stype, tensor=format_path("output", spath),
                                     reproducible=True, cause="created")
         return f
-    known = set(view.names.values())
-    name = o.module if o.module in known else next((n for m, n in view.names.items() if id(m) == o.module_id), None)
+    name = watched_name(o, view.names)
     module, mtype = (name, o.module_type) if name is not None else (f.module, f.module_type)
     return dataclasses.replace(
         f, module=module, module_type=mtype or f.module_type, tensor="output" if module != f.module else f.tensor,

@@ -37,11 +37,11 @@ from torch.utils._pytree import tree_leaves
 
 from .._steplog import Top
 from .._tensors import Path, tensors
-from .oplevel import _first, _fmt, _Recorder
+from .oplevel import _chain, _first, _fmt, _Recorder
 from .replay import faithful
 
 __all__ = ["GraphOrigin", "guarded", "locate_graph", "locate_graph_backward", "module_id", "node_of_frame",
-           "with_element"]
+           "origin_at", "watched_name", "with_element"]
 
 
 @dataclass
@@ -153,6 +153,14 @@ def module_id(node: Any) -> int | None:
     return int(key) if isinstance(key, str) and key.isdigit() else None
 
 
+def watched_name(origin: GraphOrigin, names: dict[Any, str]) -> str | None:
+    """The origin's module as the watch names it: by its path, else (a graph resumed after a graph
+    break reaches it through a stack slot) by its id; None when it is no watched module."""
+    if origin.module is not None and origin.module in set(names.values()):
+        return origin.module
+    return next((n for m, n in names.items() if id(m) == origin.module_id), None)
+
+
 def _module_of(node: Any, prefix: str) -> tuple[str | None, str | None]:
     stack = _stack(node)
     if not stack:
@@ -199,21 +207,14 @@ def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOri
         if code is not None and prod is not None:
             walked = rec.walk(prod, _first(code))
     if not walked:  # the first op that made a non-finite value from finite inputs
-        for ri, r in enumerate(rec.recs):
-            if any(c is not None for _, c in r.outs) and not any(i.code is not None for i in r.ins):
-                walked = [ri]
-                break
+        created = rec.first_created()
+        walked = [created] if created is not None else None
     if not walked:
         return None
     first = walked[0]
     node = mode.nodes[first]
     module, mtype = _module_of(node, prefix)
-    chain = []
-    for n, ri in enumerate(walked):
-        r = rec.recs[ri]
-        if n and r.moves:
-            continue
-        chain.append(_fmt(r.op, r.src))
+    chain = _chain(rec, walked)
     # the element: at the last op on the chain still inside the creator's module
     last = first
     for ri in walked:
@@ -264,9 +265,7 @@ def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | 
             return None
         with mode:
             torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-    rec = mode.rec
-    first = next((ri for ri, r in enumerate(rec.recs)
-                  if any(c is not None for _, c in r.outs) and not any(i.code is not None for i in r.ins)), None)
+    first = mode.rec.first_created()
     if first is None:
         return None
     node = mode.nodes[first]
@@ -274,9 +273,15 @@ def _locate_backward(fn: Any, top: Top, prefix: str, grads: list[torch.Tensor | 
     candidates = list(fwd.nodes) + (forward_nodes() if forward_nodes is not None else [])
     src = next((_source(n.meta.get("stack_trace")) for n in candidates
                 if n is not None and seq is not None and n.meta.get("seq_nr") == seq and n.meta.get("stack_trace")), None)
-    r = rec.recs[first]
-    module, mtype = _module_of(node, prefix)
+    r = mode.rec.recs[first]
     shape, code = next(((sh, c) for sh, c in r.outs if c is not None), ((), None))
-    origin = GraphOrigin(r.op, node.name if node is not None else "", module, mtype, src, [_fmt(r.op, src)],
-                         shape=tuple(shape), dtype=mode.dtypes[first], module_id=module_id(node))
+    return origin_at(node, r.op, src, tuple(shape), mode.dtypes[first], code, prefix)
+
+
+def origin_at(node: Any, op: str, src: str | None, shape: tuple[int, ...], dtype: str,
+              code: torch.Tensor | None, prefix: str) -> GraphOrigin:
+    """The origin at one graph node that made the value itself (its chain is that op alone)."""
+    module, mtype = _module_of(node, prefix)
+    origin = GraphOrigin(op, node.name if node is not None else "", module, mtype, src, [_fmt(op, src)],
+                         shape=shape, dtype=dtype, module_id=module_id(node))
     return with_element(origin, code)

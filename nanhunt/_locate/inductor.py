@@ -30,12 +30,13 @@ bisection of an 8-node graph 4 prefix compiles, 0.3 s warm to 1.2 s cold (~1 s p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import operator
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +45,8 @@ from torch import nn
 
 from .._steplog import Top
 from .._tensors import Path
-from .graph import GraphOrigin, _locate_backward, _locate_graph, _module_of, _source, guarded, module_id, with_element
-from .oplevel import _code, _fmt
+from .graph import GraphOrigin, _locate_backward, _locate_graph, _source, guarded, origin_at
+from .oplevel import _code, _floating
 from .replay import faithful
 
 __all__ = ["BUDGET_S", "inductor_settings", "locate_inductor", "locate_inductor_backward"]
@@ -93,6 +94,7 @@ class _Graph:
     """One forward graph Inductor received: a copy taken before compiling, each call's arguments."""
 
     gm: torch.fx.GraphModule
+    kwargs: dict[str, Any] = field(default_factory=dict)  # compile_fx_inner's keywords for this graph
     args: list[Any] = field(default_factory=list)
     compiled_outs: list[Any] = field(default_factory=list)
 
@@ -104,23 +106,20 @@ class _Capture:
     def __init__(self, inner: Callable[..., Any]) -> None:
         self.inner = inner
         self.graphs: list[_Graph] = []
-        self.kwargs: dict[str, Any] = {}
         self.interpret = False
         self.interpret_backward = False  # backward graphs run node by node (compiled, kept as is)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kw: Any) -> Any:
         if kw.get("is_backward"):
             return self._backward(gm, example_inputs, **kw)
-        g = _Graph(copy.deepcopy(gm))
-        self.kwargs = {k: v for k, v in kw.items() if k in ("is_inference", "static_input_idxs")}
+        g = _Graph(copy.deepcopy(gm), {k: v for k, v in kw.items() if k in ("is_inference", "static_input_idxs")})
         real = self.inner(gm, example_inputs, **kw)
         self.graphs.append(g)
         cap = self
 
         def run(args: list[Any]) -> Any:
             if cap.interpret:
-                out = torch.fx.Interpreter(g.gm).run(*args)
-                return list(out) if isinstance(out, (tuple, list)) else [out]
+                return _interpreted(g.gm, args)
             g.args = [_own(a) for a in args]
             out = real(args)
             g.compiled_outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
@@ -136,12 +135,17 @@ class _Capture:
 
         def run(args: list[Any]) -> Any:
             if cap.interpret_backward:
-                out = torch.fx.Interpreter(bw).run(*args)
-                return list(out) if isinstance(out, (tuple, list)) else [out]
+                return _interpreted(bw, args)
             return real(args)
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+
+def _interpreted(gm: torch.fx.GraphModule, args: list[Any]) -> list[Any]:
+    """``gm`` run node by node, its outputs as the boxed calling convention returns them."""
+    out = torch.fx.Interpreter(gm).run(*args)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def _own(a: Any) -> Any:
@@ -188,22 +192,26 @@ def _capturing(compiled: Any, settings: dict[str, Any], top: Top) -> tuple[_Capt
     return cap, call, settings.get("config_patches") or {}
 
 
-def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
+@contextlib.contextmanager
+def _patched(patches: dict[str, Any]) -> Iterator[None]:
+    """The user's Inductor settings for the duration, and no AOT cache (a hit would skip
+    ``inner_compile``: nothing would be captured)."""
     import torch._functorch.config as functorch_config
     from torch._inductor import config as inductor_config
 
-    cap, call, patches = _capturing(compiled, settings, top)
-    # an AOT cache hit would skip inner_compile: nothing would be captured
     with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
+        yield
+
+
+def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
+    cap, call, patches = _capturing(compiled, settings, top)
+    with _patched(patches):
         with faithful(top, compiled=True):
             call(*top.args, **(top.kwargs or {}))  # compiles; records each graph's arguments
         if not cap.graphs:
             return None
-        cap.interpret = True
-        try:
-            origin = _locate_graph(call, top, prefix, path)
-        finally:
-            cap.interpret = False
+        cap.interpret = True  # the captured graphs run node by node from here on (_bisect compiles its own)
+        origin = _locate_graph(call, top, prefix, path)
         if origin is not None:
             return origin
         return _bisect(cap, prefix, time.monotonic() + BUDGET_S)
@@ -219,11 +227,8 @@ def locate_inductor_backward(compiled: Any, settings: dict[str, Any], top: Top, 
 
 def _locate_bw(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
                grads: list[torch.Tensor | None]) -> GraphOrigin | None:
-    import torch._functorch.config as functorch_config
-    from torch._inductor import config as inductor_config
-
     cap, call, patches = _capturing(compiled, settings, top)
-    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(patches):
+    with _patched(patches):
         cap.interpret_backward = True
         return _locate_backward(call, top, prefix, grads, lambda: [n for g in cap.graphs for n in g.gm.graph.nodes])
 
@@ -237,13 +242,7 @@ def _bisect(cap: _Capture, prefix: str, deadline: float) -> GraphOrigin | None:
             continue
         env = _interpret(g)
         nodes = [n for n in g.gm.graph.nodes if n.op == "call_function"]
-        seen: dict[int, tuple[Any, torch.Tensor] | None] = {}
-
-        def bad_at(k: int, g: _Graph = g, env: dict[Any, Any] = env, nodes: list[Any] = nodes,
-                   seen: dict[int, tuple[Any, torch.Tensor] | None] = seen) -> tuple[Any, torch.Tensor] | None:
-            if k not in seen:
-                seen[k] = _prefix_bad(cap, g, env, nodes, k)
-            return seen[k]
+        bad_at = functools.cache(functools.partial(_prefix_bad, cap, g, env, nodes))  # each prefix compiled once
 
         lo, hi = 0, len(nodes) - 1
         if hi < 0 or bad_at(hi) is None:
@@ -286,7 +285,7 @@ def _prefix_bad(cap: _Capture, g: _Graph, env: dict[Any, Any], nodes: list[Any],
     graph.output(tuple(remap[n] for n in outs))
     sub = torch.fx.GraphModule(g.gm, graph)
     with torch.no_grad():  # as AOT runs a compiled forward
-        compiled = cap.inner(sub, [_own(a) for a in g.args], **cap.kwargs)
+        compiled = cap.inner(sub, [_own(a) for a in g.args], **g.kwargs)
         got = compiled([_own(a) for a in g.args])
     for n, o in sorted(zip(outs, got), key=lambda p: p[0] is not nodes[k]):  # node k's own output first
         if isinstance(o, torch.Tensor) and _code(o) is not None and _code(env[n]) is None:
@@ -294,16 +293,8 @@ def _prefix_bad(cap: _Capture, g: _Graph, env: dict[Any, Any], nodes: list[Any],
     return None
 
 
-def _floating(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
 def _origin(node: Any, value: torch.Tensor, prefix: str) -> GraphOrigin:
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]  # one output of a multi-output op (native_layer_norm): that op
-    module, mtype = _module_of(node, prefix)
-    src = _source(node.meta.get("stack_trace"))
-    op = str(node.target)
-    origin = GraphOrigin(op, node.name, module, mtype, src, [_fmt(op, src)], shape=tuple(value.shape),
-                         dtype=str(value.dtype).removeprefix("torch."), module_id=module_id(node))
-    return with_element(origin, _code(value))
+    return origin_at(node, str(node.target), _source(node.meta.get("stack_trace")), tuple(value.shape),
+                     str(value.dtype).removeprefix("torch."), _code(value), prefix)

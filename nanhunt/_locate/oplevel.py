@@ -266,6 +266,11 @@ class _Recorder:
         self.recs.append(rec)
         return out
 
+    def first_created(self) -> int | None:
+        """The first record that made a non-finite output from finite inputs (no element to follow)."""
+        return next((ri for ri, r in enumerate(self.recs)
+                     if any(c is not None for _, c in r.outs) and not any(i.code is not None for i in r.ins)), None)
+
     # ---------------------------------------------------------------- the walk back
     def walk(self, start: tuple[int, int], idx: tuple[int, ...] | None) -> list[int] | None:
         """Records from the creator to ``start`` (oldest first), following the reported element."""

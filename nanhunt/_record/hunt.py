@@ -128,7 +128,7 @@ class Hunt:
         self._opts: list[torch.optim.Optimizer] = opts
         self._scaler = o.scaler
         self._ignore = o.ignore
-        self._names: dict[int, tuple[str, Any]] | None = None  # see _name_of
+        self._names: dict[int, tuple[str, Any]] | None = None  # see _build_names
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
         self._cnames: dict[nn.Module, int | None] | None = None  # for compiled graphs: _compiled_names
         self._log = StepLog()
@@ -151,9 +151,7 @@ class Hunt:
         self._round: set[int] = set()
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
-            first = next(model.parameters(), None)
-            self._compiled = CompiledChecks(first.device if first is not None else "cpu")
-            self._build_names()
+            self._prepare_compiled(None)
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
@@ -169,11 +167,21 @@ class Hunt:
         self._warned_step = -1
         self._step_lines: dict[int, str | None] = {}
 
+        # protect and recover (see protect.py, samples.py, guard.py): ready before any hook can fire
+        self.skipped: list[int] = []  # steps dropped by on_find="skip"
+        self._max_skips = o.max_skips
+        self._skip_run = 0  # consecutive skipped steps
+        self._damage: dict[str, list[str]] | None = None
+        self._bad_samples: set[int] = set()
+        self._backup = BufferBackup() if _restores(o.on_find) else None
+        self._batches = LoaderIndices(o.loader) if o.loader is not None else None
+        self._close_before_raise = False
+        self._guard = SaveGuard(self) if o.guard_saves else None
+
         self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         self._croot: CompiledRoot | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
-            self._croot = CompiledRoot(model, self._compiled_begin, self._compiled_end)
-            self._handles.append(self._croot)
+            self._catch_compiled_root()
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
         else:
@@ -186,19 +194,9 @@ class Hunt:
         if o.scaler is not None:
             self._wrap_scaler(o.scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
-        hunt_opened(self)
-        # protect and recover (see protect.py, samples.py, guard.py)
-        self.skipped: list[int] = []  # steps dropped by on_find="skip"
-        self._max_skips = o.max_skips
-        self._skip_run = 0  # consecutive skipped steps
-        self._damage: dict[str, list[str]] | None = None
-        self._bad_samples: set[int] = set()
-        self._backup = BufferBackup() if _restores(o.on_find) else None
-        self._batches = LoaderIndices(o.loader) if o.loader is not None else None
-        self._close_before_raise = False
-        self._guard = SaveGuard(self) if o.guard_saves else None
         if self._guard is not None:
             self._guard.install()
+        hunt_opened(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -296,13 +294,6 @@ class Hunt:
     # and again after a watched module gains or swaps a child (torch's global module registration
     # hook tells us); it keeps no module alive. The weak reference tells a module apart from a
     # dead one whose id was reused.
-    def _name_of(self, module: nn.Module) -> str | None:
-        names = self._names
-        if names is None:
-            names = self._build_names()
-        e = names.get(id(module))
-        return e[0] if e is not None and e[1]() is module else None
-
     def _build_names(self) -> dict[int, tuple[str, Any]]:
         root = self._root
         names: dict[int, tuple[str, Any]] = {}
@@ -323,11 +314,24 @@ class Hunt:
         """torch.compile traces _post_compiled: it looks slots up in a plain dict keyed by module
         (module -> slot of `CompiledChecks`, None when ignored), filled before any trace. Only
         models that run compiled get one; it holds the modules until close() (dynamo's own caches
-        hold them too)."""
-        names = self._names if self._names is not None else self._build_names()
-        if self._compiled is not None:
+        hold them too). Called by `_build_names` whenever the name map is (re)built."""
+        if self._compiled is not None and self._names is not None:
             self._cnames = self._compiled.assign(
-                {r(): (None if i in self._ignored else n) for i, (n, r) in names.items() if r() is not None})
+                {r(): (None if i in self._ignored else n) for i, (n, r) in self._names.items() if r() is not None})
+
+    def _prepare_compiled(self, device: torch.device | None) -> None:
+        """The in-graph checks' buffer (on ``device``, else the model's) and its slots."""
+        if device is None:
+            first = next(self._root.parameters(), None) if self._root is not None else None
+            device = first.device if first is not None else torch.device("cpu")
+        self._compiled = CompiledChecks(device)
+        self._build_names()  # assigns the slots (_compiled_names)
+
+    def _catch_compiled_root(self) -> None:
+        """model.compile(): see the top-level call around the compiled call (CompiledRoot)."""
+        if self._croot is None and self._root is not None:
+            self._croot = CompiledRoot(self._root, self._compiled_begin, self._compiled_end)
+            self._handles.append(self._croot)
 
     def _module_names(self) -> dict[nn.Module, str]:
         """The name map with strong keys, for the analysis (on a hit only)."""
@@ -527,7 +531,7 @@ class Hunt:
                     continue  # handed on unchanged from a call already probed (containers, wrappers)
                 ref = weakref.ref(t)
                 seen[key] = ref
-                sums.append(t.sum() if t.dtype is _F32 else probe(t))
+                sums.append(t.sum() if t.dtype is _F32 and type(t) is torch.Tensor else probe(t))  # DTensor & co: probe
                 meta.append(Fwd(ci, len(paths)))
                 if stat:
                     stat = False
@@ -586,8 +590,7 @@ class Hunt:
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
         if self._compiled is None:
-            self._compiled = CompiledChecks(next((t.device for _, t in tensors(args)), torch.device("cpu")))
-            self._compiled_names()
+            self._prepare_compiled(next((t.device for _, t in tensors(args)), torch.device("cpu")))
 
     def _key(self, t: torch.Tensor) -> int:
         """Index of ``t`` in this step's tensors, registering its gradient hook on first sight."""
@@ -648,13 +651,14 @@ class Hunt:
         finally:
             self._paused = False
 
-    def _join(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """A call already under way when this hunt started (``nanhunt run`` discovers roots from
-        inside their first call): record it as if the hunt's own pre-hook had seen it."""
+    def _join(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+        """A call the hunt's own pre-hook did not see (one already under way when this hunt started:
+        ``nanhunt run`` discovers roots from inside their first call; model.compile()'s, whose
+        hooks are traced): record it as if the pre-hook had seen it."""
         if self._per_module:
             self._pre(module, args)
         else:
-            self._root_pre(module, args, {})
+            self._root_pre(module, args, kwargs or {})
 
     # sentinel mode: only the root's calls are recorded, for the replay
     def _root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -683,10 +687,7 @@ class Hunt:
 
     # model.compile(): the top-level call seen around the compiled call (see CompiledRoot)
     def _compiled_begin(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], compiled: Any) -> None:
-        if self._per_module:
-            self._pre(model, args)
-        else:
-            self._root_pre(model, args, kwargs)
+        self._join(model, args, kwargs)
         stack = self._stack
         if stack and stack[-1].module is model and stack[-1].depth == 0:
             self._log.tops[stack[-1].top].compiled = compiled  # what a verdict replays
@@ -713,15 +714,12 @@ class Hunt:
         root = self._root
         if root is None:
             return
-        if self._croot is None and getattr(root, "_compiled_call_impl", None) is not None:
-            self._croot = CompiledRoot(root, self._compiled_begin, self._compiled_end)
-            self._handles.append(self._croot)
+        if getattr(root, "_compiled_call_impl", None) is not None:
+            self._catch_compiled_root()
         if not self._per_module:
             self._catch_wrapper()
         elif self._compiled is None:
-            first = next(root.parameters(), None)
-            self._compiled = CompiledChecks(first.device if first is not None else "cpu")
-            self._compiled_names()
+            self._prepare_compiled(None)
             forget_compiled()
 
     def _catch_wrapper(self) -> None:

@@ -94,7 +94,6 @@ class _Switch:
         self.on: Outside | None = None  # the mode on the stack (the carrier)
         self.orphans: list[Outside] = []  # pass-through modes still on a stack (see `off`)
         self.active: list[Outside] = []  # the hunts it records for
-        self.modes: weakref.WeakSet[Outside] = weakref.WeakSet()
 
     def off(self) -> None:
         """Pop the carrier (a watched root call or nanhunt's own code runs); membership stays."""
@@ -158,7 +157,6 @@ class Outside(TorchFunctionMode):
         self.quiet = 0
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
         _SWITCH.sweep()
-        _SWITCH.modes.add(self)
 
     def busy(self) -> bool:
         h = self._hunt()
@@ -194,7 +192,6 @@ class Outside(TorchFunctionMode):
         if _SWITCH.on is self:
             _SWITCH.off()
         self.stale = True  # left under a user's mode: it passes everything through
-        _SWITCH.modes.discard(self)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
