@@ -39,7 +39,8 @@ class Call:
         "paths", "outs", "in_keys", "out_keys",
     )
 
-    def __init__(self, module: nn.Module, name: str, call: int, depth: int, parent: int, top: int, ordinal: int):
+    def __init__(self, module: nn.Module, name: str, call: int, depth: int, parent: int, top: int, ordinal: int,
+                 index: int) -> None:
         self.module = module
         self.name = name
         self.call = call
@@ -47,11 +48,13 @@ class Call:
         self.parent = parent  # index of the enclosing Call in StepLog.calls, -1 at top level
         self.top = top  # index into StepLog.tops
         self.ordinal = ordinal  # watched-module calls since its top-level call began
-        self.index = -1  # this call's index in StepLog.calls
-        self.paths: list[Path] = []
-        self.outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        self.in_keys: list[tuple[int, Path]] = []
-        self.out_keys: list[tuple[int, Path]] = []
+        self.index = index  # this call's index in StepLog.calls
+        # filled when the call returns (empty tuples until then: one call is made per module call,
+        # most never need a list)
+        self.paths: Sequence[Path] = ()
+        self.outs: Sequence[tuple[weakref.ref[torch.Tensor], int]] = ()
+        self.in_keys: Sequence[tuple[int, Path]] = ()
+        self.out_keys: Sequence[tuple[int, Path]] = ()
 
 
 class Top:
@@ -59,7 +62,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "calls", "compiled", "saved",
+        "out_keys", "compiled", "saved",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -73,7 +76,6 @@ class Top:
         self.autocast = autocast
         self.grad_enabled = grad_enabled
         self.out_keys: list[int] = []
-        self.calls = 0
         self.compiled: Any = None  # the torch.compile wrapper that ran it (what failed), else None
         self.saved: dict[int, torch.Tensor] = {}  # id -> value before the call, of the root's floating buffers
 

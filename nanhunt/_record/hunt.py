@@ -48,7 +48,7 @@ from .._locate.damage import damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
-from .._tensors import is_checked, probe, tensors, version
+from .._tensors import Path, is_checked, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -75,6 +75,23 @@ _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_weakref = weakref.ref
+_CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
+                     if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
+_ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
+_FWD0: list[Fwd] = []
+_FWD_CACHED = 1 << 16  # Fwd(i, 0) for each call index i seen so far: shared, never changed
+
+
+def _fwd0(i: int) -> Fwd:
+    """The entry of call ``i``'s only output (made once per index, not once per step)."""
+    if i >= _FWD_CACHED:
+        return Fwd(i, 0)
+    while len(_FWD0) <= i:
+        _FWD0.append(Fwd(len(_FWD0), 0))
+    return _FWD0[i]
+
+
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
@@ -149,15 +166,16 @@ class Hunt:
         self._after_step: dict[int, dict[int, int]] = {}
         self._bad_grads_step = -1
         self._round: set[int] = set()
+        self._stats_every = o.stats_every
+        self._per_module = o.mode != "sentinel"
+        self._stats_on = self._per_module and o.history > 0
+        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
             self._prepare_compiled(None)
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
-        self._stats_every = o.stats_every
-        self._per_module = o.mode != "sentinel"
         self._traced = False  # our hooks were traced into a graph the hunt was not ready for: see _after_trace
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
-        self._stats_on = self._per_module and o.history > 0
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._deferred: list[Any] = []
@@ -306,6 +324,7 @@ class Hunt:
                         ignored.add(id(m))
         self._names = names
         self._ignored = ignored
+        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         if self._compiled is not None:
             self._compiled_names()
         return names
@@ -361,41 +380,58 @@ class Hunt:
             if names is None:
                 names = self._build_names()
             e = names.get(id(module))
-            wrapper = None
-            if e is None or e[1]() is not module:
-                orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
-                if not isinstance(orig, nn.Module):
-                    return
-                e = names.get(id(orig))
-                if e is None or e[1]() is not orig:
-                    return
-                wrapper, module = module, orig
-                self._compiled_buffer(args)
-            if module._forward_hooks:  # the user's own forward hooks: probe after them
-                self._late_hook(module)
             stack = self._stack
-            log = self._log
-            if not stack:
-                got = self._begin_top(module, args, cap=True)
-                if got is None:  # on_find closed the hunt
-                    return
-                log, t = got
-                t.compiled = wrapper  # the compiled configuration: what a verdict replays
-                top, parent, depth = len(log.tops) - 1, -1, 0
-            else:
+            if stack and e is not None and not module._forward_hooks and e[1]() is module:
+                # the common case, kept short (it runs for every module call): a watched call
+                # inside a watched call, no forward hook of the user's on the module
                 p = stack[-1]
-                top, parent, depth = p.top, p.index, p.depth + 1
-                t = log.tops[top]
-            counts = log.counts
-            n = counts.get(module, 0)
-            counts[module] = n + 1
-            c = Call(module, e[0], n, depth, parent, top, t.calls)
-            t.calls += 1
-            c.index = len(log.calls)
-            log.calls.append(c)
-            stack.append(c)
+                calls = self._log.calls
+                counts = self._log.counts
+                n = counts.get(module, 0)
+                counts[module] = n + 1
+                i = len(calls)
+                c = Call(module, e[0], n, p.depth + 1, p.index, p.top, i - stack[0].index, i)
+                calls.append(c)
+                stack.append(c)
+                return
+            self._pre_other(module, args, e)
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
+
+    def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
+        """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
+        wrapper = None
+        if e is None or e[1]() is not module:
+            orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
+            if not isinstance(orig, nn.Module):
+                return
+            names = self._names or {}
+            e = names.get(id(orig))
+            if e is None or e[1]() is not orig:
+                return
+            wrapper, module = module, orig
+            self._compiled_buffer(args)
+        if module._forward_hooks:  # the user's own forward hooks: probe after them
+            self._late_hook(module)
+        stack = self._stack
+        log = self._log
+        if not stack:
+            got = self._begin_top(module, args, cap=True)
+            if got is None:  # on_find closed the hunt
+                return
+            log, t = got
+            t.compiled = wrapper  # the compiled configuration: what a verdict replays
+            top, parent, depth, first = len(log.tops) - 1, -1, 0, len(log.calls)
+        else:
+            p = stack[-1]
+            top, parent, depth, first = p.top, p.index, p.depth + 1, stack[0].index
+        counts = log.counts
+        n = counts.get(module, 0)
+        counts[module] = n + 1
+        i = len(log.calls)
+        c = Call(module, e[0], n, depth, parent, top, i - first, i)
+        log.calls.append(c)
+        stack.append(c)
 
     def _begin_top(self, module: nn.Module, args: tuple[Any, ...], *, cap: bool) -> tuple[StepLog, Top] | None:
         """A top-level call begins (both modes): it may end the previous step (no optimizer: each
@@ -459,6 +495,36 @@ class Hunt:
             c = stack.pop()
             if module._forward_hooks and id(module) in self._late:
                 self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
+            elif c.depth and self._lean and type(output) is torch.Tensor:
+                # the common case, kept short: one plain tensor out of a call inside a watched call
+                # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
+                if type(module) in _PASSTHROUGH:
+                    return
+                log = self._log
+                i = c.index
+                calls = log.calls
+                if i >= len(calls) or calls[i] is not c or output.dtype not in _CHECKED:
+                    return  # the step ended inside this call (a sync from another thread); not floating
+                try:
+                    key = (id(output), output._version)
+                except RuntimeError:  # an inference tensor: no version counter
+                    key = (id(output), -1)
+                seen = log.probed
+                ref = seen.get(key)
+                if ref is not None and ref() is output:
+                    return  # handed on unchanged from a call already probed (containers, wrappers)
+                seen[key] = ref = _weakref(output)
+                if _grad_enabled():  # one switch instead of a detach
+                    _set_grad_enabled(False)
+                    try:
+                        log.sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                    finally:
+                        _set_grad_enabled(True)
+                else:
+                    log.sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                log.meta.append(_fwd0(i))
+                c.paths = _ONE_PATH
+                c.outs = ((ref, key[1]),)
             else:
                 self._record(c, module, args, kwargs, output)
             if not stack and not self._opts:
@@ -505,7 +571,10 @@ class Hunt:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
         skip = id(module) in ignored if ignored else False
-        sums, meta, paths, outs, seen = log.sums, log.meta, c.paths, c.outs, log.probed
+        paths: list[Path] = []
+        outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        c.paths, c.outs = paths, outs
+        sums, meta, seen = log.sums, log.meta, log.probed
         grad = _grad_enabled()
         if grad:  # one switch for the call instead of a detach per probe
             _set_grad_enabled(False)
@@ -552,25 +621,28 @@ class Hunt:
             if not depth:
                 self._outside.on()
             return
+        out_keys: list[tuple[int, Path]] = []
+        in_keys: list[tuple[int, Path]] = []
+        c.out_keys, c.in_keys = out_keys, in_keys
         if self._grad_hooks:  # always-on per-module backward checks (opt-in; replay does it otherwise)
             for path, t in tensors(output):
                 if t.requires_grad and is_checked(t):
                     k = self._key(t)
                     log.tensors[k].producers.append((ci, path))
-                    c.out_keys.append((k, path))
+                    out_keys.append((k, path))
             for path, t in tensors((args, kwargs)):
                 if t.requires_grad and is_checked(t):
                     k = self._key(t)
                     log.tensors[k].consumers.append((ci, path))
-                    c.in_keys.append((k, path))
+                    in_keys.append((k, path))
         if not depth:  # the gradients arriving at the model's outputs: what a backward replay needs
             if not self._grad_hooks:
                 for path, t in tensors(output):
                     if t.requires_grad and is_checked(t):
                         k = self._key(t)
                         log.tensors[k].producers.append((ci, path))
-                        c.out_keys.append((k, path))
-            top.out_keys = [k for k, _ in c.out_keys]
+                        out_keys.append((k, path))
+            top.out_keys = [k for k, _ in out_keys]
             for k in top.out_keys:
                 log.tensors[k].keep_grad = True
             self._outside.on()
@@ -677,9 +749,8 @@ class Hunt:
                 return
             log, top = got
             top.kwargs = kwargs
-            c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0)
+            c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0, len(log.calls))
             log.counts[module] = c.call + 1
-            c.index = len(log.calls)
             log.calls.append(c)
             self._stack.append(c)
         except Exception as exc:
@@ -754,12 +825,13 @@ class Hunt:
                 log = self._log
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
+                    c.out_keys = out_keys = []
                     for path, t in tensors(output):
                         if t.requires_grad and is_checked(t):
                             k = self._key(t)
                             log.tensors[k].keep_grad = True
                             top.out_keys.append(k)
-                            c.out_keys.append((k, path))
+                            out_keys.append((k, path))
                 if not self._stack and not self._opts:
                     self._owner = None
                 if not self._paused:
@@ -838,6 +910,7 @@ class Hunt:
             self.step += 1
             self._round = set()
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
+        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         # Parameters and state are read every `optimizer_every` steps (1 in full mode, 10 in
         # sentinel, where reading three copies of the model each step would be most of its cost)
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
@@ -910,6 +983,7 @@ class Hunt:
             self.step += 1
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
+        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         found: list[Finding] = []
         d = self._dist if collective else None
         try:
@@ -1117,6 +1191,7 @@ class Hunt:
         self._names = None
         self._cnames = None
         self._ignored = set()
+        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         if self._compiled is not None and self._compiled.meta:
             forget_compiled()  # compiled graphs traced our hooks in: drop them with us
         self._compiled = None
