@@ -223,11 +223,18 @@ Vector = Grads | OptimState | CompiledSlots
 
 
 class StepLog:
-    """Everything recorded since the last sync."""
+    """Everything recorded since the last sync.
+
+    ``sums[i]`` is the probe of entry ``meta[i]``, or ``None`` for a deferred probe: a small output
+    kept in ``lazy`` until `resolve` reduces all of them at once (one stack per shape, at the
+    top-level call's return), whose values then sit in ``chunks``."""
 
     def __init__(self) -> None:
-        self.sums: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor | None] = []
         self.meta: list[Entry] = []
+        self.lazy: list[tuple[torch.Tensor, int, int, int]] = []  # (output, its version, position in sums, module id)
+        self.trial: list[tuple[torch.Tensor, int, int]] = []  # probed now, kept to learn: (output, version, module id)
+        self.chunks: list[tuple[list[int], torch.Tensor]] = []  # (positions in sums, one value each)
         # fused checks (grads, params, state): a vector, one value per tensor, or a `_record.probe.Fused`
         self.vectors: list[tuple[Any, Vector]] = []
         self.calls: list[Call] = []
@@ -251,9 +258,72 @@ class StepLog:
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
 
+    def resolve(self) -> tuple[list[int], list[int]]:
+        """Probe the deferred outputs (device-side, no host read): one reduction per shape.
+
+        Returns the ids of the modules whose outputs were (``changed``) or were not (``kept``)
+        written in place after their call returned: ``kept`` from the trial outputs, whose
+        probes were taken at once. A deferred output written since is probed as it is now (the
+        module is then probed at once from the next call on)."""
+        lazy, trial = self.lazy, self.trial
+        if not lazy and not trial:
+            return [], []
+        changed = [mid for t, ver, mid in trial if t._version != ver]
+        kept = [mid for t, ver, mid in trial if t._version == ver]
+        self.trial = []
+        if not lazy:
+            return changed, kept
+        self.lazy = []
+        sums = self.sums
+        groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]] = {}
+        with torch.no_grad():
+            for t, ver, at, mid in lazy:
+                if t._version != ver:
+                    changed.append(mid)
+                    sums[at] = t.sum()
+                    continue
+                g = groups.get(t.shape)
+                if g is None:
+                    groups[t.shape] = g = ([], [])
+                g[0].append(at)
+                g[1].append(t)
+            for pos, ts in groups.values():
+                try:
+                    v = torch.stack(ts).view(len(ts), -1).sum(1) if len(ts) > 1 else ts[0].sum().view(1)
+                except RuntimeError:  # on several devices
+                    for at, t in zip(pos, ts):
+                        sums[at] = t.sum()
+                    continue
+                self.chunks.append((pos, v))
+        return changed, kept
+
+    def probes(self, start: int = 0, end: int | None = None) -> torch.Tensor | None:
+        """Every probe of entries ``start:end`` in one float vector (order not kept), else None."""
+        end = len(self.sums) if end is None else end
+        part = [x for x in self.sums[start:end] if x is not None]
+        vecs = [stack_probes(part)] if part else []
+        for pos, v in self.chunks:
+            if start <= pos[0] and pos[-1] < end:
+                vecs.append(v)
+            elif pos[-1] >= start and pos[0] < end:
+                vecs.append(v[torch.tensor([start <= p < end for p in pos], device=v.device)])
+        if not vecs:
+            return None
+        return torch.cat(vecs) if len(vecs) > 1 else vecs[0]
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only entries ``keep`` (ascending) of ``sums``/``meta``; deferred probes stay."""
+        new = {old: i for i, old in enumerate(keep)}
+        self.sums = [self.sums[i] for i in keep]
+        self.meta = [self.meta[i] for i in keep]
+        self.chunks = [([new[p] for p in pos], v) for pos, v in self.chunks]
+        self.lazy = [(t, ver, new[p], mid) for t, ver, p, mid in self.lazy]
+
     def bad_flag(self) -> torch.Tensor | None:
         """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
-        vecs = [stack_probes(self.sums)] if self.sums else []
+        self.resolve()
+        sums = self.probes()
+        vecs = [sums] if sums is not None else []
         # a fused probe (`_record.probe.Fused`) is read by its summary
         vecs += [v if isinstance(v, torch.Tensor) else v.summary for v, _ in self.vectors]
         if not vecs:
@@ -270,7 +340,16 @@ class StepLog:
 
     def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
         """After a hit: which entries are non-finite (more syncs, allowed now)."""
-        s = (~torch.isfinite(stack_probes(self.sums))).tolist() if self.sums else []
+        self.resolve()
+        s = [False] * len(self.sums)
+        at = [i for i, x in enumerate(self.sums) if x is not None]
+        if at:
+            now = [x for x in self.sums if x is not None]
+            for i, b in zip(at, (~torch.isfinite(stack_probes(now))).tolist()):
+                s[i] = b
+        for pos, vec in self.chunks:
+            for i, b in zip(pos, (~torch.isfinite(vec)).tolist()):
+                s[i] = b
         v = [(~torch.isfinite(t)).tolist() if isinstance(t, torch.Tensor) else t.flags() for t, _ in self.vectors]
         return s, v
 
@@ -281,6 +360,9 @@ class StepLog:
         self.handles.clear()
         self.sums.clear()
         self.meta.clear()
+        self.lazy.clear()
+        self.trial.clear()
+        self.chunks.clear()
         self.vectors.clear()
         self.calls.clear()
         self.tops.clear()

@@ -73,3 +73,100 @@ def test_container_handing_on_its_childs_output_is_not_a_second_finding():
     with nanhunt.watch(model, on_find="record") as hunt:
         model(torch.randn(8, 4))
     assert [f.module for f in hunt.findings if f.phase == "forward"] == ["0.1"]
+
+
+# ---------------------------------------------------------------- small outputs probed at the root's return
+def _positive_then(bad: torch.Tensor, steps: int = 3):
+    """Batches a model with non-negative first-layer weights and bias 1 keeps positive, then ``bad``."""
+    torch.manual_seed(1)
+    return [torch.rand(8, 4) for _ in range(steps)] + [bad]
+
+
+def _train(model: nn.Module, batches, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", **kw) as hunt:
+        for x in batches:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if hunt.first is not None:
+                break
+        deferred = set(getattr(hunt, "_defer", ()))
+    return hunt.first, deferred
+
+
+def _log_model() -> nn.Sequential:
+    from tests.zoo import Log
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Log(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.fill_(1.0)
+    return model
+
+
+def test_a_value_born_in_a_deferred_probe_is_found_as_if_probed_at_once(monkeypatch):
+    """After one step in which no output was written after its module returned, small outputs are
+    probed together at the top-level call's return: the finding (log of a negative) is the same,
+    element for element, as with every probe taken at once."""
+    from nanhunt._record import hunt as hunt_mod
+
+    batches = _positive_then(torch.full((8, 4), -100.0))
+    first, deferred = _train(_log_model(), batches)
+    model = _log_model()
+    assert first is not None and (first.phase, first.module, first.cause, first.step) == ("forward", "1", "created", 3)
+    assert first.op == "aten.log.default" and first.index == (0, 0) and first.value != first.value  # NaN
+    assert len(deferred) == 3  # both Linears and the Log were probed at the return
+    monkeypatch.setattr(hunt_mod, "_LAZY_NUMEL", 0)  # every probe at once
+    eager, none = _train(model, batches)
+    assert not none
+    assert eager is not None and eager.to_dict() | {"hint": None} == first.to_dict() | {"hint": None}
+
+
+class Healed(nn.Module):
+    """log, then its output clamped in place in the parent's code: a -inf made finite again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.zoo import Log
+
+        self.log = Log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.log(x)
+        return y.clamp_(min=-10.0)
+
+
+def test_an_output_written_after_its_module_returned_is_still_probed_at_once():
+    """A module whose output the caller writes in place (a ReLU(inplace) after a BatchNorm; here a
+    clamp_ that turns log(0)'s -inf into -10) keeps its probe at the moment it returns: deferred,
+    the -inf would be read after the clamp and never seen."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), Healed(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.fill_(1.0)
+    first, deferred = _train(model, _positive_then(torch.full((8, 4), -100.0)))
+    assert id(model[2].log) not in deferred and id(model[0]) in deferred
+    assert first is not None and (first.phase, first.module, first.cause, first.step) == ("forward", "2.log", "created", 3)
+    assert first.value == float("-inf") and first.op == "aten.log.default"
+
+
+def test_more_small_outputs_than_are_held_at_once():
+    """Past the cap of held outputs they are probed early, in the middle of the call; positions stay right."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(300)])
+    batches = [torch.randn(2, 4) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for i, x in enumerate(batches):
+            if i == 2:
+                with torch.no_grad():
+                    model[280].weight[1, 2] = float("nan")  # poisoned between steps
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert len(hunt._defer) == 300
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.cause, f.step) == ("forward", "280", "parameter", 2)

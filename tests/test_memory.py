@@ -125,9 +125,10 @@ def test_a_flag_that_cannot_be_read_without_waiting_keeps_the_call() -> None:
     cannot be arranged keeps the call to the step's end instead of failing."""
     from nanhunt._record.retain import _when_ready
 
-    assert _when_ready([torch.tensor(1.0), torch.tensor(2.0)])() is True
-    assert _when_ready([torch.tensor(1.0), torch.tensor(float("inf"))])() is False
-    assert _when_ready([torch.ones((), device="meta")])() is None
+    assert _when_ready(torch.tensor([1.0, 2.0]))() is True
+    assert _when_ready(torch.tensor([1.0, float("inf")]))() is False
+    assert _when_ready(torch.ones(1, device="meta"))() is None
+    assert _when_ready(None)() is True  # no probes: nothing to wait for
 
 
 def _tracked() -> tuple[int, int]:

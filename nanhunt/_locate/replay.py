@@ -19,7 +19,7 @@ from torch import nn
 
 from .._hooks import GlobalHooks, replaying
 from .._steplog import Top
-from .._tensors import Path, is_bad, own_tensors, probe, stack_probes, tensors
+from .._tensors import Path, is_bad, local, own_tensors, probe, stack_probes, tensors, version
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
 
@@ -39,6 +39,8 @@ class ReplayCall:
     in_keys: list[tuple[int, Path]] = field(default_factory=list)
     out_keys: list[tuple[int, Path]] = field(default_factory=list)
     done: int = -1  # completion order
+    at_return: list[torch.Tensor | None] = field(default_factory=list)  # per output: "all finite?" when the call returned
+    versions: list[int] = field(default_factory=list)  # per output: its version when the call returned
     _out_bad: list[bool] | None = None
     _in_bad: list[bool] | None = None
     _in_nan: list[bool] | None = None
@@ -47,9 +49,17 @@ class ReplayCall:
 
     @property
     def out_bad(self) -> list[bool]:
+        """Per output: non-finite when the call returned (the caller may write it in place after)."""
         if self._out_bad is None:
-            self._out_bad = bad_flags([t for _, t in self.outputs])
+            if len(self.at_return) == len(self.outputs):
+                self._out_bad = [f is not None and not bool(f) for f in self.at_return]
+            else:
+                self._out_bad = bad_flags([t for _, t in self.outputs])
         return self._out_bad
+
+    def written(self) -> bool:
+        """Was an output written in place after the call returned?"""
+        return any(version(t) != v for (_, t), v in zip(self.outputs, self.versions))
 
     @property
     def in_bad(self) -> list[bool]:
@@ -86,11 +96,11 @@ class Replay:
     def read_outputs(self) -> None:
         """Every call's output flags in one batch: one host read for the whole replay."""
         todo = [c for c in self.calls if c._out_bad is None]
-        flat = bad_flags([t for c in todo for _, t in c.outputs])
-        i = 0
+        flags = [f for c in todo for f in c.at_return if f is not None]
+        flat = iter((~torch.stack(flags).cpu()).tolist() if flags else [])  # one read
         for c in todo:
-            c._out_bad = flat[i:i + len(c.outputs)]
-            i += len(c.outputs)
+            if len(c.at_return) == len(c.outputs):
+                c._out_bad = [f is not None and next(flat) for f in c.at_return]
 
 
 def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
@@ -158,7 +168,29 @@ def replay_top(
     With ``backward`` (the gradients that arrived at the top-level outputs, in output order), also
     run the backward pass through ``torch.autograd.grad`` (nothing accumulates into ``.grad``),
     recording the gradient of every module input and output in the order autograd produced them.
+
+    Each output is judged as it was when its call returned. When a non-finite output was written
+    in place afterwards (a clamp_ or ReLU(inplace) in the caller's code), the call is replayed once
+    more keeping a copy of those outputs, so that its element and value are the ones it made.
     """
+    r = _replay_top(top, names, backward, params, before, frozenset())
+    if r.error is None:
+        stale = frozenset(c.ordinal for c in r.calls if c.written() and any(c.out_bad))
+        if stale:
+            again = _replay_top(top, names, backward, params, before, stale)
+            if again.error is None and [c.module for c in again.calls] == [c.module for c in r.calls]:
+                return again
+    return r
+
+
+def _replay_top(
+    top: Top,
+    names: dict[nn.Module, str],
+    backward: list[torch.Tensor | None] | None,
+    params: list[nn.Parameter] | None,
+    before: dict[int, torch.Tensor | None] | None,
+    keep: frozenset[int],
+) -> Replay:
     calls: list[ReplayCall] = []
     order: list[int] = []
     stack: list[int] = []
@@ -197,6 +229,10 @@ def replay_top(
         order.append(c.ordinal)
         c.inputs = list(tensors((args, kwargs if isinstance(kwargs, dict) else {})))
         c.outputs = list(tensors(output))
+        with torch.no_grad():
+            c.at_return = [torch.isfinite(local(t)).all() if (t.is_floating_point() or t.is_complex()) and t.numel()
+                           else None for _, t in c.outputs]
+        c.versions = [version(t) for _, t in c.outputs]
         if want_grad and torch.is_grad_enabled():
             for p, t in c.outputs:
                 if t.requires_grad and (t.is_floating_point() or t.is_complex()):
@@ -204,6 +240,9 @@ def replay_top(
             for p, t in c.inputs:
                 if t.requires_grad and (t.is_floating_point() or t.is_complex()):
                     c.in_keys.append((key(t), p))
+        if c.ordinal in keep:  # written after it returns (see replay_top): keep it as it is now
+            c.outputs = [(p, t.detach().clone()) for p, t in c.outputs]
+            c.versions = [version(t) for _, t in c.outputs]
 
     hooks = GlobalHooks(pre, post)
     result = Replay(calls, order, None)

@@ -92,6 +92,12 @@ def _fwd0(i: int) -> Fwd:
     return _FWD0[i]
 
 
+# Small float32 outputs (dispatch-bound: a probe's dispatch costs more than its pass over memory)
+# are probed together at the top-level call's return, once their module was seen, for one whole
+# call of the root, never to have its output written in place after returning (a ReLU(inplace)
+# after a BatchNorm): until then, and for every other output, the probe is taken at once.
+_LAZY_NUMEL = 1 << 14  # elements
+_LAZY_CAP = 256  # outputs held at most (<= 16 MiB)
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
@@ -153,6 +159,8 @@ class Hunt:
         self._owner: int | None = None  # the thread whose calls this step records
         self._owner_lock = threading.Lock()
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
+        self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
+        self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
         self._pending: list[Call] = []  # calls whose outputs _late_post records
         self._user_exc: BaseException | None = None  # raised by the user's on_find: not a fault
         self._paused = False
@@ -324,6 +332,8 @@ class Hunt:
                         ignored.add(id(m))
         self._names = names
         self._ignored = ignored
+        self._defer.clear()  # ids are of live modules only from here on
+        self._eager.clear()
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         if self._compiled is not None:
             self._compiled_names()
@@ -453,6 +463,7 @@ class Hunt:
                 return None
             log = self._log
         if log.tops:
+            self._resolve(log)
             settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
         else:  # the step begins
             if self._backup is not None:
@@ -514,14 +525,27 @@ class Hunt:
                 if ref is not None and ref() is output:
                     return  # handed on unchanged from a call already probed (containers, wrappers)
                 seen[key] = ref = _weakref(output)
-                if _grad_enabled():  # one switch instead of a detach
-                    _set_grad_enabled(False)
-                    try:
-                        log.sums.append(output.sum() if output.dtype is _F32 else probe(output))
-                    finally:
-                        _set_grad_enabled(True)
+                sums = log.sums
+                mid = id(module)
+                small = output.dtype is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
+                if small and mid in self._defer:  # probed with the others at the top-level call's return
+                    log.lazy.append((output, key[1], len(sums), mid))
+                    sums.append(None)
+                    if len(log.lazy) >= _LAZY_CAP:
+                        self._resolve(log)
                 else:
-                    log.sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                    if _grad_enabled():  # one switch instead of a detach
+                        _set_grad_enabled(False)
+                        try:
+                            sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                        finally:
+                            _set_grad_enabled(True)
+                    else:
+                        sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                    if small and mid not in self._eager:  # on trial: is it written after it returns?
+                        log.trial.append((output, key[1], mid))
+                        if len(log.trial) >= _LAZY_CAP:
+                            self._resolve(log)
                 log.meta.append(_fwd0(i))
                 c.paths = _ONE_PATH
                 c.outs = ((ref, key[1]),)
@@ -531,6 +555,17 @@ class Hunt:
                 self._owner = None  # no optimizer: each root call is a step; any thread may take the next
         except Exception as exc:
             self._fault(exc, "the forward hook")
+
+    def _resolve(self, log: StepLog) -> None:
+        """Probe the step's deferred outputs now (`StepLog.resolve`) and learn from the trials:
+        a module whose output was never written after its call returned is deferred from now
+        on; one whose output was, never again."""
+        changed, kept = log.resolve()
+        if changed:
+            self._eager.update(changed)
+            self._defer.difference_update(changed)
+        if kept:
+            self._defer.update(m for m in kept if m not in self._eager)
 
     def _late_hook(self, module: nn.Module) -> None:
         """Make sure our per-module forward hook runs after every forward hook the user added."""
@@ -615,6 +650,7 @@ class Hunt:
                 _set_grad_enabled(True)
         depth = c.depth
         if not depth:
+            self._resolve(log)  # the call's deferred probes
             top = log.tops[c.top]
             top.kwargs = kwargs
         if not grad:
@@ -949,9 +985,7 @@ class Hunt:
     def _drop_backward(self) -> None:
         """The scaler skipped this step: its non-finite scaled gradients are expected."""
         log = self._log
-        keep = [i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)]
-        log.sums = [log.sums[i] for i in keep]
-        log.meta = [log.meta[i] for i in keep]
+        log.keep([i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)])
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
         if self._dist is not None:
             self._dist.forget()  # the local gradients' probes of that step go too
@@ -965,6 +999,7 @@ class Hunt:
         self._outside.off()
         if self._traced:
             self._after_trace()
+        self._resolve(self._log)
         log, self._log = self._log, StepLog()
         self._stack.clear()
         if self._backup is not None:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 
 from .._steplog import Chk, StepLog, Top
-from .._tensors import stack_probes
 
 __all__ = ["settle"]
 
@@ -39,7 +38,7 @@ def settle(log: StepLog) -> None:
         if start == end:
             _release(log, t, start, end, ostart, oend)
         else:
-            log.pending.append((t, start, end, ostart, oend, _when_ready(log.sums[start:end])))
+            log.pending.append((t, start, end, ostart, oend, _when_ready(log.probes(start, end))))
     log.span, log.out_span = end, oend
     if log.pending:
         keep = []
@@ -72,11 +71,13 @@ def _leaves(out: object) -> list[object]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _when_ready(probes: list[torch.Tensor] | torch.Tensor) -> Callable[[], bool | None]:
+def _when_ready(probes: torch.Tensor | None) -> Callable[[], bool | None]:
     """A reader of "are all these probes finite?": the answer once it is on the host, ``None``
     before (and forever when it cannot be had without waiting: the call is then kept)."""
     try:
-        flag = torch.isfinite(probes if isinstance(probes, torch.Tensor) else stack_probes(probes)).all()
+        if probes is None:
+            return lambda: True
+        flag = torch.isfinite(probes).all()
         if flag.device.type == "cpu":
             value = bool(flag.untyped_storage()[0])  # computed already: reading host memory is no sync
             return lambda: value
