@@ -189,7 +189,7 @@ STAGES = {
     "forward hook (history stats)": (hunt_mod, "stats"),
     "gradient hook (key)": (hunt_mod.Hunt, "_key"),
     "check() (probe)": (hunt_mod, "probe"),
-    "optimizer pre-hook (fused probe)": (hunt_mod, "fused_probe"),
+    "optimizer pre-hook (fused probe)": (hunt_mod.GradProbe, "probe"),
     "optimizer post-hook (state)": (hunt_mod.OptimizerProbe, "current"),
     "step end (sync)": (StepLog, "bad_flag"),
 }

@@ -57,7 +57,7 @@ from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
 from .outside import Outside, user_line
-from .probe import OptimizerProbe, fused_probe
+from .probe import GradProbe, OptimizerProbe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
 from .samples import LoaderIndices
@@ -215,6 +215,7 @@ class Hunt:
             self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
         self._opts = []
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
+        self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         for opt in opts:
             self.add_optimizer(opt)
         if o.scaler is not None:
@@ -921,10 +922,17 @@ class Hunt:
                         params.append(p)
                         grads.append(gr.to_dense() if gr.is_sparse else gr)
             if grads:
-                self._log.vectors.append((fused_probe(grads), Grads(i, params)))
+                self._log.vectors.append((self._grad_probe(i if len(opts) == 1 else -1).probe(params, grads),
+                                          Grads(i, params)))
             self._end_step(advance=False, collective=True)
         except Exception as exc:
             self._fault(exc, "the optimizer step pre-hook")
+
+    def _grad_probe(self, key: int) -> GradProbe:
+        gp = self._gprobes.get(key)
+        if gp is None:
+            gp = self._gprobes[key] = GradProbe()
+        return gp
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._paused or self._closed:
@@ -1009,7 +1017,8 @@ class Hunt:
         if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
             params = [p for p in self._root.parameters() if p.grad is not None]
             if params:
-                log.vectors.append((fused_probe([p.grad for p in params if p.grad is not None]), Grads(-1, params)))
+                grads = [p.grad for p in params if p.grad is not None]
+                log.vectors.append((self._grad_probe(-2).probe(params, grads), Grads(-1, params)))
         drained = self._compiled.drain() if self._compiled is not None else None
         if drained is not None:
             log.vectors.append(drained)
@@ -1223,6 +1232,7 @@ class Hunt:
         self._root = None
         self._opts = []
         self._oprobes = []
+        self._gprobes = {}
         self._names = None
         self._cnames = None
         self._ignored = set()

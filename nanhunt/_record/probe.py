@@ -14,13 +14,14 @@ tensor is non-finite, computed only after a hit (the tensors are held until the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import is_
 
 import torch
 
 from .._tensors import local, optimizer_tensors
 
-__all__ = ["fused_probe", "Fused", "OptimizerProbe"]
+__all__ = ["fused_probe", "Fused", "GradProbe", "OptimizerProbe"]
 
 _F32 = torch.float32
 _SMALL = 1 << 16  # elements: below this a tensor joins the flat copy (measured: see benchmarks/README.md)
@@ -51,46 +52,68 @@ def fused_probe(tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
     :class:`Fused` whose summary covers them all with far fewer dispatches.
 
     Elsewhere one fused ``_foreach_norm`` per (device, dtype) already is one launch."""
-    return _run(_plan(tensors))
+    tensors = [local(t) for t in tensors]  # FSDP2: each rank judges its own shard
+    return _run(_plan(tensors), tensors)
 
 
 class _Plan:
-    """How to probe one list of tensors: worked out once per list (see `OptimizerProbe`)."""
+    """How to probe a list of tensors, by position: worked out once for a list whose tensors keep
+    their shapes, dtypes and devices (see `OptimizerProbe`, `GradProbe`)."""
 
-    __slots__ = ("tensors", "groups", "rest")
+    __slots__ = ("groups", "rest")
 
-    def __init__(self, tensors: list[torch.Tensor], groups: list[list[torch.Tensor]] | None,
-                 rest: list[torch.Tensor]) -> None:
-        self.tensors = tensors
+    def __init__(self, groups: list[list[int]] | None, rest: list[int]) -> None:
         self.groups = groups  # small float32 tensors by trailing shape (one `cat` each); None: not all on the CPU
         self.rest = rest  # summed one by one: large, 0-dim, other dtypes
 
 
 def _plan(tensors: list[torch.Tensor]) -> _Plan:
-    tensors = [local(t) for t in tensors]  # FSDP2: each rank judges its own shard
-    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    rest: list[torch.Tensor] = []
-    for t in tensors:
+    groups: dict[tuple[int, ...], list[int]] = {}
+    rest: list[int] = []
+    for i, t in enumerate(tensors):
         if not t.is_cpu:
-            return _Plan(tensors, None, [])
+            return _Plan(None, [])
         if t.dtype is _F32 and t.dim() and t.numel() <= _SMALL:
-            groups.setdefault(t.shape[1:], []).append(t)  # `cat` joins these without a view each
+            groups.setdefault(t.shape[1:], []).append(i)  # `cat` joins these without a view each
         else:
-            rest.append(t)
-    return _Plan(tensors, list(groups.values()), rest)
+            rest.append(i)
+    return _Plan(list(groups.values()), rest)
 
 
-def _run(plan: _Plan) -> torch.Tensor | Fused:
-    if not plan.tensors:
+def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
+    if not tensors:
         return torch.zeros(0)
     groups = plan.groups
     if groups is None:
-        return _per_tensor(plan.tensors)
+        return _per_tensor(tensors)
     with torch.no_grad():  # one context for the list, no detach per tensor
-        sums = [t.sum() if t.dtype is _F32 else (torch.view_as_real(t) if t.is_complex() else t).sum(dtype=_F32)
-                for t in plan.rest]
-        sums += [(torch.cat(g) if len(g) > 1 else g[0]).sum() for g in groups]
-        return Fused(torch.stack(sums), plan.tensors)
+        sums = []
+        for i in plan.rest:
+            t = tensors[i]
+            sums.append(t.sum() if t.dtype is _F32 else
+                        (torch.view_as_real(t) if t.is_complex() else t).sum(dtype=_F32))
+        sums += [(torch.cat([tensors[i] for i in g]) if len(g) > 1 else tensors[g[0]]).sum() for g in groups]
+        return Fused(torch.stack(sums), tensors)
+
+
+class GradProbe:
+    """The ``.grad`` of a list of parameters, probed before each ``step()``. A gradient has its
+    parameter's shape, dtype and device (torch checks it), so the plan is made for the parameters
+    and kept while the list holds the same ones (compared by identity, one C-level pass)."""
+
+    __slots__ = ("_params", "_plan")
+
+    def __init__(self) -> None:
+        self._params: list[torch.Tensor] = []
+        self._plan: _Plan | None = None
+
+    def probe(self, params: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor | Fused:
+        if any(type(g).__name__ == "DTensor" for g in grads[:1]):  # FSDP2: local shards, planned each time
+            return fused_probe(grads)
+        if self._plan is None or len(params) != len(self._params) or not all(map(is_, params, self._params)):
+            self._plan = _plan(grads)
+            self._params = list(params)
+        return _run(self._plan, grads)
 
 
 class OptimizerProbe:
@@ -133,7 +156,7 @@ class OptimizerProbe:
 
     def probe(self) -> torch.Tensor | Fused:
         """The probe of `current()`'s tensors (call `current()` first)."""
-        return _run(self._plan) if self._plan is not None else fused_probe(self.tensors)
+        return _run(self._plan, self.tensors) if self._plan is not None else fused_probe(self.tensors)
 
 
 def _per_tensor(tensors: list[torch.Tensor]) -> torch.Tensor:
