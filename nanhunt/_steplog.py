@@ -43,7 +43,7 @@ class Call:
                  index: int) -> None:
         self.module = module
         self.name = name
-        self.call = call
+        self.call = call  # this module's calls before it in the step (-1 until `StepLog.number_calls`)
         self.depth = depth
         self.parent = parent  # index of the enclosing Call in StepLog.calls, -1 at top level
         self.top = top  # index into StepLog.tops
@@ -99,7 +99,7 @@ class Fwd:
     __slots__ = ("call", "out")
 
     def __init__(self, call: int, out: int) -> None:
-        self.call = call
+        self.call = call  # this module's calls before it in the step (-1 until `StepLog.number_calls`)
         self.out = out
 
 
@@ -242,7 +242,6 @@ class StepLog:
         self.tensors: list[TensorInfo] = []
         self.keys: dict[tuple[int, int], int] = {}
         self.handles: list[Any] = []
-        self.counts: dict[nn.Module, int] = {}
         self.ignored: set[tuple[int, int]] = set()
         self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
         self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
@@ -257,6 +256,14 @@ class StepLog:
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
+
+    def number_calls(self) -> None:
+        """Each call's number among its module's calls this step (`Call.call`; after a hit only)."""
+        counts: dict[int, int] = {}
+        for c in self.calls:
+            n = counts.get(id(c.module), 0)
+            c.call = n
+            counts[id(c.module)] = n + 1
 
     def resolve(self) -> tuple[list[int], list[int]]:
         """Probe the deferred outputs (device-side, no host read): one reduction per shape.
@@ -368,7 +375,6 @@ class StepLog:
         self.tops.clear()
         self.tensors.clear()
         self.keys.clear()
-        self.counts.clear()
         self.ignored.clear()
         self.probed.clear()
         self.stats.clear()

@@ -397,11 +397,8 @@ class Hunt:
                 # inside a watched call, no forward hook of the user's on the module
                 p = stack[-1]
                 calls = self._log.calls
-                counts = self._log.counts
-                n = counts.get(module, 0)
-                counts[module] = n + 1
                 i = len(calls)
-                c = Call(module, e[0], n, p.depth + 1, p.index, p.top, i - stack[0].index, i)
+                c = Call(module, e[0], -1, p.depth + 1, p.index, p.top, i - stack[0].index, i)
                 calls.append(c)
                 stack.append(c)
                 return
@@ -436,11 +433,8 @@ class Hunt:
         else:
             p = stack[-1]
             top, parent, depth, first = p.top, p.index, p.depth + 1, stack[0].index
-        counts = log.counts
-        n = counts.get(module, 0)
-        counts[module] = n + 1
         i = len(log.calls)
-        c = Call(module, e[0], n, depth, parent, top, i - first, i)
+        c = Call(module, e[0], -1, depth, parent, top, i - first, i)
         log.calls.append(c)
         stack.append(c)
 
@@ -515,7 +509,8 @@ class Hunt:
                 log = self._log
                 i = c.index
                 calls = log.calls
-                if i >= len(calls) or calls[i] is not c or output.dtype not in _CHECKED:
+                dt = output.dtype
+                if i >= len(calls) or calls[i] is not c or dt not in _CHECKED:
                     return  # the step ended inside this call (a sync from another thread); not floating
                 try:
                     key = (id(output), output._version)
@@ -528,7 +523,7 @@ class Hunt:
                 seen[key] = ref = _weakref(output)
                 sums = log.sums
                 mid = id(module)
-                small = output.dtype is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
+                small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
                 if small and mid in self._defer:  # probed with the others at the top-level call's return
                     log.lazy.append((output, key[1], len(sums), mid))
                     sums.append(None)
@@ -538,16 +533,16 @@ class Hunt:
                     if _grad_enabled():  # one switch instead of a detach
                         _set_grad_enabled(False)
                         try:
-                            sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                            sums.append(output.sum() if dt is _F32 else probe(output))
                         finally:
                             _set_grad_enabled(True)
                     else:
-                        sums.append(output.sum() if output.dtype is _F32 else probe(output))
+                        sums.append(output.sum() if dt is _F32 else probe(output))
                     if small and mid not in self._eager:  # on trial: is it written after it returns?
                         log.trial.append((output, key[1], mid))
                         if len(log.trial) >= _LAZY_CAP:
                             self._resolve(log)
-                log.meta.append(_fwd0(i))
+                log.meta.append(_FWD0[i] if i < len(_FWD0) else _fwd0(i))
                 c.paths = _ONE_PATH
                 c.outs = ((ref, key[1]),)
             else:
@@ -786,8 +781,7 @@ class Hunt:
                 return
             log, top = got
             top.kwargs = kwargs
-            c = Call(module, "", log.counts.get(module, 0), 0, -1, len(log.tops) - 1, 0, len(log.calls))
-            log.counts[module] = c.call + 1
+            c = Call(module, "", -1, 0, -1, len(log.tops) - 1, 0, len(log.calls))
             log.calls.append(c)
             self._stack.append(c)
         except Exception as exc:
@@ -1159,6 +1153,7 @@ class Hunt:
 
     def _view(self, log: StepLog, step: int) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
+        log.number_calls()
         names = self._module_names()
         ignored = frozenset(m for m in names if id(m) in self._ignored)
         return StepView(
