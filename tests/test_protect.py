@@ -206,3 +206,29 @@ def test_damage_is_in_every_report_format(tmp_path: Any) -> None:
     con = rich.Console(width=120, record=True, file=io.StringIO())
     con.print(r)
     assert "contained" in con.export_text()
+
+
+
+@pytest.mark.parametrize("on_find", ["record", "raise"])
+def test_a_buffer_replaced_by_assignment_is_the_one_a_replay_starts_from(on_find: str) -> None:
+    """Resetting BatchNorm statistics by assigning new tensors (``bn.running_var = torch.ones(6)``)
+    between steps: the state a later call starts from (cause, replays) is taken of the new
+    buffers, as they were before the call; in raise mode from the copies the step's restore keeps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    with nanhunt.watch(model, optimizer=opt, on_find=on_find) as hunt:
+        for step in range(3):
+            if step == 2:
+                model[1].running_mean = torch.full((6,), 5.0)  # a reset by assignment: new objects
+                model[1].running_var = torch.full((6,), 7.0)
+            model(torch.randn(8, 4)).sum().backward()
+            top = hunt._log.tops[0]
+            seen.append({k: v.clone() for k, v in top.saved.items()})
+            opt.step()
+            opt.zero_grad()
+    bn = model[1]
+    assert set(seen[2]) == {id(bn.running_mean), id(bn.running_var)}
+    assert torch.equal(seen[2][id(bn.running_mean)], torch.full((6,), 5.0))  # before the call wrote them
+    assert torch.equal(seen[2][id(bn.running_var)], torch.full((6,), 7.0))

@@ -457,18 +457,20 @@ class Hunt:
             if self._closed:
                 return None
             log = self._log
+        taken = None
         if log.tops:
             self._resolve(log)
             settle(log)  # what earlier no_grad calls keep (their inputs, once known finite)
         else:  # the step begins
             if self._backup is not None:
                 self._backup.capture(self._root)  # type: ignore[arg-type]  # what a restore goes back to
+                taken = self._backup.taken()  # ... also what this call starts from
             if self._guard is not None and self._guard.pending:
                 self._guard.first_step(self._root)  # type: ignore[arg-type]
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
-        self._state.capture(t)
+        self._state.capture(t, taken)
         log.tops.append(t)
         return log, t
 

@@ -51,6 +51,12 @@ class BufferBackup:
             self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
         self._captured = True
 
+    def taken(self) -> dict[int, torch.Tensor]:
+        """The copies taken at this step's start, by id of the buffer (empty before the first)."""
+        if not self._captured:
+            return {}
+        return {id(s): c for s, c in zip(self._src, self._copy) if s is not None}
+
     def end_step(self) -> None:
         """The step ended (its sync): :meth:`restore` now refers to it; the next step captures anew."""
         self._armed, self._captured = self._captured, False

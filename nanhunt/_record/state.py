@@ -3,10 +3,11 @@
 A finding's ``cause`` is judged on the state at the start of the failing call, and a replay starts
 from it: a BatchNorm's running statistics written non-finite by the very call that failed do not
 make it ``"parameter"``. (Version counters cannot tell: ``native_batch_norm`` updates the running
-statistics without bumping them.) Per top-level call, one device-side clone of each floating
-buffer of the root (the list is cached per root; BatchNorm statistics are a few hundred numbers);
-roots whose floating buffers hold more than ``_MAX_NUMEL`` values (caches) are not snapshotted.
-No host read.
+statistics without bumping them.) Per top-level call, one device-side copy of each floating
+buffer of the root (BatchNorm statistics are a few hundred numbers), looked up afresh each time
+(a buffer replaced by assignment is the one copied); roots whose floating buffers hold more than
+``_MAX_NUMEL`` values (caches) are not snapshotted. At a step's first call in raise/skip mode the
+copies `protect.BufferBackup` has just taken are used, not taken twice. No host read.
 """
 
 from __future__ import annotations
@@ -23,18 +24,38 @@ _MAX_NUMEL = 1 << 20
 
 class BufferState:
     def __init__(self) -> None:
-        self._buffers: dict[nn.Module, list[torch.Tensor]] = {}
+        self._slots: dict[nn.Module, list[tuple[dict[str, torch.Tensor | None], str]]] = {}
 
-    def capture(self, top: Top) -> None:
-        bufs = self._buffers.get(top.module)
-        if bufs is None:
-            bufs = [b for b in top.module.buffers() if b.is_floating_point() or b.is_complex()]
-            if sum(b.numel() for b in bufs) > _MAX_NUMEL:
-                bufs = []
-            self._buffers[top.module] = bufs
-        if bufs:
-            with torch.no_grad():
-                top.saved = {id(b): b.detach().clone() for b in bufs}
+    def capture(self, top: Top, taken: dict[int, torch.Tensor] | None = None) -> None:
+        """``taken``: copies of buffers (by id of the buffer) made just before this call."""
+        slots = self._slots.get(top.module)
+        if slots is None:
+            slots = self._slots[top.module] = _floating_slots(top.module)
+        if not slots:
+            return
+        with torch.no_grad():
+            saved: dict[int, torch.Tensor] = {}
+            for d, k in slots:
+                b = d.get(k)
+                if b is not None and id(b) not in saved:
+                    c = taken.get(id(b)) if taken else None
+                    saved[id(b)] = c if c is not None else b.detach().clone()
+            top.saved = saved
 
     def clear(self) -> None:
-        self._buffers.clear()
+        self._slots.clear()
+
+
+def _floating_slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
+    """(a module's buffer dict, key) of each floating buffer of ``root``; none past ``_MAX_NUMEL``."""
+    out: list[tuple[dict[str, torch.Tensor | None], str]] = []
+    seen: set[int] = set()
+    numel = 0
+    for m in root.modules():
+        for k, b in m._buffers.items():
+            if b is None or id(b) in seen or not (b.is_floating_point() or b.is_complex()):
+                continue
+            seen.add(id(b))
+            numel += b.numel()
+            out.append((m._buffers, k))
+    return out if numel <= _MAX_NUMEL else []
