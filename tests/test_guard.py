@@ -193,3 +193,19 @@ def test_lightning_skip_drops_the_poisoned_step_and_checkpoints_stay_clean(tmp_p
     assert hunt.hunt is not None and hunt.hunt.skipped == [2] and trainer.global_step == 6
     assert all(torch.isfinite(t).all() for t in net.state_dict().values())
     assert len(os.listdir(tmp_path)) == 6 and all(nanhunt.audit(tmp_path / n) == [] for n in os.listdir(tmp_path))
+
+
+def test_refused_saves_count_against_max_findings(tmp_path: Any) -> None:
+    """A loop that keeps trying to save a poisoned model (every epoch) does not grow the findings
+    past ``max_findings``: the refusals past it are counted, and every save is still refused."""
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with nanhunt.watch(model, opt, on_find="record", max_findings=3) as hunt:
+        _blow_up(model, opt)
+        before = len(hunt.findings) + hunt.report.meta["dropped_findings"]
+        for epoch in range(6):
+            with pytest.raises(nanhunt.NonFiniteError):
+                torch.save(model.state_dict(), tmp_path / f"e{epoch}.pt")
+        assert len(hunt.findings) == 3
+        assert hunt.report.meta["dropped_findings"] == before + 6 - 3
+    assert not any(tmp_path.iterdir())

@@ -1140,8 +1140,12 @@ class Hunt:
                 raise self._refused(f)
 
     def _refused(self, f: Finding) -> NonFiniteError:
-        """The save guard refused a checkpoint: recorded like any finding, and the error to raise."""
-        self.findings.append(f)
+        """The save guard refused a checkpoint: recorded like any finding (within ``max_findings``),
+        and the error to raise."""
+        if len(self.findings) < self.options.max_findings:
+            self.findings.append(f)
+        else:
+            self._dropped += 1
         if self._report_path is not None:
             self._write_report()
         return NonFiniteError(f, self.report)
