@@ -596,10 +596,8 @@ class Hunt:
         stats_on = self._stats_on
         if c.depth and type(module) in _PASSTHROUGH:
             items: Any = ()
-            if stats_on and isinstance(output, torch.Tensor) and is_checked(output) and output.numel():
-                log.stats.append(st := stats(output))  # sampled steps only: keeps the heatmap whole
-                log.stats_of[(id(output), version(output))] = st
-                log.stats_rows.append((c.name, str(output.dtype)[6:], output.numel()))
+            if stats_on and isinstance(output, torch.Tensor) and is_checked(output):
+                _add_stats(log, c.name, output, (id(output), version(output)))  # sampled steps: the heatmap stays whole
         else:
             items = (((), output),) if isinstance(output, torch.Tensor) else tensors(output)
         ignored = self._ignored
@@ -627,9 +625,7 @@ class Hunt:
                 if ref is not None and ref() is t:
                     if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
                         stat = False
-                        if t.numel():
-                            log.stats.append(log.stats_of[key] if key in log.stats_of else stats(t))
-                            log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+                        _add_stats(log, c.name, t, key)
                     continue  # handed on unchanged from a call already probed (containers, wrappers)
                 ref = weakref.ref(t)
                 seen[key] = ref
@@ -637,10 +633,7 @@ class Hunt:
                 meta.append(Fwd(ci, len(paths)))
                 if stat:
                     stat = False
-                    if t.numel():
-                        log.stats.append(st := stats(t))
-                        log.stats_of[key] = st
-                        log.stats_rows.append((c.name, str(t.dtype)[6:], t.numel()))
+                    _add_stats(log, c.name, t, key)
                 paths.append(path)
                 outs.append((ref, key[1]))
         finally:
@@ -1243,6 +1236,17 @@ class Hunt:
         self._compiled = None
         if self._report_path is not None:
             self._write_report()
+
+
+def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int]) -> None:
+    """Sampled steps: one heatmap row of ``name``'s output ``t`` (its statistics computed once
+    per tensor: a container handing on its child's output repeats the child's numbers)."""
+    if t.numel():
+        st = log.stats_of.get(key)
+        if st is None:
+            st = log.stats_of[key] = stats(t)
+        log.stats.append(st)
+        log.stats_rows.append((name, str(t.dtype)[6:], t.numel()))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
