@@ -625,7 +625,7 @@ class Hunt:
                 if ref is not None and ref() is t:
                     if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
                         stat = False
-                        _add_stats(log, c.name, t, key)
+                        _add_stats(log, c.name, t, key, handed_on=True)
                     continue  # handed on unchanged from a call already probed (containers, wrappers)
                 ref = weakref.ref(t)
                 seen[key] = ref
@@ -1238,11 +1238,12 @@ class Hunt:
             self._write_report()
 
 
-def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int]) -> None:
-    """Sampled steps: one heatmap row of ``name``'s output ``t`` (its statistics computed once
-    per tensor: a container handing on its child's output repeats the child's numbers)."""
+def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int], handed_on: bool = False) -> None:
+    """Sampled steps: one heatmap row of ``name``'s output ``t``. ``handed_on``: ``t`` is known to
+    be the very tensor an earlier call returned (`StepLog.probed` said so): its numbers are reused.
+    Otherwise ``key`` may be a dead tensor's (ids are reused): the statistics are computed anew."""
     if t.numel():
-        st = log.stats_of.get(key)
+        st = log.stats_of.get(key) if handed_on else None
         if st is None:
             st = log.stats_of[key] = stats(t)
         log.stats.append(st)
