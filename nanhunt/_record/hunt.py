@@ -79,8 +79,8 @@ _weakref = weakref.ref
 _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
                      if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 _ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
-_FWD0: list[Fwd] = []
-_FWD_CACHED = 1 << 16  # Fwd(i, 0) for each call index i seen so far: shared, never changed
+_FWD0: list[Fwd] = []  # Fwd(i, 0) for each call index i seen so far: shared, never changed
+_FWD_CACHED = 1 << 16  # call indices past this get an entry of their own
 
 
 def _fwd0(i: int) -> Fwd:
