@@ -97,7 +97,7 @@ class Replay:
         """Every call's output flags in one batch: one host read for the whole replay."""
         todo = [c for c in self.calls if c._out_bad is None]
         flags = [f for c in todo for f in c.at_return if f is not None]
-        flat = iter((~torch.stack(flags).cpu()).tolist() if flags else [])  # one read
+        flat = iter((~stack_probes(flags)).tolist() if flags else [])  # one read (model parallel: on one device)
         for c in todo:
             if len(c.at_return) == len(c.outputs):
                 c._out_bad = [f is not None and next(flat) for f in c.at_return]
