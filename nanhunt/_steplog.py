@@ -316,7 +316,12 @@ class StepLog:
                 vecs.append(v[torch.tensor([start <= p < end for p in pos], device=v.device)])
         if not vecs:
             return None
-        return torch.cat(vecs) if len(vecs) > 1 else vecs[0]
+        if len(vecs) == 1:
+            return vecs[0]
+        try:
+            return torch.cat(vecs)
+        except RuntimeError:  # probes on several devices (model parallel) meet on the first one
+            return torch.cat([v.to(vecs[0].device) for v in vecs])
 
     def keep(self, keep: list[int]) -> None:
         """Keep only entries ``keep`` (ascending) of ``sums``/``meta``; deferred probes stay."""
