@@ -31,6 +31,18 @@ def _step(fn, opt, x):
     return loss
 
 
+def _poison(model: nn.Module) -> None:
+    """A poisoned LayerNorm weight: what every test here must find at its module."""
+    with torch.no_grad():
+        model[1].weight[3] = float("nan")
+
+
+def _assert_found_at_layernorm(hunt) -> None:
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
 def test_compiled_model_no_graph_break_and_module_level_finding(how):
     from torch._dynamo.utils import counters
@@ -48,12 +60,9 @@ def test_compiled_model_no_graph_break_and_module_level_finding(how):
             _step(fn, opt, torch.randn(4, 8))
         assert not hunt.findings
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-        with torch.no_grad():
-            model[1].weight[3] = float("nan")  # a poisoned LayerNorm weight
+        _poison(model)
         _step(fn, opt, torch.randn(4, 8))
-    first = hunt.first
-    assert first is not None
-    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    _assert_found_at_layernorm(hunt)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
@@ -115,16 +124,13 @@ def test_sentinel_adds_no_graph_break_and_still_finds_the_nan(how):
             for _ in range(3):
                 _step(fn, opt, torch.randn(4, 8))
             assert not hunt.findings
-            with torch.no_grad():
-                model[1].weight[3] = float("nan")  # a poisoned LayerNorm weight
+            _poison(model)
             loss = fn(torch.randn(4, 8)).pow(2).mean()
             hunt.check(loss, "loss")
             loss.backward()
             opt.step()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    first = hunt.first
-    assert first is not None
-    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    _assert_found_at_layernorm(hunt)
     torch._dynamo.reset()
 
 
@@ -141,12 +147,9 @@ def test_watching_the_compiled_wrapper_names_modules_as_the_model_does(mode):
         with nanhunt.watch(wrapper, optimizer=opt, on_find="record", mode=mode) as hunt:
             for _ in range(2):
                 _step(wrapper, opt, torch.randn(4, 8))
-            with torch.no_grad():
-                model[1].weight[3] = float("nan")
+            _poison(model)
             _step(wrapper, opt, torch.randn(4, 8))
-    first = hunt.first
-    assert first is not None
-    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    _assert_found_at_layernorm(hunt)
     torch._dynamo.reset()
 
 
@@ -163,8 +166,7 @@ def test_two_hunts_on_a_model_compiled_model_leave_its_compiled_call_as_it_was(o
         a = nanhunt.watch(model, on_find="record")
         b = nanhunt.watch(model, on_find="record", mode="sentinel")
         model(torch.randn(2, 8))
-        with torch.no_grad():
-            model[1].weight[3] = float("nan")
+        _poison(model)
         model(torch.randn(2, 8))
         model(torch.randn(2, 8))
         first, second = (a, b) if order.startswith("first") else (b, a)
@@ -195,12 +197,9 @@ def test_a_model_compiled_after_watch_is_watched_from_the_next_step(mode):
             for _ in range(3):
                 _step(model, opt, torch.randn(4, 8))
             assert not hunt.findings
-            with torch.no_grad():
-                model[1].weight[3] = float("nan")
+            _poison(model)
             _step(model, opt, torch.randn(4, 8))
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    first = hunt.first
-    assert first is not None
-    assert (first.phase, first.module, first.module_type, first.cause) == ("forward", "1", "LayerNorm", "parameter")
+    _assert_found_at_layernorm(hunt)
     assert "_compiled_call_impl" not in model.__dict__ or not hasattr(model._compiled_call_impl, "__nanhunt_root__")
     torch._dynamo.reset()

@@ -110,7 +110,7 @@ class GradProbe:
     def probe(self, params: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor | Fused:
         if any(type(g).__name__ == "DTensor" for g in grads[:1]):  # FSDP2: local shards, planned each time
             return fused_probe(grads)
-        if self._plan is None or len(params) != len(self._params) or not all(map(is_, params, self._params)):
+        if self._plan is None or not _same(params, self._params):
             self._plan = _plan(grads)
             self._params = list(params)
         return _run(self._plan, grads)
@@ -148,7 +148,7 @@ class OptimizerProbe:
     def current(self) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
         """``(param, state key or "")`` per tensor, and the tensors (as ``optimizer_tensors``)."""
         sig = self._signature()
-        if len(sig) != len(self._sig) or not all(map(is_, sig, self._sig)):
+        if not _same(sig, self._sig):
             self.items, self.tensors = optimizer_tensors(self.opt)
             self._plan = _plan(self.tensors) if not any(type(t).__name__ == "DTensor" for t in self.tensors) else None
             self._sig = sig
@@ -157,6 +157,11 @@ class OptimizerProbe:
     def probe(self) -> torch.Tensor | Fused:
         """The probe of `current()`'s tensors (call `current()` first)."""
         return _run(self._plan, self.tensors) if self._plan is not None else fused_probe(self.tensors)
+
+
+def _same(a: Sequence[object], b: Sequence[object]) -> bool:
+    """The same objects in the same order (by identity: one C-level pass)."""
+    return len(a) == len(b) and all(map(is_, a, b))
 
 
 def _per_tensor(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["BufferBackup", "drop_grads"]
+__all__ = ["BufferBackup", "buffer_slots", "drop_grads"]
 
 
 class BufferBackup:
@@ -38,7 +38,7 @@ class BufferBackup:
         """At the step's first top-level call: copy every buffer (one fused copy). The buffers are
         found at the first step (watch() itself never walks the model)."""
         if self._slots is None:
-            self._slots = _slots(root)
+            self._slots = buffer_slots(root)
         if not self._slots:
             return
         now = [d.get(k) for d, k, _ in self._slots]
@@ -88,7 +88,7 @@ class BufferBackup:
         self._captured = self._armed = False
 
 
-def _slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, str]]:
+def buffer_slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, str]]:
     """Every buffer of ``root`` once: (its module's buffer dict, key, qualified name)."""
     out: list[tuple[dict[str, torch.Tensor | None], str, str]] = []
     seen: set[int] = set()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .._steplog import Top
+from .protect import buffer_slots
 
 __all__ = ["BufferState"]
 
@@ -48,14 +49,13 @@ class BufferState:
 
 def _floating_slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str]]:
     """(a module's buffer dict, key) of each floating buffer of ``root``; none past ``_MAX_NUMEL``."""
-    out: list[tuple[dict[str, torch.Tensor | None], str]] = []
-    seen: set[int] = set()
-    numel = 0
-    for m in root.modules():
-        for k, b in m._buffers.items():
-            if b is None or id(b) in seen or not (b.is_floating_point() or b.is_complex()):
-                continue
-            seen.add(id(b))
-            numel += b.numel()
-            out.append((m._buffers, k))
-    return out if numel <= _MAX_NUMEL else []
+    out = [(d, k) for d, k, _ in buffer_slots(root) if _floating(d[k])]
+    return out if sum(_numel(d[k]) for d, k in out) <= _MAX_NUMEL else []
+
+
+def _floating(b: torch.Tensor | None) -> bool:
+    return b is not None and (b.is_floating_point() or b.is_complex())
+
+
+def _numel(b: torch.Tensor | None) -> int:
+    return b.numel() if b is not None else 0
