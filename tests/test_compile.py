@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,14 @@ def _step(fn, opt, x):
     return loss
 
 
+def _fresh(how: str, counters) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """No graph from an earlier test, dynamo's counters at zero; the model, its optimizer, the model compiled ``how``."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model()
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), zoo.compiled(model, how)
+
+
 def _poison(model: nn.Module) -> None:
     """A poisoned LayerNorm weight: what every test here must find at its module."""
     with torch.no_grad():
@@ -47,11 +56,7 @@ def _assert_found_at_layernorm(hunt) -> None:
 def test_compiled_model_no_graph_break_and_module_level_finding(how):
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    fn = zoo.compiled(model, how)
+    model, opt, fn = _fresh(how, counters)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _step(fn, opt, torch.randn(4, 8))  # compiled before watch(): the watch must force a retrace
@@ -85,11 +90,7 @@ def test_a_watched_compiled_model_is_traced_once(how):
     first call (a slot made while tracing made dynamo trace every frame again on the second call)."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    fn = zoo.compiled(model, how)
+    model, opt, fn = _fresh(how, counters)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
@@ -113,11 +114,7 @@ def test_sentinel_adds_no_graph_break_and_still_finds_the_nan(how):
     poisoned module as in eager."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    fn = zoo.compiled(model, how)
+    model, opt, fn = _fresh(how, counters)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with nanhunt.watch(model, optimizer=opt, on_find="record", mode="sentinel") as hunt:
