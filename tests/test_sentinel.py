@@ -4,6 +4,7 @@ poisoned forward makes the loss and the loss code's backward non-finite first in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -87,3 +88,35 @@ def test_sentinel_names_what_full_mode_names(case: str, check: bool) -> None:
     f, s = full[0], sentinel[0]
     assert {k: getattr(s, k) for k in keys} == {k: getattr(f, k) for k in keys}, (str(f), str(s))
     assert (s.phase, s.module, s.module_type, s.tensor, s.cause) == EXPECTED[case], str(s)
+
+
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_an_optimizer_step_that_poisons_the_weights_comes_first_in_sentinel_mode(on_find: str) -> None:
+    # a float16 Adam whose eps rounds to 0: the first step divides by sqrt(0) and writes -inf weights.
+    # Sentinel mode reads parameters only on a hit (the next step's forward is poisoned); the
+    # optimizer finding of the step before is still the first, as it happened first.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8, foreach=False)
+    xs = [torch.randn(8, 4).half() for _ in range(3)]
+    hunt = nanhunt.watch(model, optimizer=opt, on_find=on_find, mode="sentinel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for x in xs:
+                (model(x).float().pow(2).mean() * 1e-3).backward()
+                opt.step()
+                opt.zero_grad()
+        except nanhunt.NonFiniteError as e:
+            assert e.finding.phase == "optimizer" and "optimizer step" in str(e)
+        finally:
+            hunt.close()
+    # the replays' reads (a float() of a value that requires grad) do not warn in the user's program
+    assert not [w for w in caught if "nanhunt" in w.filename], [str(w.message) for w in caught]
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.step, first.module, first.tensor, first.cause) == ("optimizer", 0, "0", "weight", "created")
+    assert first.op == "aten.addcdiv_.default"
+    steps = [f.step for f in hunt.findings]
+    assert steps == sorted(steps), [(f.step, f.phase) for f in hunt.findings]
+    assert any(f.phase == "forward" and f.step == 1 and f.cause == "parameter" for f in hunt.findings)

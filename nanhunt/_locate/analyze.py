@@ -107,6 +107,7 @@ def analyze(view: StepView) -> list[Finding]:
         f = _optimizer_now(ctx)
         if f is not None:
             out.append(f)
+    earlier = len(out)  # the previous step's optimizer finding stays first: findings go in order of occurrence
     firsts: dict[str, int] = {}
     checked = _checked(log, sbad)
     for i, bad in enumerate(sbad):
@@ -150,9 +151,9 @@ def analyze(view: StepView) -> list[Finding]:
     # backward already went non-finite (a value fed from a poisoned forward: the forward goes first)
     if ((view.mode == "sentinel" and not any(f.phase == "forward" for f in out))
             or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
-        out[:0] = _sentinel_findings(ctx)
+        out[earlier:earlier] = _sentinel_findings(ctx)
     if compiled and not any(f.phase == "forward" for f in out):
-        out[:0] = [_compiled_finding(ctx, *compiled[0])]
+        out[earlier:earlier] = [_compiled_finding(ctx, *compiled[0])]
     grads_bad = any(isinstance(e, Grads) and any(flags) for (_v, e), flags in zip(log.vectors, vbad))
     if grads_bad and not any(f.phase in ("forward", "backward") for f in out):
         # no per-module gradient hooks (the default): find the backward's creator by replay

@@ -209,7 +209,7 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
                 if got is None:
                     bad = any(is_bad(t) for _, t in tensors(out))
                     return _Run(None, bad, [])
-                return _Run(got, is_bad(got), [])
+                return _Run(got.detach(), is_bad(got), [])
             try:
                 with scope:
                     if float32:
@@ -221,6 +221,7 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
         if not scope.done:
             return _Run(None, None, [])
         got = dict(tensors(scope.output)).get(tuple(path))
+        got = got.detach() if got is not None else None  # values only (a float() of it would warn)
         return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [],
                     mode.casts if mode is not None else [], scope)
     except Exception:
@@ -254,6 +255,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
                 else:
                     out = module(*run.args, **(run.kwargs or {}))
         got = dict(tensors(out)).get(tuple(path))
+        got = got.detach() if got is not None else None
         return _Run(got, is_bad(got) if got is not None else None, mode.ops, mode.casts)
     except Exception:
         return _Run(None, None, [])
