@@ -414,3 +414,4 @@ class StepView:
     breakpoint: bool = False  # on_find="breakpoint": stop in a replay of the first finding's op
     scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into
     step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()
+    bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began

@@ -258,3 +258,48 @@ def test_optimizer_hooks_do_not_change_the_update() -> None:
     for p, q in zip(ref.parameters(), m.parameters()):
         for k in ref_opt.state[p]:
             assert bit_equal(ref_opt.state[p][k], opt.state[q][k])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_loaded_non_finite_is_not_called_the_optimizers_doing(mode: str) -> None:
+    # a checkpoint with a NaN row in an embedding the batches never read: forward and gradients
+    # stay finite, AdamW's weight decay carries the NaN on. No step made it: the finding says the
+    # weight came in that way, with no update op blamed.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight[7] = float("nan")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+        for _ in range(2):
+            model(torch.tensor([[1, 2, 3]])).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model(torch.tensor([[7, 1]])).mean().backward()  # now a batch reads the row
+        opt.step()
+        opt.zero_grad()
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.tensor, first.index, first.cause) == ("optimizer", "0", "weight", (7, 0), "parameter")
+    assert first.op is None and first.chain == ()
+    assert "already non-finite when the watch began" in first.hint
+    fwd = next(f for f in hunt.findings if f.phase == "forward")
+    assert (fwd.module, fwd.cause, fwd.step) == ("0", "parameter", 2)
+    assert "'weight' of `0` was already non-finite when the watch began" in fwd.hint
+    assert not any(f.cause == "created" for f in hunt.findings)
+
+
+def test_a_weight_the_optimizer_overflows_is_still_created_after_a_clean_start() -> None:
+    # the same model, finite when the watch begins: an exploding learning rate's overflow is the
+    # optimizer's own (the start state does not excuse later damage)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for _ in range(3):
+            (model(torch.tensor([[1, 2, 3]])).mean() * 1e4).backward()
+            opt.step()
+            opt.zero_grad()
+    first = hunt.first
+    assert first is not None and first.phase == "optimizer" and first.cause == "created"
+    assert first.op is not None and "already non-finite" not in first.hint

@@ -204,7 +204,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
             facts = got.facts
     f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
-    f = dataclasses.replace(f, hint=f.hint or _hints.hint(f, facts), rank=ctx.view.rank)
+    f = dataclasses.replace(f, hint=f.hint or _start_hint(ctx, f) or _hints.hint(f, facts), rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
         _debug.stop_for(ctx.view, f, where)
@@ -607,6 +607,26 @@ def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Fin
 
 
 # ---------------------------------------------------------------- grad / optimizer
+def _start_hint(ctx: _Ctx, f: Finding) -> str:
+    """For a poisoned module: its weight or buffer that was already non-finite when the watch began."""
+    root = ctx.view.root
+    if f.cause != "parameter" or root is None or not ctx.view.bad_at_start or f.phase == "checkpoint":
+        return ""
+    try:
+        module = root.get_submodule(f.module)
+    except AttributeError:
+        return ""
+    for name, t in own_tensors(module):
+        if _at_start(ctx, t) and is_bad(t):
+            return _hints.at_start_hint(f"{name!r} of `{f.module or type(root).__name__}`")
+    return ""
+
+
+def _at_start(ctx: _Ctx, t: torch.Tensor) -> bool:
+    """Was ``t`` already non-finite when the watch began?"""
+    return any(x is t for x in ctx.view.bad_at_start)
+
+
 def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> Finding | None:
     for p, b in zip(entry.params, flags):
         if not b or p.grad is None or not is_bad(p.grad):
@@ -646,8 +666,9 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             continue
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
+        at_start = _at_start(ctx, t) or _at_start(ctx, p)  # loaded non-finite: no step made it
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
-        op = _optim.update_op(opt, p, sk) if opt is not None and not fed else None
+        op = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else None
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
         src = ctx.view.step_lines.get(entry.opt)
         return Finding(
@@ -655,8 +676,8 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
-            cause="input" if fed else "created", op=op, source=src,
-            chain=(f"{op} @ {src}" if src else op,) if op else (),
-            hint=_hints.optimizer_hint(pname, sk, fed, eps),
+            cause="parameter" if at_start else ("input" if fed else "created"), op=op,
+            source=src if op else None, chain=(f"{op} @ {src}" if src else op,) if op else (),
+            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start),
         )
     return None

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "optimizer_hint", "at_start_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -245,8 +245,17 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     return ""
 
 
-def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "") -> str:
+def at_start_hint(what: str) -> str:
+    """A tensor that was already non-finite when the watch began (before its first step)."""
+    return (f"{what[:1].upper()}{what[1:]} was already non-finite when the watch began: it was loaded or set "
+            "that way before nanhunt's first step, so where it was born is not known here (run "
+            "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
+
+
+def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False) -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"
+    if at_start:
+        return at_start_hint(what)
     if eps_zero and not fed:
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps={eps_zero} rounds to 0 in "
                 "float16, so where exp_avg_sq is 0 the update divides by 0. Keep float32 master weights "

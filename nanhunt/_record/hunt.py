@@ -61,6 +61,7 @@ from .probe import GradProbe, OptimizerProbe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
 from .samples import LoaderIndices
+from .start import StartState
 from .state import BufferState
 
 __all__ = ["Hunt", "NonFiniteWarning"]
@@ -203,6 +204,7 @@ class Hunt:
         self._batches = LoaderIndices(o.loader) if o.loader is not None else None
         self._close_before_raise = False
         self._guard = SaveGuard(self) if o.guard_saves else None
+        self._start = StartState()  # what was non-finite when the watch began (read on a hit)
 
         self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         self._croot: CompiledRoot | None = None
@@ -467,6 +469,8 @@ class Hunt:
                 taken = self._backup.taken()  # ... also what this call starts from
             if self._guard is not None and self._guard.pending:
                 self._guard.first_step(self._root)  # type: ignore[arg-type]
+            if self._start.pending and self._root is not None:
+                self._start.capture(self._root, self._opts)
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
@@ -1164,6 +1168,7 @@ class Hunt:
             breakpoint=not self.findings and (self.on_find == "breakpoint" or getattr(self.on_find, "breakpoint", False)),
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
             step_lines=dict(self._step_lines),
+            bad_at_start=self._start.bad(),
         )
 
     def _meta(self) -> dict[str, Any]:
