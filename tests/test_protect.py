@@ -160,10 +160,12 @@ def test_damage_in_record_mode_is_the_state_when_the_step_ended() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with nanhunt.watch(model, opt, on_find="record") as hunt:
         _train(model, opt, _batches(3, {1}, (6,), 3))
-    d = hunt.report.damage  # read before step 1's update: the forward wrote the stats, backward the grads
+    # read when step 1 ended: the forward wrote the stats, backward the grads, and record mode let
+    # the optimizer apply them (the weights and AdamW's moments are damaged too)
+    d = hunt.report.damage
     assert d["buffers"] == ["bn.running_mean", "bn.running_var"] and "fc1.weight" in d["grads"]
-    assert d["parameters"] == [] and d["optimizer_state"] == []
-    assert not torch.isfinite(model.fc1.weight).all()  # record mode let the update through afterwards
+    assert not torch.isfinite(model.fc1.weight).all() and "fc1.weight" in d["parameters"]
+    assert "fc1.weight.exp_avg" in d["optimizer_state"]
 
 
 def test_damage_after_the_optimizer_overflowed_names_weights_and_state() -> None:
@@ -232,3 +234,24 @@ def test_a_buffer_replaced_by_assignment_is_the_one_a_replay_starts_from(on_find
     assert set(seen[2]) == {id(bn.running_mean), id(bn.running_var)}
     assert torch.equal(seen[2][id(bn.running_mean)], torch.full((6,), 5.0))  # before the call wrote them
     assert torch.equal(seen[2][id(bn.running_var)], torch.full((6,), 7.0))
+
+
+def test_damage_of_a_refused_checkpoint_names_the_poisoned_buffer(tmp_path: Any) -> None:
+    # a BatchNorm whose running_var overflowed (one sample of 3e19: its square is past float32's
+    # max) while every output stayed finite: the first finding is the refused save, and the damage
+    # names the buffer that made it
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for i in range(2):
+            x = torch.randn(8, 4)
+            if i == 1:
+                x[0, 0] = 3e19
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(nanhunt.NonFiniteError):
+            torch.save({"model": model.state_dict()}, tmp_path / "bn.pt")
+    assert hunt.first is not None and hunt.first.phase == "checkpoint"
+    assert hunt.report.damage["buffers"] == ["0.running_var"]

@@ -199,6 +199,7 @@ class Hunt:
         self._max_skips = o.max_skips
         self._skip_run = 0  # consecutive skipped steps
         self._damage: dict[str, list[str]] | None = None
+        self._damage_at: torch.optim.Optimizer | None = None  # damage read again after this optimizer's step
         self._bad_samples: set[int] = set()
         self._backup = BufferBackup() if _restores(o.on_find) else None
         self._batches = LoaderIndices(o.loader) if o.loader is not None else None
@@ -937,6 +938,9 @@ class Hunt:
 
     def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
         self._steps_applied += 1
+        if self._damage_at is opt and self._root is not None:  # the first finding's step has now ended
+            self._damage_at = None
+            self._damage = damage(self._root, self._opts)
         step = self.step
         # one training step is a round in which each watched optimizer steps once; an optimizer
         # that steps again before the others did starts the next round
@@ -1078,6 +1082,9 @@ class Hunt:
         skipped = self.on_find == "skip" and self._skip(found)
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)
+            # record/warn: the optimizer goes on to apply the reported step; read again when it has
+            going_on = self.on_find not in ("raise", "skip", "breakpoint") and found[0].step == self.step
+            self._damage_at = self._stepping if going_on else None
         if self._report_path is not None:
             now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
@@ -1143,6 +1150,8 @@ class Hunt:
             self.findings.append(f)
         else:
             self._dropped += 1
+        if self._damage is None and self._root is not None:
+            self._damage = damage(self._root, self._opts)
         if self._report_path is not None:
             self._write_report()
         return NonFiniteError(f, self.report)
