@@ -248,6 +248,7 @@ class StepLog:
         self.stats_rows: list[tuple[str, str, int]] = []
         self.stats_of: dict[tuple[int, int], torch.Tensor] = {}  # sampled steps: a probed output's statistics
         self.root_calls = 0
+        self.backward = False  # a gradient arrived at a top-level output (a backward ran)
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet

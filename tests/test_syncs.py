@@ -65,8 +65,9 @@ class Encoder(nn.Module):
         return self.head(self.encoder(self.embed(ids)))
 
 
-def _reads_per_step(mode: str | None, steps: int) -> tuple[list[int], int]:
-    """Host reads of each training step (and of close()), plain when ``mode`` is None."""
+def _reads_per_step(mode: str | None, steps: int, micro: int = 1) -> tuple[list[int], int]:
+    """Host reads of each training step (and of close()), plain when ``mode`` is None; ``micro``
+    forward/backward passes per step (gradient accumulation)."""
     torch.manual_seed(0)
     model = Encoder().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -76,11 +77,12 @@ def _reads_per_step(mode: str | None, steps: int) -> tuple[list[int], int]:
     try:
         for _ in range(steps):
             with counting_reads() as n:
-                logits = model(ids)
-                loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
-                if hunt is not None:
-                    hunt.check(loss, "loss")
-                loss.backward()
+                for _ in range(micro):
+                    logits = model(ids)
+                    loss = F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+                    if hunt is not None:
+                        hunt.check(loss, "loss")
+                    (loss / micro).backward()
                 opt.step()
                 opt.zero_grad()
             per_step.append(n[0])
@@ -93,11 +95,13 @@ def _reads_per_step(mode: str | None, steps: int) -> tuple[list[int], int]:
     return per_step, at_close[0]
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_at_most_one_host_read_added_per_step(mode: str) -> None:
-    steps = 12  # past one history sample (every 10 steps by default)
-    plain, _ = _reads_per_step(None, steps)
-    watched, at_close = _reads_per_step(mode, steps)
+@pytest.mark.parametrize("mode, micro", [("full", 1), ("sentinel", 1), ("full", 3)])
+def test_at_most_one_host_read_added_per_step(mode: str, micro: int) -> None:
+    # micro=3: gradient accumulation keeps its gradients between micro-batches: the root's next
+    # call does not end the step's check (only an iteration whose gradients are gone again does)
+    steps = 12 if micro == 1 else 4  # past one history sample (every 10 steps by default)
+    plain, _ = _reads_per_step(None, steps, micro)
+    watched, at_close = _reads_per_step(mode, steps, micro)
     added = [w - p for w, p in zip(watched, plain)]
     assert all(a <= 1 for a in added), f"host reads added per step: {added} (plain: {plain})"
     assert at_close <= 1, f"close() read {at_close} values back"

@@ -187,6 +187,31 @@ def test_without_the_scaler_its_overflowing_gradients_are_findings() -> None:
     assert f.phase in ("backward", "grad") and f.step == 0 and f.dtype in ("float16", "float32")
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_without_the_scaler_a_skipped_step_still_raises_by_the_next_forward(mode: str) -> None:
+    # the scaler skips step() (no optimizer step hook runs), then zero_grad(): the inf gradients
+    # of iteration 0 raise at the model's next forward at the latest, not when a step() finally runs
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    done = []
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt, mode=mode):
+            for i, (x, y) in enumerate(_data(8)):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = m(x)
+                scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                done.append(i)
+    assert done == [0], "raised at iteration 1's forward"
+    f = ei.value.finding
+    assert f.phase in ("backward", "grad") and f.step == 0 and f.value is not None
+    hunt_findings = ei.value.report.findings
+    assert len({f.phase for f in hunt_findings}) == len(hunt_findings), "one finding per phase"
+
+
 def test_gradscaler_with_bfloat16_autocast_trains_without_findings() -> None:
     m = _classifier()
     opt = torch.optim.SGD(m.parameters(), lr=1e-2)

@@ -151,7 +151,9 @@ def analyze(view: StepView) -> list[Finding]:
     # backward already went non-finite (a value fed from a poisoned forward: the forward goes first)
     if ((view.mode == "sentinel" and not any(f.phase == "forward" for f in out))
             or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
-        out[earlier:earlier] = _sentinel_findings(ctx)
+        # (its backward replay only where no backward finding was made: one per phase)
+        out[earlier:earlier] = [f for f in _sentinel_findings(ctx)
+                                if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
     if compiled and not any(f.phase == "forward" for f in out):
         out[earlier:earlier] = [_compiled_finding(ctx, *compiled[0])]
     grads_bad = any(isinstance(e, Grads) and any(flags) for (_v, e), flags in zip(log.vectors, vbad))

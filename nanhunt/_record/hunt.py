@@ -455,7 +455,8 @@ class Hunt:
                     return None
                 log = self._log
             log.root_calls += 1
-        elif cap and len(log) > _MAX_ENTRIES and not self.distributed:
+        elif (cap and len(log) > _MAX_ENTRIES and not self.distributed) or (
+                module is self._root and log.backward and self._grads_dropped()):
             self._end_step(advance=False)
             if self._closed:
                 return None
@@ -478,6 +479,15 @@ class Hunt:
         self._state.capture(t, taken)
         log.tops.append(t)
         return log, t
+
+    def _grads_dropped(self) -> bool:
+        """A backward ran since the last sync and every watched gradient is gone again: the
+        iteration ended without a ``step()`` (a GradScaler that was not given to watch() skipped
+        it, then ``zero_grad()``), so the root's next call ends the step's check (gradient
+        accumulation keeps its gradients: no extra sync there)."""
+        if not self._opts or self.distributed:
+            return False
+        return all(p.grad is None for o in self._opts for g in o.param_groups for p in g["params"])
 
     def _take_step(self) -> bool:
         """Threads: the calling thread owns the step if nobody does (rare: once per step)."""
@@ -718,6 +728,7 @@ class Hunt:
                 return
             log.sums.append(probe(g))
             log.meta.append(Bwd(i))
+            log.backward = True
             info = log.tensors[i]
             if info.keep_grad:
                 info.grad = g
