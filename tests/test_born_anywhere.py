@@ -199,6 +199,41 @@ def test_backward_only_nan_in_loss_code() -> None:
     assert f.index == (0,) and f.value == math.inf
 
 
+class _ClampedLog(torch.autograd.Function):
+    """log(max(x, 1e-6)), whose hand-written backward forgot the clamp: g / x at x = 0."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clamp_min(1e-6).log()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g / x
+
+
+def clamped_log_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    p = out.softmax(-1) * (y[:, None] == torch.arange(3)).float()  # the true class's probability, 0 elsewhere
+    return -_ClampedLog.apply(p).sum(-1).mean()  # @custom-fn
+
+
+def test_custom_autograd_function_in_loss_code_is_its_own_backward_node() -> None:
+    # the Function's forward is finite (clamped); only its own backward makes inf: replaying the
+    # ops of its forward would give finite gradients, so the loss code's Function is replayed as itself
+    out = model()(torch.randn(6, 4))
+    y = torch.randint(0, 3, (6,))
+    assert math.isfinite(clamped_log_loss(out, y, 0).item())
+    assert referee_backward(clamped_log_loss(out, y, 0)) == "_ClampedLogBackward"
+
+    apply = torch.autograd.Function.__dict__["apply"]
+    f = run_steps(model(), clamped_log_loss)
+    assert (f.module, f.phase, f.op, f.cause) == ("<outside>", "backward", "_ClampedLogBackward", "created")
+    assert same_source(f.source, line("custom-fn"))
+    assert f.value is not None and math.isinf(f.value)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # nothing of the recorder left on torch
+
+
 def test_check_carries_op_source_chain_and_the_row() -> None:
     def nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         p = out.softmax(-1) * (y > 0)

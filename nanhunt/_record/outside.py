@@ -80,6 +80,45 @@ def user_line(depth: int = 2) -> tuple[str | None, str]:
     return None, ""
 
 
+class _Apply:
+    """``cls.apply`` as one recorded outside call: a custom ``autograd.Function`` applied in loss
+    code is replayed as itself (its own backward node), not as the ops of its forward."""
+
+    __slots__ = ("cls", "__name__")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.__name__ = f"{cls.__name__}.apply"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _ORIG_APPLY.__func__(self.cls, *args, **kwargs)
+
+
+_FUNCTION = torch.autograd.Function
+_ORIG_APPLY: Any = _FUNCTION.__dict__["apply"]  # the classmethod
+
+
+def _recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``Function.apply`` while the outside recorder is on the stack (set by `_Switch` only then;
+    other threads, with no mode of theirs, go straight through)."""
+    if _SWITCH.on is not None and torch._C._is_torch_function_mode_enabled():
+        return torch.overrides.handle_torch_function(_Apply(cls), (), *args, **kwargs)
+    return _ORIG_APPLY.__func__(cls, *args, **kwargs)
+
+
+_RECORDED_APPLY = classmethod(_recorded_apply)
+
+
+def _route_apply(on: bool) -> None:
+    """Route custom autograd Functions through the recorder while it is on (and only then: nothing
+    of it is left once the mode is off the stack, nor inside any watched call)."""
+    if on:
+        if _FUNCTION.__dict__.get("apply") is _ORIG_APPLY:
+            _FUNCTION.apply = _RECORDED_APPLY  # type: ignore[method-assign, assignment]
+    elif _FUNCTION.__dict__.get("apply") is _RECORDED_APPLY:
+        _FUNCTION.apply = _ORIG_APPLY  # type: ignore[method-assign]
+
+
 class _Switch:
     """The one mode on the stack, recording for every hunt whose outside code runs now.
 
@@ -102,6 +141,7 @@ class _Switch:
         if m is None:
             return
         self.on = None
+        _route_apply(False)
         if torch._C._len_torch_function_stack() and torch.overrides._get_current_function_mode() is m:
             torch._C._pop_torch_function_stack()
         else:  # a mode the user pushed sits above ours (or we run inside its own handler: torch
@@ -142,6 +182,7 @@ class _Switch:
         else:
             torch._C._push_on_torch_function_stack(c)
         self.on = c
+        _route_apply(True)
 
 
 _SWITCH = _Switch()
