@@ -106,7 +106,7 @@ def _recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return _ORIG_APPLY.__func__(cls, *args, **kwargs)
 
 
-_RECORDED_APPLY = classmethod(_recorded_apply)
+_RECORDED_APPLY: Any = classmethod(_recorded_apply)
 
 
 def _route_apply(on: bool) -> None:
