@@ -188,3 +188,28 @@ def test_inplace_relu_models_train_and_fail_correctly() -> None:
         m(x2).sum().backward()
     assert_finding(hunt.first, phase="backward", module="2", module_type="PairDistance", tensor="grad_input[0]",
                    step=0, call=0, cause="created", expected=rec.grad_in("2"))
+
+
+def test_a_gradient_made_inside_a_module_whose_input_needs_none_is_named_by_its_node() -> None:
+    # sqrt at 0 in a module's own code; the module's input (the data) needs no gradient, so the
+    # first non-finite gradient is no grad_input of the module: it is the sqrt node's own
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return h + (h - h).pow(2).sum(-1, keepdim=True).sqrt()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Normed(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt):
+            model(x).mean().backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "0", "SqrtBackward0", "created")
+    assert f.tensor == "SqrtBackward0.grad_input[0]" and f.shape == (3, 1)  # not the module's (3, 4) input

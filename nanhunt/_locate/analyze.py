@@ -528,7 +528,10 @@ def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
     index, value, counts = element(b.grad)
     f = Finding(
         phase="backward", module=b.name if b.module is not None else ctx.names.get(top.module, ""),
-        module_type=type(module).__name__, tensor=f"grad_input[{b.slot}]", step=ctx.step,
+        # a node's gradient inside the module's own code (not an input of the module: those may
+        # not even need a gradient), named by its node
+        module_type=type(module).__name__, tensor=f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]",
+        step=ctx.step,
         call=0, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
         dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True,
