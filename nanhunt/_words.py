@@ -204,8 +204,14 @@ def reference_text(f: Finding) -> str:
     at = f" at {op}" if op else ""
     if v == "precision":
         s = f"float32{at} = {_exact(r.get('value'))}"
-        if r.get("limit") is not None:
-            s += f", past {r.get('failing_dtype', 'the dtype')}'s largest value {_exact(r['limit'])}"
+        lim, val = r.get("limit"), r.get("value")
+        if lim is not None:
+            dt = r.get("failing_dtype", "the dtype")
+            if isinstance(val, (int, float)) and math.isfinite(val) and abs(val) <= lim:
+                # the value itself fits: something on the way to it did not (x * x, then * 0)
+                s += f", within {dt}'s range: a value on the way there passed its largest value {_exact(lim)}"
+            else:
+                s += f", past {dt}'s largest value {_exact(lim)}"
         return s + f" (failing run: {fmt(r.get('failing', f.value))})"
     if v == "numerics":
         return f"{r.get('dtype', 'float32')} eager{at} gives {fmt(r.get('value', f.value))} too"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -208,3 +209,17 @@ def test_html_in_headless_browser(tmp_path):
     assert has((0x00, 0xB3, 0xFF))  # the finding's outline was drawn
     assert has((0x11, 0x11, 0x11))  # a non-finite cell
     assert has((0xFF, 0xF2, 0xF0))  # the answer box
+
+
+def test_a_precision_reference_whose_value_fits_does_not_say_it_overflowed():
+    from nanhunt._words import reference_text
+
+    # float16 GELU's backward: pow gives inf, then * 0 gives nan; float32's gradient there is 0
+    fits = softmax_finding(phase="backward", verdict="precision", op="PowBackward0", value=float("nan"),
+                           reference={"dtype": "float32", "op": "PowBackward0", "value": 0.0, "limit": 65504.0,
+                                      "failing_dtype": "float16", "failing": float("nan")})
+    line = reference_text(fits)
+    assert "past float16's largest value" not in line
+    assert "within float16's range" in line and "65504" in line and "(failing run: nan)" in line
+    over = dataclasses.replace(fits, reference={**fits.reference, "value": 90112.0})
+    assert "= 90112, past float16's largest value 65504" in reference_text(over)
