@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterator
 from threading import get_ident
 from typing import Any
 
+import torch
 from torch.nn.modules import module as _module_mod
 
-__all__ = ["GlobalHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened"]
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
+
+__all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened"]
 
 
 class GlobalHooks:
@@ -34,6 +37,21 @@ class GlobalHooks:
             h.remove()
             _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
+
+
+class ReplayHooks(GlobalHooks):
+    """`GlobalHooks` for a replay after a hit: calls made inside torch.func transforms (vmap,
+    grad) are not seen, as the hunt's recorder does not see them (their tensors are wrapped and
+    die with the transform), so the replay counts the same calls as the record."""
+
+    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        def pre_hook(*args: Any) -> Any:
+            return None if _functorch_level() is not None else pre(*args)
+
+        def post_hook(*args: Any) -> Any:
+            return None if _functorch_level() is not None else post(*args)
+
+        super().__init__(pre_hook, post_hook)
 
 
 # thread ident -> depth of the replays under way on that thread. Hot-path check, when nothing

@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
-from .._hooks import GlobalHooks
+from .._hooks import ReplayHooks
 from .._steplog import CompiledSlots, StepView, Top
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph, watched_name
@@ -78,14 +78,14 @@ class _Scope:
         self.output: Any = None
         self.done = False
         self.entered = False
-        self.hooks: GlobalHooks | None = None
+        self.hooks: ReplayHooks | None = None
         # the target call itself, to run it alone: module, RNG state at its start, its inputs
         self.module: nn.Module | None = None
         self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self.inputs: tuple[Any, Any] | None = None
 
     def __enter__(self) -> _Scope:
-        self.hooks = GlobalHooks(self.pre, self.post)
+        self.hooks = ReplayHooks(self.pre, self.post)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -269,7 +269,7 @@ class _Input:
         self.names, self.ordinal, self.path = names, ordinal, tuple(path)
         self.count = 0
         self.tensor: torch.Tensor | None = None
-        self.hooks = GlobalHooks(self.pre, lambda *a: None)
+        self.hooks = ReplayHooks(self.pre, lambda *a: None)
 
     def pre(self, module: nn.Module, args: Any) -> None:
         if module not in self.names:

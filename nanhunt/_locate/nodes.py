@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import GlobalHooks
+from .._hooks import ReplayHooks
 from .._steplog import Top
 from .._tensors import is_bad, tensors
 from .oplevel import _fmt, _Mode, _Recorder
@@ -109,7 +109,7 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
 
     rec = _Recorder()
     mode = _Mode(rec, track_nodes=True)
-    hooks = GlobalHooks(pre, post)
+    hooks = ReplayHooks(pre, post)
     try:
         with faithful(top), torch.enable_grad(), mode:
             out = top.module(*top.args, **(top.kwargs or {}))

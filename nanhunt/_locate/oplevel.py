@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .._hooks import GlobalHooks
+from .._hooks import ReplayHooks
 from .._steplog import Top
 from .._tensors import Path, get_path, tensors, version
 from . import hints as _hints
@@ -442,7 +442,7 @@ class _Calls:
         self.entered = False
 
     def __enter__(self) -> _Calls:
-        self.handles.append(GlobalHooks(self.pre, self.post))
+        self.handles.append(ReplayHooks(self.pre, self.post))
         return self
 
     def __exit__(self, *exc: Any) -> None:

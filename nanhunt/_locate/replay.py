@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import GlobalHooks, replaying
+from .._hooks import ReplayHooks, replaying
 from .._steplog import Top
 from .._tensors import Path, is_bad, local, own_tensors, probe, stack_probes, tensors, version
 
@@ -244,7 +244,7 @@ def _replay_top(
             c.outputs = [(p, t.detach().clone()) for p, t in c.outputs]
             c.versions = [version(t) for _, t in c.outputs]
 
-    hooks = GlobalHooks(pre, post)
+    hooks = ReplayHooks(pre, post)
     result = Replay(calls, order, None)
     try:
         with faithful(top):
