@@ -442,3 +442,17 @@ def test_nan_in_the_second_micro_batch_has_call_one() -> None:
         opt.step()
     assert_finding(ei.value.finding, phase="forward", module="log", module_type="Log", tensor="output", step=0,
                    call=1, cause="created", expected=rec.out("log", 1))
+
+
+@pytest.mark.parametrize("row", [float("inf"), float("nan")])
+def test_a_row_of_inf_from_the_data_turned_into_nan_by_a_matmul_was_fed_in(row: float) -> None:
+    # inf * w with weights of both signs gives inf - inf = nan in every output of that row: the
+    # Linear made the NaN, but from an input that was not finite (unlike a -inf mask's softmax)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.cat([torch.randn(2, 4), torch.full((1, 4), row)])
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m(x)
+    f = hunt.first
+    assert f is not None and (f.module, f.cause) == ("0", "input")
+    assert f.counts["nan"] == 4 and "made before the model" in f.hint

@@ -316,14 +316,15 @@ def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module]
 def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCall, Path]:
     """Cause at ``rc``; when fed in, climb to the innermost enclosing call that made it.
 
-    A NaN is fed in only by an input holding NaN: a module fed an intended -inf mask that turns
-    it into NaN (softmax of a fully masked row) is where the NaN was born.
+    A NaN is fed in only by an input holding NaN or +inf: a module fed an intended -inf mask
+    that turns it into NaN (softmax of a fully masked row) is where the NaN was born; a row of
+    +inf from the data turned into NaN by a matmul (inf - inf) was fed in.
     """
     out = dict(rc.outputs).get(path)
     nan = out is not None and bool(torch.isnan(out).any()) and not bool(torch.isinf(out).any())
 
     def fed(c: ReplayCall) -> bool:
-        return any(c.in_nan) if nan else any(c.in_bad)
+        return any(c.in_fed) if nan else any(c.in_bad)
 
     if rc.params_bad:
         return "parameter", rc, path

@@ -74,6 +74,12 @@ class ReplayCall:
         return self._in_nan
 
     @property
+    def in_fed(self) -> list[bool]:
+        """Inputs that feed a NaN on: NaN, or +inf (a -inf alone is a mask's value by design,
+        which a softmax of a fully masked row turns into the NaN born there)."""
+        return [n or (b and bool((t == float("inf")).any())) for n, b, (_, t) in zip(self.in_nan, self.in_bad, self.inputs)]
+
+    @property
     def params_bad(self) -> list[str]:
         if self._params_bad is None:
             # judged on the state at the start of the call: a buffer counts by its value before it
