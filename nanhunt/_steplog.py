@@ -258,9 +258,10 @@ class StepLog:
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
 
-    def number_calls(self) -> None:
-        """Each call's number among its module's calls this step (`Call.call`; after a hit only)."""
-        counts: dict[int, int] = {}
+    def number_calls(self, before: dict[int, int] | None = None) -> None:
+        """Each call's number among its module's calls this step (`Call.call`; after a hit only).
+        ``before``: calls per module id in the step's earlier logs (a step checked in parts)."""
+        counts: dict[int, int] = dict(before) if before else {}
         for c in self.calls:
             n = counts.get(id(c.module), 0)
             c.call = n

@@ -456,3 +456,30 @@ def test_a_row_of_inf_from_the_data_turned_into_nan_by_a_matmul_was_fed_in(row: 
     f = hunt.first
     assert f is not None and (f.module, f.cause) == ("0", "input")
     assert f.counts["nan"] == 4 and "made before the model" in f.hint
+
+
+def test_a_nan_in_a_validation_loop_raises_at_the_models_next_forward() -> None:
+    # an optimizer is watched, but a validation loop never calls step(): the NaN of batch 3 is
+    # raised at batch 4's forward at the latest (not at close(), a thousand batches later),
+    # numbered as the module's fourth call of the step
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(6, 4)
+    seen = []
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt):
+            for _ in range(2):
+                m(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                for j in range(50):
+                    b = x.clone()
+                    if j == 3:
+                        b[0, 0] = float("nan")
+                    m(b)
+                    seen.append(j)
+    assert seen[-1] == 3, "raised at batch 4's forward"
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.call, f.cause) == ("forward", "0", 2, 3, "input")

@@ -193,6 +193,7 @@ class Hunt:
         self._state = BufferState()  # buffers as they were before each root call
         self._warned_step = -1
         self._step_lines: dict[int, str | None] = {}
+        self._calls_before: dict[int, int] = {}  # calls per module id in this step's earlier logs (checked in parts)
 
         # protect and recover (see protect.py, samples.py, guard.py): ready before any hook can fire
         self.skipped: list[int] = []  # steps dropped by on_find="skip"
@@ -456,7 +457,7 @@ class Hunt:
                 log = self._log
             log.root_calls += 1
         elif (cap and len(log) > _MAX_ENTRIES and not self.distributed) or (
-                module is self._root and log.backward and self._grads_dropped()):
+                module is self._root and self._iteration_over(log)):
             self._end_step(advance=False)
             if self._closed:
                 return None
@@ -480,12 +481,23 @@ class Hunt:
         log.tops.append(t)
         return log, t
 
+    def _iteration_over(self, log: StepLog) -> bool:
+        """The root is called again and what the log holds can be judged now, as the contract
+        promises (at the model's next forward at the latest): an evaluation call (no_grad, no
+        backward since: a validation loop never reaches step()), or an iteration whose gradients
+        are gone again (`_grads_dropped`)."""
+        if not log.tops or self.distributed:
+            return False
+        if not log.backward:
+            return not log.tops[-1].grad_enabled
+        return self._grads_dropped()
+
     def _grads_dropped(self) -> bool:
         """A backward ran since the last sync and every watched gradient is gone again: the
         iteration ended without a ``step()`` (a GradScaler that was not given to watch() skipped
         it, then ``zero_grad()``), so the root's next call ends the step's check (gradient
         accumulation keeps its gradients: no extra sync there)."""
-        if not self._opts or self.distributed:
+        if not self._opts:
             return False
         return all(p.grad is None for o in self._opts for g in o.param_groups for p in g["params"])
 
@@ -960,6 +972,7 @@ class Hunt:
         self._round.add(i)
         if len(self._round) == len(self._opts):
             self.step += 1
+            self._calls_before = {}
             self._round = set()
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
@@ -1031,8 +1044,15 @@ class Hunt:
         if drained is not None:
             log.vectors.append(drained)
         step = self.step
+        prior = self._calls_before  # this log's calls are numbered after these
         if advance:
             self.step += 1
+            self._calls_before = {}
+        elif log.calls:  # the step goes on in a new log: its calls keep counting from here
+            self._calls_before = before = dict(prior)
+            for c in log.calls:
+                k = id(c.module)
+                before[k] = before.get(k, 0) + 1
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
@@ -1058,7 +1078,7 @@ class Hunt:
                 self._paused = True
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
-                        found = locate(self._view(log, step))
+                        found = locate(self._view(log, step, prior))
                     if batches is not None and self._batches is not None:
                         found = self._batches.fill(found, log, batches)
                 except Exception as e:  # the other ranks still wait for this rank's findings
@@ -1174,9 +1194,9 @@ class Hunt:
             warnings.warn(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
                           stacklevel=3)
 
-    def _view(self, log: StepLog, step: int) -> StepView:
+    def _view(self, log: StepLog, step: int, calls_before: dict[int, int] | None = None) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
-        log.number_calls()
+        log.number_calls(calls_before)
         names = self._module_names()
         ignored = frozenset(m for m in names if id(m) in self._ignored)
         return StepView(
