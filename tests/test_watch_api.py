@@ -63,6 +63,33 @@ def test_bad_optimizer(bad: Any) -> None:
         nanhunt.watch(zoo.mlp(), bad)
 
 
+@pytest.mark.parametrize(("kw", "error", "named"), [
+    ({"guard_saves": "false"}, TypeError, "guard_saves"),  # a truthy string must not switch the guard on
+    ({"replay": "no"}, TypeError, "replay"),
+    ({"grad_hooks": "False"}, TypeError, "grad_hooks"),
+    ({"distributed": 1.0}, TypeError, "distributed"),
+    ({"ignore": 5}, TypeError, "ignore"),
+    ({"ignore": b"ab"}, TypeError, "ignore"),
+    ({"ignore": ["enc.*", 3]}, TypeError, "ignore"),
+    ({"history": 10**30}, ValueError, "history"),
+    ({"history": -1}, ValueError, "history"),
+    ({"dist_timeout": float("inf")}, ValueError, "dist_timeout"),
+    ({"dist_timeout": 1e300}, ValueError, "dist_timeout"),
+    ({"dist_timeout": float("nan")}, ValueError, "dist_timeout"),
+    ({"dist_timeout": 0}, ValueError, "dist_timeout"),
+])
+def test_a_bad_option_is_refused_at_watch_naming_it(kw: dict[str, Any], error: type, named: str) -> None:
+    with pytest.raises(error, match=named):
+        nanhunt.watch(zoo.mlp(), **kw)
+
+
+def test_boolean_options_take_booleans() -> None:
+    m = zoo.mlp()
+    with nanhunt.watch(m, replay=False, grad_hooks=True, guard_saves=False, distributed=False) as hunt:
+        m(torch.randn(2, 4))
+    assert hunt.findings == []
+
+
 def test_bad_report_suffix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\.json"):
         nanhunt.watch(zoo.mlp(), report=tmp_path / "report.pdf")

@@ -20,6 +20,8 @@ __all__ = ["Options", "ON_FIND", "MODES"]
 
 ON_FIND = ("raise", "warn", "record", "skip", "breakpoint")
 MODES = ("full", "sentinel", "ops")
+_MAX_HISTORY = 1_000_000  # steps of per-module statistics: a device ring of this length per module
+_MAX_TIMEOUT = 365 * 24 * 3600.0  # seconds: the collectives' timeout must fit a timedelta in milliseconds
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,17 @@ class Options:
             )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+        if isinstance(ignore, (bytes, bytearray)) or not (isinstance(ignore, str) or isinstance(ignore, Iterable)):
+            raise TypeError(f"ignore must be a glob pattern (str) or an iterable of them; got {ignore!r}")
         patterns = (ignore,) if isinstance(ignore, str) else tuple(ignore)
         for p in patterns:
             if not isinstance(p, str):
                 raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
-        _int("history", history, 0, "steps kept")
+        _int("history", history, 0, "steps kept", high=_MAX_HISTORY)
+        for name, v in (("replay", replay), ("grad_hooks", grad_hooks), ("guard_saves", guard_saves),
+                        ("distributed", distributed)):
+            if not (isinstance(v, bool) or (name == "distributed" and v is None)):
+                raise TypeError(f"{name} must be True or False; got {v!r}")
         if optimizer_every is None:  # exact in full mode; sentinel reads the weights every 10 steps
             optimizer_every = 10 if mode == "sentinel" else 1
         _int("optimizer_every", optimizer_every, 0, "0: only on a hit")
@@ -86,8 +94,10 @@ class Options:
             raise TypeError(f"scaler must be a torch.amp.GradScaler; got {type(scaler).__name__}")
         if rank is not None:
             _int("rank", rank, 0, "this process's rank")
-        if isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float)) or not dist_timeout > 0:
-            raise ValueError(f"dist_timeout must be a number of seconds > 0; got {dist_timeout!r}")
+        if (isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float))
+                or not 0 < dist_timeout <= _MAX_TIMEOUT):
+            raise ValueError(f"dist_timeout must be a number of seconds > 0 and <= {_MAX_TIMEOUT:g} (a year); "
+                             f"got {dist_timeout!r}")
         _int("max_findings", max_findings, 1, "findings the report keeps")
         _int("max_skips", max_skips, 0, "consecutive skipped steps before NonFiniteError")
         if loader is not None:
@@ -98,16 +108,17 @@ class Options:
         return cls(
             on_find=on_find, scaler=scaler, ignore=patterns, history=history,
             report=check_writable(report, (".json", ".html", ".txt"), "report") if report is not None else None,
-            mode=mode, replay=bool(replay), grad_hooks=bool(grad_hooks) or mode == "ops",
+            mode=mode, replay=replay, grad_hooks=grad_hooks or mode == "ops",
             optimizer_every=optimizer_every, stats_every=stats_every,
             bundle=check_writable(bundle, (".pt",), "bundle") if bundle is not None else None,
-            distributed=None if distributed is None else bool(distributed), rank=rank,
+            distributed=distributed, rank=rank,
             dist_timeout=float(dist_timeout),
             max_findings=max_findings,
-            max_skips=max_skips, loader=loader, guard_saves=bool(guard_saves),
+            max_skips=max_skips, loader=loader, guard_saves=guard_saves,
         )
 
 
-def _int(name: str, v: Any, low: int, meaning: str) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ValueError(f"{name} must be an int >= {low} ({meaning}); got {v!r}")
+def _int(name: str, v: Any, low: int, meaning: str, high: int | None = None) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+        bound = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{name} must be an int {bound} ({meaning}); got {v!r}")
