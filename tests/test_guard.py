@@ -71,6 +71,19 @@ def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
     assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["mask"][1] == float("-inf")
 
 
+def test_torch_serialization_save_is_guarded_too_and_put_back(tmp_path: Any) -> None:
+    original = torch.serialization.save
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "ckpt.pt"
+    with nanhunt.watch(model, opt, on_find="record"):
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.serialization.save({"model": model.state_dict()}, path)
+    assert ei.value.finding.tensor == "['model']['fc1.weight']" and not path.exists()
+    assert torch.serialization.save is original and torch.save is original
+
+
 def test_guard_saves_false_and_torch_save_restored_with_two_hunts(tmp_path: Any) -> None:
     original = torch.save
     a, b = zoo.bnmlp(), zoo.bnmlp()

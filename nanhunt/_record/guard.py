@@ -52,8 +52,12 @@ _HINT = ("nanhunt refused to write this checkpoint: the watched model's or optim
 def _guarded_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
     for g in list(_guards):
         g.judge(obj, f)
-    original = _original if _original is not None else torch.serialization.save
+    original = _original if _original is not None else _SERIALIZATION_SAVE
     return original(obj, f, *args, **kwargs)
+
+
+_SERIALIZATION_SAVE: Callable[..., Any] = torch.serialization.save  # torch's own, as it was at import
+_serialization_original: Callable[..., Any] | None = None
 
 
 functools.update_wrapper(_guarded_save, torch.serialization.save)
@@ -123,19 +127,29 @@ class SaveGuard:
         self._buffers, self._flags = None, None
 
     def install(self) -> None:
-        global _original
+        """Guard ``torch.save`` and ``torch.serialization.save`` (the names looked up at call time;
+        a name imported before watch(), ``from torch import save``, is the unguarded function:
+        `Hunt.refuse_save` serves such loops)."""
+        global _original, _serialization_original
         if not _guards and torch.save is not _guarded_save:
             _original = torch.save
             torch.save = _guarded_save  # type: ignore[assignment]
+        if not _guards and torch.serialization.save is not _guarded_save:
+            _serialization_original = torch.serialization.save
+            torch.serialization.save = _guarded_save  # type: ignore[assignment]
         _guards.append(self)
 
     def remove(self) -> None:
-        global _original
+        global _original, _serialization_original
         if self in _guards:
             _guards.remove(self)
         if not _guards and torch.save is _guarded_save:
-            torch.save = _original if _original is not None else torch.serialization.save  # type: ignore[assignment]
+            torch.save = _original if _original is not None else _SERIALIZATION_SAVE  # type: ignore[assignment]
             _original = None
+        if not _guards and torch.serialization.save is _guarded_save:
+            torch.serialization.save = (_serialization_original if _serialization_original is not None  # type: ignore[assignment]
+                                        else _SERIALIZATION_SAVE)
+            _serialization_original = None
 
     # ------------------------------------------------------------------ judging
     def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
