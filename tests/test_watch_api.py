@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import warnings
 import weakref
 from pathlib import Path
@@ -126,6 +127,8 @@ def test_on_find_warn_keeps_recording() -> None:
             with torch.no_grad():
                 m(_zero_batch())
     assert len(hunt.findings) >= 3 and [f.step for f in hunt.findings][:1] == [0]
+    # each warning points at the user's line that ended the step, not inside nanhunt or torch
+    assert rec and all(os.path.realpath(w.filename) == os.path.realpath(__file__) for w in rec), [w.filename for w in rec]
     assert {f.step for f in hunt.findings} == {0, 1, 2}
     assert any("log" in str(w.message) for w in rec)
 

@@ -56,7 +56,7 @@ from .faults import InternalError, log_fault
 from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
-from .outside import Outside, user_line
+from .outside import Outside, _is_lib, user_line
 from .probe import GradProbe, OptimizerProbe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
@@ -82,6 +82,17 @@ _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold
 _ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
 _FWD0: list[Fwd] = []  # Fwd(i, 0) for each call index i seen so far: shared, never changed
 _FWD_CACHED = 1 << 16  # call indices past this get an entry of their own
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (the first frame outside
+    torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
+    f: Any = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
+    while f is not None and _is_lib(f.f_code.co_filename):
+        f = f.f_back
+        level += 1
+    return level if f is not None else 2
 
 
 def _fwd0(i: int) -> Fwd:
@@ -1138,7 +1149,7 @@ class Hunt:
             more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
             message = paragraph(found[0], first=first) + more
             _logger.warning("%s", message)
-            warnings.warn(message, NonFiniteWarning, stacklevel=4)
+            warnings.warn(message, NonFiniteWarning, stacklevel=_user_stacklevel())
         elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
             error = NonFiniteError(found[0], self.report)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
