@@ -10,7 +10,7 @@ Entries, one per device-side probe in ``StepLog.sums`` (``StepLog.meta`` holds t
 arriving at a hooked tensor), :class:`Op` (an aten op, ``mode="ops"``). Fused checks, one probe
 vector each (``StepLog.vectors``): :class:`Grads` (accumulated ``.grad``), :class:`OptimState`
 (parameters and optimizer state after a ``step()``), :class:`CompiledSlots` (outputs checked
-inside compiled graphs).
+inside compiled graphs), :class:`Buffers` (the root's buffers that became non-finite in the step).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ._tensors import Path, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
-    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots",
+    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots", "Buffers",
 ]
 
 
@@ -219,7 +219,19 @@ class CompiledSlots:
         return bad[0] if bad else None
 
 
-Vector = Grads | OptimState | CompiledSlots
+class Buffers:
+    """The root's floating buffers that became non-finite during the step (finite when it began):
+    ``names`` (qualified) and the buffers, one flag each."""
+
+    kind = "buffers"
+    __slots__ = ("names", "tensors")
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names = names
+        self.tensors = tensors
+
+
+Vector = Grads | OptimState | CompiledSlots | Buffers
 
 
 class StepLog:

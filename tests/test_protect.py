@@ -238,12 +238,12 @@ def test_a_buffer_replaced_by_assignment_is_the_one_a_replay_starts_from(on_find
 
 def test_damage_of_a_refused_checkpoint_names_the_poisoned_buffer(tmp_path: Any) -> None:
     # a BatchNorm whose running_var overflowed (one sample of 3e19: its square is past float32's
-    # max) while every output stayed finite: the first finding is the refused save, and the damage
-    # names the buffer that made it
+    # max) while every output stayed finite, its module ignored (so the step's own buffer check
+    # passes it): the first finding is the refused save, and the damage names the buffer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nanhunt.watch(model, opt, on_find="record") as hunt:
+    with nanhunt.watch(model, opt, on_find="record", ignore=["0"]) as hunt:
         for i in range(2):
             x = torch.randn(8, 4)
             if i == 1:
@@ -255,3 +255,59 @@ def test_damage_of_a_refused_checkpoint_names_the_poisoned_buffer(tmp_path: Any)
             torch.save({"model": model.state_dict()}, tmp_path / "bn.pt")
     assert hunt.first is not None and hunt.first.phase == "checkpoint"
     assert hunt.report.damage["buffers"] == ["0.running_var"]
+
+
+def _bn_steps(hunt_kw: dict[str, Any], huge_at: int, steps: int = 3) -> tuple[torch.nn.Module, Any, list[int]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    done = []
+    hunt = nanhunt.watch(model, opt, **hunt_kw)
+    try:
+        for i in range(steps):
+            x = torch.randn(8, 4)
+            if i == huge_at:
+                x[0, 0] = 3e19  # finite; its square is not: the running variance overflows
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            done.append(i)
+    except nanhunt.NonFiniteError:
+        pass
+    finally:
+        hunt.close()
+    return model, hunt, done
+
+
+def test_a_running_statistic_that_overflows_with_finite_outputs_is_found_in_its_step() -> None:
+    model, hunt, done = _bn_steps({"on_find": "record"}, huge_at=1)
+    assert not torch.isfinite(model[0].running_var).all()  # record mode leaves it, as torch made it
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.module_type, f.tensor, f.step, f.cause) == (
+        "forward", "0", "BatchNorm1d", "running_var", 1, "created")
+    assert f.index == (0,) and f.value == float("inf") and "running statistic" in f.hint
+    assert [g.tensor for g in hunt.findings] == ["running_var"]  # non-finite from then on: found once
+
+
+def test_raise_mode_puts_an_overflowed_running_statistic_back() -> None:
+    model, hunt, done = _bn_steps({"on_find": "raise"}, huge_at=1)
+    assert done == [0] and hunt.first is not None and hunt.first.tensor == "running_var"
+    assert torch.isfinite(model[0].running_var).all() and torch.isfinite(model[0].running_mean).all()
+
+
+def test_buffers_non_finite_from_the_start_or_ignored_are_not_findings() -> None:
+    # an intended -inf mask buffer, and a BatchNorm under an ignore glob
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    model.register_buffer("mask", torch.tensor([0.0, float("-inf"), 0.0]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="record", ignore=["0"]) as hunt:
+        for i in range(3):
+            x = torch.randn(8, 4)
+            if i == 1:
+                x[0, 0] = 3e19
+            (model(x) + model.mask.clamp_min(-1e4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == []

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top
+from .._steplog import Buffers, Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top
 from .._tensors import (
     Path,
     dtype_name,
@@ -156,6 +156,12 @@ def analyze(view: StepView) -> list[Finding]:
                                 if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
     if compiled and not any(f.phase == "forward" for f in out):
         out[earlier:earlier] = [_compiled_finding(ctx, *compiled[0])]
+    written = [(e, flags) for (_v, e), flags in zip(log.vectors, vbad) if isinstance(e, Buffers) and any(flags)]
+    if written and not any(f.phase == "forward" for f in out):  # written by the forward: before its backward
+        fw = _buffer_finding(ctx, *written[0])
+        if fw is not None:
+            at = next((j for j, g in enumerate(out) if j >= earlier and g.phase in ("backward", "grad")), len(out))
+            out.insert(at, fw)
     grads_bad = any(isinstance(e, Grads) and any(flags) for (_v, e), flags in zip(log.vectors, vbad))
     if grads_bad and not any(f.phase in ("forward", "backward") for f in out):
         # no per-module gradient hooks (the default): find the backward's creator by replay
@@ -610,6 +616,29 @@ def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Fin
         hint="" if poisoned else "Found by the compiled graph's own check, with no replay to say more "
         "(replay=False, or the call's inputs were changed in place since): only the module is known.",
     )
+
+
+# ---------------------------------------------------------------- buffers
+def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | None:
+    """A buffer of the root that became non-finite during the step while no output did (a
+    BatchNorm's running variance overflowing on a huge but finite batch)."""
+    root = ctx.view.root
+    for name, t, b in zip(entry.names, entry.tensors, flags):
+        if not b or not is_bad(t):
+            continue
+        mname, _, bname = name.rpartition(".")
+        try:
+            module = root.get_submodule(mname) if root is not None else None
+        except AttributeError:
+            module = None
+        mtype = type(module).__name__ if module is not None else ""
+        index, value, counts = element(t)
+        return Finding(
+            phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step, call=0,
+            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t), cause="created",
+            hint=_hints.buffer_hint(bname, mtype),
+        )
+    return None
 
 
 # ---------------------------------------------------------------- grad / optimizer

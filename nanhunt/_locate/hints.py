@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint", "at_start_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -243,6 +243,17 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
         why = f" ({f.dtype}'s largest finite value is {big:g})" if big else ""
         return f"Inf from finite inputs: an overflow past the dtype's max{why}, x/0 or log(0)."
     return ""
+
+
+def buffer_hint(buffer: str, module_type: str) -> str:
+    """A buffer written non-finite by a forward whose outputs stayed finite."""
+    if buffer.startswith("running_") or "Norm" in module_type:
+        return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: a batch "
+                "with huge (but finite) values, whose variance is past the dtype's largest value. Training goes "
+                "on, but evaluation (model.eval()) will use it: find the bad sample (watch(loader=...)), clip or "
+                "normalise the inputs.")
+    return (f"The buffer {buffer!r} became non-finite during this step's forward while its outputs stayed "
+            "finite: the module wrote it in place; whatever reads it later (evaluation, the next step) gets it.")
 
 
 def at_start_hint(what: str) -> str:

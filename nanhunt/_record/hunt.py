@@ -1054,6 +1054,10 @@ class Hunt:
         drained = self._compiled.drain() if self._compiled is not None else None
         if drained is not None:
             log.vectors.append(drained)
+        if log.tops and log.tops[0].module is self._root:  # buffers that became non-finite in the step
+            written = self._state.probe(log.tops[0], self._ignore)
+            if written is not None:
+                log.vectors.append(written)
         step = self.step
         prior = self._calls_before  # this log's calls are numbered after these
         if advance:
