@@ -473,6 +473,7 @@ def test_a_nan_in_a_validation_loop_raises_at_the_models_next_forward() -> None:
                 m(x).sum().backward()
                 opt.step()
                 opt.zero_grad()
+            m.eval()
             with torch.no_grad():
                 for j in range(50):
                     b = x.clone()

@@ -494,13 +494,15 @@ class Hunt:
 
     def _iteration_over(self, log: StepLog) -> bool:
         """The root is called again and what the log holds can be judged now, as the contract
-        promises (at the model's next forward at the latest): an evaluation call (no_grad, no
-        backward since: a validation loop never reaches step()), or an iteration whose gradients
-        are gone again (`_grads_dropped`)."""
-        if not log.tops or self.distributed:
+        promises (at the model's next forward at the latest): an evaluation call (no_grad, the
+        model in eval mode, no backward since: a validation loop never reaches step(); a no_grad
+        pass inside a training step, FixMatch's pseudo-labels, adds no sync), or an iteration
+        whose gradients are gone again (`_grads_dropped`)."""
+        root = self._root
+        if not log.tops or self.distributed or root is None:
             return False
         if not log.backward:
-            return not log.tops[-1].grad_enabled
+            return not log.tops[-1].grad_enabled and not root.training
         return self._grads_dropped()
 
     def _grads_dropped(self) -> bool:

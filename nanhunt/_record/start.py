@@ -22,6 +22,8 @@ from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_
 
 __all__ = ["StartState"]
 
+_INF = float("inf")
+
 
 class StartState:
     """Exact "non-finite?" flags of the watched state as it was when the first step began."""
@@ -46,8 +48,9 @@ class StartState:
         if not tens:
             return
         with torch.no_grad():
-            # exact (a sum could overflow for a huge finite tensor); once per hunt
-            self._flags = ~stack_probes([torch.isfinite(local(t)).all() for t in tens])
+            # exact (a sum could overflow for a huge finite tensor: the largest magnitude cannot, and
+            # is NaN/inf exactly when an element is) and with no tensor-sized temporary; once per hunt
+            self._flags = ~torch.isfinite(stack_probes([torch.linalg.vector_norm(local(t), _INF) for t in tens]))
         self._refs = [weakref.ref(t) for t in tens]
 
     def bad(self) -> tuple[torch.Tensor, ...]:
