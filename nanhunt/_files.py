@@ -3,8 +3,15 @@ data read back from files (reports, bundles, possibly someone else's) checked fi
 
 A path given to ``watch(report=...)`` is checked as the OS resolves it, not as a string
 (``missing/../r.json`` names a folder that does not exist), and kept as an absolute real path
-(a later ``os.chdir`` does not move it). Text is written as UTF-8 with ``backslashreplace``: a name
+(a later ``os.chdir`` does not move it). A symbolic link is written through: its target is
+replaced atomically and the link stays; a device or a pipe (``/dev/null``, ``/dev/stdout``) is
+written in place, as ``open()`` would. Text is written as UTF-8 with ``backslashreplace``: a name
 that cannot be encoded (a lone surrogate) is written escaped, never raised at the moment of failure.
+
+Files are read only when they are regular files (`not_a_file`): a folder, a device (``/dev/zero``)
+or a FIFO is named as what it is and never read; `read_limited` reads at most a bounded number of
+bytes (`MAX_REPORT_BYTES` for reports), and `check_depth` refuses data nested deeper than any file
+nanhunt writes (no recursion error from a reader further on).
 
 `check_type` / `need` / `checked_fields` refuse data that is not what nanhunt wrote with an error
 naming the field (``findings[0].step must be an int, got str``), never a traceback from deep inside
@@ -22,32 +29,57 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["atomic_write", "check_writable", "FileFormatError", "check_type", "need", "checked_fields"]
+__all__ = ["atomic_write", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
+           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH"]
+
+MAX_REPORT_BYTES = 256 * 2**20  # a report read back is at most this big (nanhunt's own are well under 1 MiB)
+MAX_DEPTH = 64  # containers nested deeper than this in a file read back: not something nanhunt wrote
 
 
 def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str], None]) -> str:
     """Call ``write(tmp_path)``, then move the result onto ``path``; a reader never sees half a file.
 
-    The file gets the permissions ``open()`` would give it (0666 less the umask: 0644 usually; not
-    the 0600 of a private temporary file); a file it replaces keeps its own.
+    ``path`` is written where the OS resolves it: a symbolic link's target is replaced (the link
+    stays a link); a device or a FIFO (``/dev/null``, ``/dev/stdout``) is written in place by
+    ``write(path)``, never replaced by a file. The file gets the permissions ``open()`` would give
+    it (0666 less the umask: 0644 usually; not the 0600 of a private temporary file); a file it
+    replaces keeps its own, but never more than a fresh file would get.
     """
     p = os.fspath(path)
     try:
-        keep: int | None = stat.S_IMODE(os.stat(p).st_mode)
-    except OSError:
-        keep = None
-    folder = os.path.dirname(p) or os.curdir  # as the OS resolves it: "missing/.." is no folder
+        st: os.stat_result | None = os.stat(p)  # follows links: the file the OS would open
+    except FileNotFoundError:
+        st = None  # no file yet (or a link to one not made yet): created at the link's target
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(f"{p!r} is a folder, not a file")
+        if not (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+            raise OSError(f"{p!r} is {_kind(st.st_mode)}: a report or bundle is never written onto one")
+        _ready(p, st)
+        write(p)  # in place, as open() would: /dev/null stays /dev/null
+        return p
+    target = os.path.realpath(p) if os.path.islink(p) else p  # a link is written through, never replaced
+    folder = os.path.dirname(target) or os.curdir  # as the OS resolves it: "missing/.." is no folder
     tmp = _create(folder, suffix)
     try:
         write(tmp)
-        if keep is not None:
-            os.chmod(tmp, keep)
-        os.replace(tmp, p)
+        if st is not None:  # the replaced file's own mode, never more than a fresh file's (the umask's)
+            os.chmod(tmp, stat.S_IMODE(st.st_mode) & stat.S_IMODE(os.stat(tmp).st_mode))
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return p
+
+
+def _ready(path: str, st: os.stat_result) -> None:
+    """A FIFO nobody reads would block the writer for good: fail now instead (ENXIO)."""
+    if stat.S_ISFIFO(st.st_mode):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as e:
+            raise OSError(f"{path!r} is a FIFO (named pipe) that nobody reads ({e.strerror})") from None
 
 
 def _create(folder: str, suffix: str) -> str:
@@ -80,9 +112,130 @@ def check_writable(value: Any, suffixes: tuple[str, ...], what: str) -> str:
         raise ValueError(f"{what} {path!r}: folder {folder!r} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"{what} {path!r} is a folder, not a file")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.islink(path):  # written through: the target's folder is the one that must exist
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a loop of links
+            raise ValueError(f"{what} {path!r}: {e.strerror}") from None
+        target = os.path.realpath(path)
+        if not os.path.isdir(os.path.dirname(target)):
+            raise ValueError(f"{what} {path!r} is a link to {target!r}, whose folder does not exist")
+        folder = os.path.dirname(target)
+    mode = os.stat(path).st_mode if os.path.exists(path) else None
+    if mode is not None and not stat.S_ISREG(mode):  # written in place, as open() would (/dev/null)
+        if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+            raise ValueError(f"{what} {path!r} is {_kind(mode)}, not a file")
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{what} {path!r} is not writable")
+    elif not os.access(folder, os.W_OK | os.X_OK) or (mode is not None and not os.access(path, os.W_OK)):
         raise PermissionError(f"{what} {path!r} is not writable")
-    return os.path.join(os.path.realpath(folder), os.path.basename(path))
+    return os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir), os.path.basename(path))
+
+
+# ------------------------------------------------------------------ reading files
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """``None`` when ``path`` is a regular file this process can read (links followed), else why
+    not, in words: ``"does not exist"``, ``"is a folder"``, ``"is a character device"``,
+    ``"is a FIFO (named pipe)"``, ``"cannot be read: Permission denied"``, ... Nothing is read, and
+    only a regular file is opened (a device or a FIFO is judged by its type alone)."""
+    p = os.fspath(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        return "points to a file that does not exist (a broken link)" if os.path.islink(p) else "does not exist"
+    except OSError as e:  # a loop of links, a name too long, a folder on the way we may not enter
+        return f"cannot be read: {e.strerror or e}"
+    except ValueError as e:  # a NUL in the name
+        return f"cannot be read: {e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {_kind(st.st_mode)}"
+    try:
+        os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    return None
+
+
+def check_readable(path: str, what: str, refused: type[Exception] | None = None) -> None:
+    """Nothing when ``path`` is a regular file this process can read (`not_a_file`); else
+    `FileNotFoundError` (missing, a broken link), ``refused`` (default `FileFormatError`: a folder, a
+    device, a FIFO, named as what it is) or `OSError` (permissions, a loop of links). Nothing is read."""
+    why = not_a_file(path)
+    if why is None:
+        return
+    if why == "does not exist":
+        raise FileNotFoundError(f"no such {what}: {path!r}")
+    if why.startswith("points to"):
+        raise FileNotFoundError(f"{path} {why}")
+    if why.startswith("is "):
+        raise (refused or FileFormatError)(f"{path} {why}, not a {what}")
+    raise OSError(f"{path} {why}")
+
+
+def read_limited(path: str | os.PathLike[str], what: str, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    A missing file: `FileNotFoundError`; anything but a regular file (a folder, ``/dev/zero``, a
+    FIFO) or a file larger than ``limit``: `FileFormatError` naming the file and what it is, before
+    a byte is read (the opened file is checked again, so a swap after the check reads nothing)."""
+    p = os.fspath(path)
+    check_readable(p, what)
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileFormatError(f"{p} is {_kind(st.st_mode)}, not a {what}")
+        if st.st_size > limit:
+            raise FileFormatError(f"{p} is {_size(st.st_size)}: larger than any {what} (at most {_size(limit)})")
+        chunks, got = [], 0
+        while got <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > limit:  # it grew while being read
+            raise FileFormatError(f"{p} is larger than any {what} (at most {_size(limit)})")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def check_depth(v: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """`FileFormatError` when lists/dicts in ``v`` nest deeper than ``limit`` (walked without recursion)."""
+    stack: list[tuple[Any, int]] = [(v, 0)]
+    while stack:
+        o, depth = stack.pop()
+        if isinstance(o, dict):
+            items: Any = o.values()
+        elif isinstance(o, (list, tuple)):
+            items = o
+        else:
+            continue
+        if depth >= limit:
+            raise FileFormatError(f"{where} is nested more than {limit} levels deep: not something nanhunt wrote")
+        stack.extend((x, depth + 1) for x in items)
 
 
 # ------------------------------------------------------------------ reading back

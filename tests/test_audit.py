@@ -10,6 +10,7 @@ import torch
 
 import nanhunt
 from nanhunt._cli.main import main
+from nanhunt._locate.audit import AuditRefused
 from tests import zoo
 
 
@@ -71,3 +72,93 @@ def test_cli_exit_codes(tmp_path: Any, capsys: Any) -> None:
     assert "refused" in capsys.readouterr().err
     assert not files["marker"].exists()
     assert main(["audit", str(tmp_path / "missing.pt")]) == 2
+
+
+# ---------------------------------------------------------------- hostile files: one line naming the file, exit 2
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def _unblock_after(fifo: Any, seconds: float = 20.0) -> Any:
+    """Opens ``fifo`` for writing later, so a reader wrongly blocked in open() fails the test instead of hanging it."""
+    import threading
+
+    def go() -> None:
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+
+    t = threading.Timer(seconds, go)
+    t.daemon = True
+    t.start()
+    return t
+
+
+def test_audit_of_unreadable_safetensors_is_one_line_exit_2(tmp_path: Any, capsys: Any) -> None:
+    pytest.importorskip("safetensors")
+    import struct
+
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(bytes(range(256)) * 2)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 2**62) + b"{}")  # a header that claims 2**62 bytes
+    for f in (garbage, huge):
+        with pytest.raises(AuditRefused, match=f.name):
+            nanhunt.audit(f)
+        assert main(["audit", str(f)]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert str(f) in line and "safetensors" in line and "SafetensorError" not in line
+
+
+def test_audit_of_a_truncated_or_foreign_file_says_so(tmp_path: Any, capsys: Any) -> None:
+    files = _files(tmp_path)
+    data = files["good"].read_bytes()
+    cut = []
+    for i, frac in enumerate((0.2, 0.6, 0.95)):  # torch fails on these with RuntimeError or OSError [Errno 22]
+        cut.append(tmp_path / f"trunc{i}.pt")
+        cut[-1].write_bytes(data[: int(len(data) * frac)])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(bytes((i * 97 + 13) % 256 for i in range(5000)))  # not a zip, not a pickle
+    text = tmp_path / "text.pt"
+    text.write_text("hello world\n")
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    for f, says in (*((c, "truncated") for c in cut), (garbage, "neither a zip file"), (text, "neither a zip file"), (empty, "empty")):
+        with pytest.raises(ValueError, match="not a checkpoint torch can read") as e:  # AuditRefused, as for any bad file
+            nanhunt.audit(f)
+        assert not isinstance(e.value, OSError) and str(e.value).startswith(f"{f}: ")
+        assert says in str(e.value).removeprefix(f"{f}: ")  # (the test's folder is named "...truncated...")
+        assert main(["audit", str(f)]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert line.startswith(f"nanhunt: {f}: not a checkpoint torch can read") and says in line.split(": ", 2)[2], line
+        assert "run code" not in line and "Errno" not in line, line
+
+
+def test_audit_refusal_names_the_global_and_never_relays_torchs_advice(tmp_path: Any, capsys: Any) -> None:
+    files = _files(tmp_path)
+    assert main(["audit", str(files["evil"])]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "refused" in line and "posix.system" in line, line
+    assert "weights_only` set to `False" not in line and "will likely succeed" not in line
+    assert not files["marker"].exists()
+
+
+def test_audit_of_a_folder_a_device_or_a_fifo_names_what_it_is(tmp_path: Any, capsys: Any) -> None:
+    folder = tmp_path / "ckpt.pt"
+    folder.mkdir()
+    zero = tmp_path / "zero.pt"
+    zero.symlink_to("/dev/zero")  # endless: must never be read
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)  # nobody writes: opening it to read would block for good
+    _unblock_after(fifo)
+    for f, what in ((folder, "is a folder"), (zero, "is a character device"), (fifo, "is a FIFO")):
+        with pytest.raises(ValueError, match=what):
+            nanhunt.audit(f)
+        assert main(["audit", str(f)]) == 2
+        line = _one_line(capsys.readouterr().err)
+        assert line == f"nanhunt: {f} {what}{' (named pipe)' if f is fifo else ''}, not a checkpoint file", line
+    assert main(["audit", str(tmp_path / "missing.pt")]) == 2
+    assert "no such checkpoint" in _one_line(capsys.readouterr().err)

@@ -5,12 +5,15 @@ bundle of the user's own module class."""
 from __future__ import annotations
 
 import fractions
+import os
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 import nanhunt
 from nanhunt._cli.main import EXIT_CLEAN, EXIT_FAILED, EXIT_FOUND, EXIT_USAGE, main
@@ -63,6 +66,15 @@ def test_usage_errors_are_one_line_and_exit_2(cli, args, says):
     assert rc == 2 and out == ""
     assert one_line(err).startswith(says)
     assert "args" not in one_line(err) or args[0] != "run"
+
+
+@pytest.mark.parametrize("timeout", ["inf", "nan", "1e300", "0"])
+def test_a_dist_timeout_that_cannot_be_a_timeout_is_a_usage_error(cli, tmp_path, timeout):
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    rc, _, err = cli("run", "--dist-timeout", timeout, str(script))
+    assert rc == 2 and "--dist-timeout" in one_line(err) and not marker.exists()
 
 
 def test_paths_are_checked_before_any_work(cli, tmp_path):
@@ -140,6 +152,76 @@ def test_replay_on_non_bundles_is_one_clear_line(cli, tmp_path, saved_report):
     assert "Please file an issue" not in line
     rc, _, err = cli("replay", str(tmp_path / "missing.pt"))
     assert rc == 2 and one_line(err) == f"nanhunt: no such bundle file: {str(tmp_path / 'missing.pt')!r}"
+
+
+class _Payload:
+    """Unpickling this runs a shell command."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_replay_refusal_names_the_global_and_never_relays_torchs_advice(cli, tmp_path):
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.pt"
+    torch.save({"a": torch.ones(2), "evil": _Payload(str(marker))}, evil)
+    rc, _, err = cli("replay", str(evil))
+    line = one_line(err)
+    assert rc == 2 and line.startswith(f"nanhunt: {evil} was refused") and "posix.system" in line, line
+    assert "will likely succeed" not in line and "weights_only` set to `False" not in line, line
+    assert not marker.exists()
+
+
+def _bundle(tmp_path):
+    from nanhunt._locate import bundle as bundle_mod
+
+    path = tmp_path / "b.pt"
+    bundle_mod.save(path, module=nn.Linear(4, 2), module_name="lin", args=(torch.full((1, 4), 1e38),), kwargs={},
+                    rng_state=torch.get_rng_state(), cuda_rng=None, finding=None)
+    return path
+
+
+def test_replay_of_a_bundle_without_its_inputs_is_a_usage_error(cli, tmp_path):
+    """Today: accepted, the module called with no input, exit 1 ("module raised")."""
+    d = torch.load(_bundle(tmp_path), weights_only=True)
+    del d["args"]
+    path = tmp_path / "no_args.pt"
+    torch.save(d, path)
+    rc, out, err = cli("replay", str(path))
+    assert rc == 2 and out == "" and one_line(err) == f"nanhunt: {path}: bundle.args is missing"
+
+
+def test_replay_of_a_truncated_bundle_says_so(cli, tmp_path):
+    data = _bundle(tmp_path).read_bytes()
+    trunc = tmp_path / "trunc.pt"
+    trunc.write_bytes(data[: len(data) // 2])
+    rc, _, err = cli("replay", str(trunc))
+    line = one_line(err)
+    assert rc == 2 and line.startswith(f"nanhunt: {trunc} ") and "truncated" in line.removeprefix(f"nanhunt: {trunc} ")
+
+
+@pytest.mark.parametrize("kind", ["folder", "dev-zero", "fifo"])
+def test_replay_names_a_folder_a_device_or_a_fifo(cli, tmp_path, kind):
+    """Today: "no such bundle file" for all three."""
+    path = tmp_path / "b.pt"
+    if kind == "folder":
+        path.mkdir()
+        says = "is a folder"
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+        says = "is a character device"
+    else:
+        os.mkfifo(path)
+        says = "is a FIFO (named pipe)"
+    rc, _, err = cli("replay", str(path))
+    assert rc == 2 and one_line(err) == f"nanhunt: {path} {says}, not a bundle file"
+    from nanhunt._locate.bundle import BundleError, load
+
+    with pytest.raises(BundleError, match=re.escape(says)):
+        load(path)
 
 
 MODELS = '''

@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import stat
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -229,3 +232,144 @@ def test_nanhunt_run_checks_its_report_path_the_same_way(tmp_path, cli, monkeypa
     monkeypatch.chdir(tmp_path)
     rc, out, err = cli("run", "--report", "missing/../r.json", str(script))
     assert rc == 2 and "does not exist" in err and "ran" not in out
+
+
+# ---------------------------------------------------------------- report paths that are links
+def _record_a_finding(model: nn.Module, report: Any) -> None:
+    hunt = nanhunt.watch(model, report=report, on_find="record")
+    x = torch.randn(8, 4)
+    x[3] = 1000.0
+    model(x)
+    hunt.close()
+    assert hunt.first is not None
+
+
+def test_a_report_path_that_is_a_link_writes_the_link_target(tmp_path, monkeypatch) -> None:
+    """latest.json -> runs/42/report.json: the target is written (atomically), the link stays a link, and
+    the target keeps its own mode (today: the link was replaced by a plain file)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "42").mkdir(parents=True)
+    target = tmp_path / "runs" / "42" / "report.json"
+    target.write_text("{}")
+    os.chmod(target, 0o600)
+    link = tmp_path / "latest.json"
+    link.symlink_to("runs/42/report.json")
+    _record_a_finding(zoo.expnet(), "latest.json")
+    assert link.is_symlink() and os.readlink(link) == "runs/42/report.json"
+    assert Report.load(target).first is not None
+    assert os.stat(target).st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.rglob(".nanhunt-*")] == []
+    # a link to a file not written yet: the file is made where the link points
+    (tmp_path / "runs" / "43").mkdir()
+    fresh = tmp_path / "next.json"
+    fresh.symlink_to(tmp_path / "runs" / "43" / "report.json")
+    _record_a_finding(zoo.expnet(), fresh)
+    assert fresh.is_symlink() and Report.load(tmp_path / "runs" / "43" / "report.json").first is not None
+    # a link into a folder that does not exist: refused at watch(), as for a plain path
+    (tmp_path / "nowhere.json").symlink_to(tmp_path / "missing" / "r.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        nanhunt.watch(zoo.expnet(), report=tmp_path / "nowhere.json")
+
+
+def test_a_replaced_report_is_never_more_permissive_than_a_fresh_file(tmp_path) -> None:
+    report = Report([_finding()])
+    path = tmp_path / "r.json"
+    path.write_text("{}")
+    os.chmod(path, 0o666)  # world-writable: the new report is not
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    old = os.umask(0o022)
+    try:
+        report.save(path)
+        assert os.stat(path).st_mode & 0o777 == 0o644
+        os.chmod(path, 0o666)
+        report.save(link)
+        assert link.is_symlink() and os.stat(path).st_mode & 0o777 == 0o644
+    finally:
+        os.umask(old)
+
+
+def test_a_report_linked_to_dev_null_is_written_there_not_replaced(tmp_path) -> None:
+    """Today: the link became a world-writable 0666 file (the mode of /dev/null)."""
+    link = tmp_path / "devnull.json"
+    link.symlink_to(os.devnull)
+    _record_a_finding(zoo.expnet(), link)
+    assert link.is_symlink() and os.readlink(link) == os.devnull
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["devnull.json"]
+
+
+# ---------------------------------------------------------------- reports that are not reports
+def test_report_load_raises_the_loaders_own_error_for_any_bad_file(tmp_path) -> None:
+    from nanhunt._files import FileFormatError
+
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(bytes(range(128, 256)) * 4)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    nested = tmp_path / "nested.json"
+    nested.write_text('{"schema": "nanhunt.report/1", "meta": ' + '{"a": ' * 500 + "1" + "}" * 500 + "}")
+    for f, says in ((garbage, "not a text file"), (deep, "nested too deeply"), (nested, "nested more than")):
+        with pytest.raises(FileFormatError, match=says) as e:  # a ValueError, never UnicodeDecodeError/RecursionError
+            Report.load(f)
+        assert str(f) in str(e.value)
+
+
+def test_show_of_deeply_nested_json_is_one_line_exit_2(tmp_path, cli) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    rc, out, err = cli("show", str(deep))
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "RecursionError" not in err, err
+    assert str(deep) in err and "nested too deeply" in err
+
+
+def test_show_refuses_a_report_larger_than_the_cap_without_reading_it(tmp_path, cli) -> None:
+    import resource
+
+    from nanhunt._files import MAX_REPORT_BYTES
+
+    big = tmp_path / "big.json"
+    with open(big, "wb") as fh:  # sparse: no disk used
+        fh.truncate(MAX_REPORT_BYTES + 1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc, out, err = cli("show", str(big))
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert str(big) in err and "larger than any report" in err, err
+    assert grew_kib < 64 * 1024  # today: the whole file was read (4.4 GB for 2 GiB)
+
+
+def _show_in_a_box(path: Any) -> subprocess.CompletedProcess[str]:
+    """`nanhunt show PATH` in a child with 2 GiB of address space and a time limit: reading /dev/zero
+    or blocking on a FIFO fails the test instead of the machine."""
+    import resource
+
+    def box() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    return subprocess.run([sys.executable, "-m", "nanhunt", "show", str(path)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=box)
+
+
+@pytest.mark.parametrize("kind", ["folder", "dev-zero", "fifo"])
+def test_show_refuses_what_is_not_a_regular_file_without_reading_it(tmp_path, kind) -> None:
+    path = tmp_path / "r.json"
+    if kind == "folder":
+        path.mkdir()
+        says = "is a folder"
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")  # endless: today it grew without bound
+        says = "is a character device"
+    else:
+        os.mkfifo(path)  # nobody writes: today it blocked for good
+        says = "is a FIFO"
+    p = _show_in_a_box(path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == f"nanhunt: cannot read report {str(path)!r}: it {says}" + \
+        (" (named pipe)" if kind == "fifo" else "") + ", not a report file"
+    if kind != "folder":
+        from nanhunt._files import FileFormatError
+
+        with pytest.raises(FileFormatError, match=says):
+            Report.load(path)

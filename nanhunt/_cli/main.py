@@ -147,7 +147,7 @@ def _usage(parser: argparse.ArgumentParser, msg: str) -> int:
 
 # ---------------------------------------------------------------- show
 def _cmd_show(ns: argparse.Namespace) -> int:
-    from .._files import check_writable
+    from .._files import check_writable, not_a_file
     from .._report import Report
 
     if ns.html:
@@ -156,16 +156,18 @@ def _cmd_show(ns: argparse.Namespace) -> int:
         except (ValueError, PermissionError) as e:
             _err(str(e))
             return EXIT_USAGE
+    why = not_a_file(ns.report)  # a folder, /dev/zero, a FIFO: named, never read
+    if why is not None:
+        said = why.removeprefix("cannot be read: ") if why.startswith("cannot be read: ") else f"it {why}"
+        _err(f"cannot read report {ns.report!r}: {said}" + (", not a report file" if why.startswith("is ") else ""))
+        return EXIT_USAGE
     if zipfile.is_zipfile(ns.report):
         _err(f"{ns.report} is a torch.save file (a bundle?), not a report: replay a bundle with "
              f"`nanhunt replay {ns.report}`")
         return EXIT_USAGE
     try:
-        report = Report.load(ns.report)
-    except UnicodeDecodeError:
-        _err(f"cannot read report {ns.report!r}: not a text file (a report is the .json a watch wrote)")
-        return EXIT_USAGE
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        report = Report.load(ns.report)  # at most MAX_REPORT_BYTES are read
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         _err(f"cannot read report {ns.report!r}: {_one_line(e)}")
         return EXIT_USAGE
     if ns.html:
@@ -184,10 +186,15 @@ def _one_line(e: BaseException) -> str:
 
 # ---------------------------------------------------------------- replay
 def _cmd_replay(ns: argparse.Namespace) -> int:
+    from .._files import not_a_file
     from .._locate import BundleError, replay
 
-    if not os.path.isfile(ns.bundle):
+    why = not_a_file(ns.bundle)  # a folder, /dev/zero, a FIFO: named, never read
+    if why == "does not exist":
         _err(f"no such bundle file: {ns.bundle!r}")
+        return EXIT_USAGE
+    if why is not None:
+        _err(f"{ns.bundle} {why}" + (", not a bundle file" if why.startswith("is ") else ""))
         return EXIT_USAGE
     module = None
     if ns.module:
@@ -267,8 +274,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     if ns.history < 0:
         _err("--history must be >= 0")
         return EXIT_USAGE
-    if not ns.dist_timeout > 0:
-        _err("--dist-timeout must be > 0")
+    from .._record.options import MAX_DIST_TIMEOUT
+
+    if not 0 < ns.dist_timeout <= MAX_DIST_TIMEOUT:  # inf, nan: refused here, not at the first collective
+        _err(f"--dist-timeout must be > 0 and <= {MAX_DIST_TIMEOUT:g} seconds (a year); got {ns.dist_timeout:g}")
         return EXIT_USAGE
 
     extra = {}

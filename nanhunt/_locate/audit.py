@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import pickle
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .checkpoint import Keys, all_bad, finding, key_path, walk
+from .._files import check_readable
+from .checkpoint import Keys, all_bad, finding, key_path, refused_global, unreadable, walk
 
 __all__ = ["audit", "AuditRefused"]
 
@@ -24,7 +25,8 @@ _HINT = ("This checkpoint holds non-finite values: a run resumed from it carries
 
 
 class AuditRefused(ValueError):
-    """The file would run code when loaded (or is not a checkpoint): nothing in it was executed."""
+    """The file would run code when loaded, or is not a checkpoint (unreadable, truncated, a folder or
+    a device: never read): nothing in it was executed. A missing file raises `FileNotFoundError`."""
 
 
 def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
@@ -61,23 +63,28 @@ def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
 
 
 def _load(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such checkpoint: {path!r}")
+    check_readable(path, "checkpoint file", AuditRefused)  # a folder, /dev/zero, a FIFO: named, never read
     if path.endswith(".safetensors"):
         try:
             from safetensors.torch import load_file
         except ImportError:
             raise AuditRefused(f"{path}: reading .safetensors needs safetensors: pip install safetensors") from None
-        return load_file(path, device="cpu")
+        try:
+            return load_file(path, device="cpu")
+        except Exception as e:  # SafetensorError (a bad or lying header), OSError, ...
+            said = " ".join(str(e).split()) or type(e).__name__
+            raise AuditRefused(f"{path}: not a .safetensors file safetensors can read: {said}") from None
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln or "GLOBAL" in ln), "")
-        raise AuditRefused(
-            f"{path}: refused: loading it would run code or build objects that a weights-only load does not "
-            f"allow, so nothing in it was executed" + (f" ({why})" if why else "")
-        ) from None
-    except (RuntimeError, KeyError, EOFError, ValueError) as e:
-        raise AuditRefused(f"{path}: not a checkpoint torch.load can read: {e}") from None
+        with warnings.catch_warnings():  # the loader's remarks on odd files: the error says it all
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any failure of the safe loader: refused or unreadable, nothing in it was run
+        name = refused_global(e)
+        if name is not None:
+            raise AuditRefused(
+                f"{path}: refused: loading it would run code or build objects that a weights-only load does not "
+                f"allow ({name}), so nothing in it was executed"
+            ) from None
+        raise AuditRefused(f"{path}: not a checkpoint torch can read: {unreadable(path, e)}") from None

@@ -20,20 +20,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import sys
 import warnings
-import zipfile
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._files import FileFormatError, atomic_write, check_type, checked_fields, need
+from .._files import FileFormatError, atomic_write, check_depth, check_type, checked_fields, need, not_a_file
 from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
+from .checkpoint import refused_global, unreadable
 from .replay import faithful
 
 __all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
@@ -42,6 +41,7 @@ FORMAT = "nanhunt.bundle/1"
 _UNSUPPORTED = "__nanhunt_unsupported__"
 _FN = "__nanhunt_fn__"
 _MODULE_KEYS = frozenset(nn.Module().__dict__)
+_MAX_NESTING = 200  # a saved module tree (64 levels, 3 containers each) and its inputs; deeper: not a bundle
 
 
 class BundleError(ValueError):
@@ -257,6 +257,11 @@ def save_from_top(
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a bundle with ``torch.load(weights_only=True)``; anything else is refused."""
     p = os.fspath(path)
+    why = not_a_file(p)  # a folder, /dev/zero, a FIFO: named, never read
+    if why == "does not exist":
+        raise BundleError(f"{p}: no such bundle file")
+    if why is not None:
+        raise BundleError(f"{p} {why}" + (", not a nanhunt bundle file" if why.startswith("is ") else ""))
     try:
         with warnings.catch_warnings():  # the loader's own remarks on odd files: the error says it all
             warnings.simplefilter("ignore")
@@ -272,30 +277,32 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _refusal(path: str, e: Exception) -> str:
-    """One line saying why the safe loader refused ``path`` (torch's own message runs to a page)."""
+    """One line saying why the safe loader refused ``path`` (torch's own message runs to a page, and
+    advises loading the file unsafely: that advice is never passed on)."""
     if os.path.isdir(path):
         return f"{path} is a folder, not a nanhunt bundle"
-    said = str(e)
-    m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", said)
-    if m:
-        return (f"{path} was refused: it holds a {m.group(1)} object, which weights_only=True does not load "
+    name = refused_global(e)
+    if name is not None:
+        return (f"{path} was refused: it holds a {name} object, which weights_only=True does not load "
                 f"(a nanhunt bundle holds only tensors and plain data); nothing in it was run")
     try:
         with open(path, "rb") as fh:
             head = fh.read(64)
     except OSError:
         head = b""
-    if not zipfile.is_zipfile(path) and not head.startswith(b"\x80"):  # neither torch.save's zip nor a pickle
+    if head and not head.startswith(b"PK\x03\x04") and not head.startswith(b"\x80"):  # neither torch.save's zip nor a pickle
         if head.lstrip().startswith(b"{"):
             return f"{path} is not a nanhunt bundle (it looks like a JSON report: `nanhunt show {path}`)"
         return f"{path} is not a nanhunt bundle (not a file written by torch.save)"
-    tail = said.rpartition("WeightsUnpickler error:")[2]
-    first = next((ln.strip() for ln in tail.splitlines() if ln.strip()), type(e).__name__)
-    return f"{path} was refused by the safe loader (weights_only=True): {first}; nothing in it was run"
+    why = unreadable(path, e)
+    if head.startswith(b"\x80") and "pickle" in why:  # a pickle the safe loader stopped
+        return f"{path} was refused by the safe loader (weights_only=True): {why}; nothing in it was run"
+    return f"{path} cannot be read as a nanhunt bundle: {why}"
 
 
 # ------------------------------------------------------------------ checking what was read
-_TOP: dict[str, Any] = {  # field -> type, as save() writes them; all but format may be absent
+_REQUIRED = ("args",)  # without the inputs there is no call to replay (a module would raise, not reproduce)
+_TOP: dict[str, Any] = {  # field -> type, as save() writes them; all but format and _REQUIRED may be absent
     "torch": str, "module_name": str, "module_path": str, "module_type": str, "tree": dict[str, Any],
     "state_dict": dict[str, torch.Tensor], "training": bool, "device": str | None,
     "args": list[Any],  # a tuple in the file: lists and tuples are alike here
@@ -313,8 +320,9 @@ _TREE: dict[str, Any] = {
 def check(data: dict[str, Any], source: str = "bundle") -> None:
     """Every field of a bundle read back, checked: `BundleError` naming the first wrong one."""
     try:
+        check_depth(data, "bundle", _MAX_NESTING)
         for key, tp in _TOP.items():
-            need(data, key, tp, "bundle", None)
+            need(data, key, tp, "bundle", *(() if key in _REQUIRED else (None,)))
         rng = data.get("rng_state")
         if isinstance(rng, torch.Tensor) and (rng.dtype != torch.uint8 or rng.dim() != 1):
             raise FileFormatError(f"bundle.rng_state must be a 1-d uint8 tensor, got {rng.dtype} of shape {tuple(rng.shape)}")

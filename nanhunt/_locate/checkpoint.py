@@ -6,6 +6,9 @@ Shared by the save guard (`_record/guard.py`), `audit` (`audit.py`) and `damage`
 
 from __future__ import annotations
 
+import os
+import re
+import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -15,7 +18,7 @@ from torch import nn
 from .._finding import Finding
 from .._tensors import dtype_name, element, is_bad, is_checked, probe, stack_probes
 
-__all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding"]
+__all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable"]
 
 Keys = tuple[Any, ...]
 # (key path, tensor, inside the "state" of something shaped like an optimizer's state_dict)
@@ -88,3 +91,54 @@ def finding(file: str, keys: Keys, t: torch.Tensor, *, step: int, hint: str, ran
         call=0, index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
         cause="unknown", rank=rank, hint=hint,
     )
+
+
+# ------------------------------------------------------------------ why torch.load(weights_only=True) failed
+_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# torch's advice to load the file unsafely, or to allow-list what it names: never passed on
+_ADVICE = ("weights_only", "Re-running", "will likely succeed", "add_safe_globals", "safe_globals", "trusted source",
+           "file an issue", "Check the documentation")
+
+
+def refused_global(e: BaseException) -> str | None:
+    """The global (``posix.system``, ``builtins.eval``) a weights-only load refused, if that is why it failed."""
+    m = _GLOBAL.search(str(e))
+    return m.group(1) if m else None
+
+
+def _reason(e: BaseException) -> str:
+    """torch's own reason in one short line, without its advice to load the file unsafely."""
+    if isinstance(e, KeyError):  # the legacy loader's lookup of an unknown pickle id: a bare number
+        return ""
+    if isinstance(e, EOFError):
+        return "it ends too early"
+    said = _ANSI.sub("", str(e)).rpartition("WeightsUnpickler error:")[2]
+    for line in said.splitlines():
+        line = line.strip()
+        if line and not any(a in line for a in _ADVICE):
+            line = line.split(". ")[0].rstrip(".")  # the first sentence: miniz's page of guesses is cut
+            return line if len(line) <= 160 else line[:157] + "..."
+    return ""
+
+
+def unreadable(path: str, e: BaseException) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed with ``e``, in words, for a file that holds no
+    refused global (`refused_global`): from the file's first bytes and torch's reason, never its advice."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError as oe:
+        return f"it cannot be read ({oe.strerror or oe})"
+    if not head:
+        return "it is empty"
+    why = _reason(e)
+    if head.startswith(b"PK\x03\x04"):  # torch.save's zip
+        if not zipfile.is_zipfile(path):
+            return "it is truncated or corrupted (a zip file as torch.save writes, but cut short or damaged)"
+        return "it is a zip file torch cannot read" + (f" ({why})" if why else "")
+    if head.startswith(b"\x80"):  # a pickle (torch.save's legacy format)
+        return "it is a pickle that a weights-only load cannot read" + (f" ({why})" if why else "")
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "it looks like a JSON file (a nanhunt report? `nanhunt show " + os.path.basename(path) + "`)"
+    return "it is neither a zip file written by torch.save nor a pickle"

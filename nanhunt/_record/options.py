@@ -16,12 +16,12 @@ from typing import Any
 from .._files import check_writable
 from .._finding import Finding
 
-__all__ = ["Options", "ON_FIND", "MODES"]
+__all__ = ["Options", "ON_FIND", "MODES", "MAX_DIST_TIMEOUT"]
 
 ON_FIND = ("raise", "warn", "record", "skip", "breakpoint")
 MODES = ("full", "sentinel", "ops")
 _MAX_HISTORY = 1_000_000  # steps of per-module statistics: a device ring of this length per module
-_MAX_TIMEOUT = 365 * 24 * 3600.0  # seconds: the collectives' timeout must fit a timedelta in milliseconds
+MAX_DIST_TIMEOUT = 365 * 24 * 3600.0  # seconds: the collectives' timeout must fit a timedelta in milliseconds
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ class Options:
         if rank is not None:
             _int("rank", rank, 0, "this process's rank")
         if (isinstance(dist_timeout, bool) or not isinstance(dist_timeout, (int, float))
-                or not 0 < dist_timeout <= _MAX_TIMEOUT):
-            raise ValueError(f"dist_timeout must be a number of seconds > 0 and <= {_MAX_TIMEOUT:g} (a year); "
+                or not 0 < dist_timeout <= MAX_DIST_TIMEOUT):
+            raise ValueError(f"dist_timeout must be a number of seconds > 0 and <= {MAX_DIST_TIMEOUT:g} (a year); "
                              f"got {dist_timeout!r}")
         _int("max_findings", max_findings, 1, "findings the report keeps")
         _int("max_skips", max_skips, 0, "consecutive skipped steps before NonFiniteError")

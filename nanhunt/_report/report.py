@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._files import atomic_write, checked_fields, need
+from .._files import MAX_REPORT_BYTES, FileFormatError, atomic_write, check_depth, checked_fields, need, read_limited
 from .._finding import Finding
 from .render import html, rich_renderables, text
 from .sources import read_sources
@@ -74,7 +74,7 @@ class Report:
         """A report read back (maybe someone else's): every field is checked; a wrong one raises
         `FileFormatError` (a `ValueError`) naming it, e.g. ``findings[0].step must be an int``."""
         if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("nanhunt.report/"):
-            raise ValueError("not a nanhunt report: the 'schema' field is missing or unknown")
+            raise FileFormatError("not a nanhunt report: the 'schema' field is missing or unknown")
         found = need(d, "findings", list, "report", [])
         history = need(d, "history", dict[str, Any] | None, "report", None) or {}
         for key, tp in _HISTORY.items():
@@ -92,11 +92,26 @@ class Report:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Report:
-        with open(path, encoding="utf-8") as fh:
-            try:
-                d = json.load(fh)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)} is not a JSON report: {e}") from None
+        """A report saved as ``.json``. A file that is not one raises `FileFormatError` (a
+        `ValueError`) naming it: not UTF-8 text, not JSON, nested deeper than a report, larger than
+        `MAX_REPORT_BYTES`, or not a regular file (a folder, ``/dev/zero``, a FIFO: never read);
+        a missing file raises `FileNotFoundError`."""
+        p = os.fspath(path)
+        raw = read_limited(p, "report", MAX_REPORT_BYTES)
+        try:
+            doc = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FileFormatError(f"{p} is not a JSON report: not a text file (no UTF-8 at byte {e.start}; "
+                                  f"a report is the .json a watch wrote)") from None
+        try:
+            d = json.loads(doc)
+        except json.JSONDecodeError as e:
+            raise FileFormatError(f"{p} is not a JSON report: {e}") from None
+        except RecursionError:
+            raise FileFormatError(f"{p} is not a JSON report: nested too deeply") from None
+        except ValueError as e:  # a number of more digits than int() takes
+            raise FileFormatError(f"{p} is not a JSON report: {e}") from None
+        check_depth(d, p)
         return cls.from_dict(d)
 
     def to_json(self) -> str:
