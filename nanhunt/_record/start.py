@@ -41,16 +41,20 @@ class StartState:
         self.pending = False
         seen: set[int] = set()
         tens: list[torch.Tensor] = []
+        mine: list[torch.Tensor] = []  # what this rank holds of each (FSDP2: its shard, maybe empty)
         for t in [t for _, t in own_tensors(root)] + [t for o in opts for t in optimizer_tensors(o)[1]]:
             if id(t) not in seen and _judgeable(t):
                 seen.add(id(t))
-                tens.append(t)
+                lt = local(t)
+                if lt.numel():
+                    tens.append(t)
+                    mine.append(lt)
         if not tens:
             return
         with torch.no_grad():
             # exact (a sum could overflow for a huge finite tensor: the largest magnitude cannot, and
             # is NaN/inf exactly when an element is) and with no tensor-sized temporary; once per hunt
-            self._flags = ~torch.isfinite(stack_probes([torch.linalg.vector_norm(local(t), _INF) for t in tens]))
+            self._flags = ~torch.isfinite(stack_probes([torch.linalg.vector_norm(lt, _INF) for lt in mine]))
         self._refs = [weakref.ref(t) for t in tens]
 
     def bad(self) -> tuple[torch.Tensor, ...]:
