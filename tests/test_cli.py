@@ -148,6 +148,48 @@ def test_run_clean_script_passes_its_status_and_argv(tmp_path, cli):
     assert Report.load(tmp_path / "r.json").first is None  # a clean report is written too
 
 
+COMPILED = """
+import sys, torch, torch.nn as nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+if sys.argv[1] == "fn":
+    run = torch.compile(m, backend="aot_eager")
+else:
+    m.compile(backend="aot_eager")
+    run = m
+for step in range(3):
+    x = torch.randn(4, 8)
+    if step == 1 and sys.argv[2] == "nan":
+        x[0, 0] = float("nan")
+    run(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+print("finished")
+"""
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks:UserWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")  # dynamo's, tracing
+@pytest.mark.parametrize("how", ["fn", "method"])
+def test_run_a_script_that_compiles_its_model(tmp_path, cli, how):
+    # the discovery hooks are traced into torch.compile(model)'s graph: they must stay out of it
+    # (a mutation there broke the script), and still find a model.compile()d root
+    import torch._dynamo
+
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED)
+    try:
+        rc, out, err = cli("run", str(script), how, "clean")
+        assert rc == 0 and "finished" in out, err
+        torch._dynamo.reset()
+        rc, out, err = cli("run", str(script), how, "nan")
+        assert rc == 3, err
+        assert "forward of `0` (Linear) at step 1" in err
+    finally:
+        torch._dynamo.reset()
+
+
 def test_run_script_that_crashes(tmp_path, cli):
     script = tmp_path / "boom.py"
     script.write_text("raise RuntimeError('the script broke')\n")

@@ -106,6 +106,16 @@ class AutoWatch:
 
     # ---------------------------------------------------------------- discovery
     def _pre(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # traced into a compiled graph: torch.compile(model)'s children are nobody's roots; a
+            # model.compile()d root is only ever seen traced: found by an eager call (a graph break
+            # dynamo makes cleanly), its hunt then sees it eagerly (CompiledRoot)
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                torch._dynamo.disable(self._pre_eager)(module, args)
+            return
+        self._pre_eager(module, args)
+
+    def _pre_eager(self, module: nn.Module, args: Any) -> None:
         if replaying_here():
             return  # a hunt replaying a recorded call: not the script's program
         running = self._running
@@ -123,6 +133,13 @@ class AutoWatch:
             self._busy = False
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                torch._dynamo.disable(self._post_eager)(module)
+            return
+        self._post_eager(module)
+
+    def _post_eager(self, module: nn.Module) -> None:
         if replaying_here():
             return
         running = self._running
