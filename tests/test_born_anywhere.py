@@ -495,3 +495,22 @@ def test_outside_code_with_rng_and_a_hit_is_bit_identical() -> None:
     assert torch.equal(a[2], b[2])
     f = b[3].first
     assert (f.module, f.op, f.step) == ("<outside>", "aten.log.default", 1)
+
+
+def test_a_non_finite_value_handed_back_unchanged_by_a_later_step_is_not_born_there() -> None:
+    # a logger keeps step 0's -inf metric and moves it "to the device" at step 1 (Lightning's
+    # apply_to_collection: .to() its own device returns the same tensor): nothing is made there
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    kept = []
+    with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
+        for step in range(3):
+            out = m(torch.randn(6, 4))
+            if step == 0:
+                kept.append(torch.log(torch.zeros(1)))  # a metric of -inf, made here at step 0
+            else:
+                kept[0].to("cpu").contiguous()
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(f.step, f.module, f.op) for f in hunt.findings] == [(0, "<outside>", "aten.log.default")]

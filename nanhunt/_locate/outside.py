@@ -270,6 +270,9 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
         return None  # finite values whose sum overflowed
     t = outs[out_i]
     leaves = tree_leaves((r.args, r.kwargs))
+    name = getattr(r.func, "__name__", "")
+    if not (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))) and any(x is t for x in leaves):
+        return None  # an input handed back unchanged (.to() its own device): not born here
     if any(is_bad(x) for x in leaves if isinstance(x, torch.Tensor) and x is not t):
         return None  # fed: not born here (an ignored module's -inf, the data); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves):

@@ -289,6 +289,8 @@ class Outside(TorchFunctionMode):
             log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng))
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
+                if not writes and any(t is a for a in args):
+                    continue  # handed back as it came (.to() its own device, .contiguous()): nothing made here
                 if (t.is_floating_point() or t.is_complex()) and t.numel() and (writes or not t._is_view()):
                     log.sums.append(probe(t))
                     log.meta.append(Out(ri, j))
