@@ -222,3 +222,20 @@ def test_refused_saves_count_against_max_findings(tmp_path: Any) -> None:
         assert len(hunt.findings) == 3
         assert hunt.report.meta["dropped_findings"] == before + 6 - 3
     assert not any(tmp_path.iterdir())
+
+
+def test_findings_stay_in_order_of_occurrence_around_a_refused_checkpoint(tmp_path: Any) -> None:
+    # record mode: the poisoned update of step 0 is read at the next step's sync, after the
+    # checkpoint of step 1 was refused; it still comes before it
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError):
+            torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+        _blow_up(model, opt)
+    steps = [f.step for f in hunt.findings]
+    assert steps == sorted(steps), [(f.step, f.phase) for f in hunt.findings]
+    phases = [f.phase for f in hunt.findings]
+    assert phases.index("optimizer") < phases.index("checkpoint")
+    assert hunt.findings[phases.index("optimizer")].step == 0

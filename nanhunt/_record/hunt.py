@@ -1120,7 +1120,7 @@ class Hunt:
         first = not self.findings and not self._dropped
         room = max(self.options.max_findings - len(self.findings), 0)
         self._dropped += max(len(found) - room, 0)
-        self.findings.extend(found[:room])
+        self._add_findings(found[:room])
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         for f in found:
@@ -1191,11 +1191,22 @@ class Hunt:
             if f is not None:
                 raise self._refused(f)
 
+    def _add_findings(self, found: list[Finding]) -> None:
+        """Keep ``findings`` in order of occurrence: a finding of an earlier step made later (the
+        optimizer's, read at the next step's sync, after a checkpoint was refused) goes before
+        the later steps' findings; within a step, in the order given."""
+        findings = self.findings
+        for f in found:
+            at = len(findings)
+            while at and findings[at - 1].step > f.step:
+                at -= 1
+            findings.insert(at, f)
+
     def _refused(self, f: Finding) -> NonFiniteError:
         """The save guard refused a checkpoint: recorded like any finding (within ``max_findings``),
         and the error to raise."""
         if len(self.findings) < self.options.max_findings:
-            self.findings.append(f)
+            self._add_findings([f])
         else:
             self._dropped += 1
         if self._damage is None and self._root is not None:
