@@ -311,3 +311,20 @@ def test_buffers_non_finite_from_the_start_or_ignored_are_not_findings() -> None
             opt.step()
             opt.zero_grad()
     assert hunt.findings == []
+
+
+def test_skip_mode_drops_each_step_whose_running_statistic_overflows() -> None:
+    # the restore puts the buffers back after each: the next overflow is new again, and found
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip") as hunt:
+        for i in range(5):
+            x = torch.randn(8, 4)
+            if i in (1, 2):
+                x[0, 0] = 3e19
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.skipped == [1, 2]
+    assert torch.isfinite(model[0].running_var).all()

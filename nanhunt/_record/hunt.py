@@ -1127,6 +1127,7 @@ class Hunt:
             self._bad_samples.update(f.samples)
         if self._backup is not None:
             self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
+            self._state.forget()
         skipped = self.on_find == "skip" and self._skip(found)
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)

@@ -13,6 +13,7 @@ copies `protect.BufferBackup` has just taken are used, not taken twice. No host 
 from __future__ import annotations
 
 from fnmatch import fnmatchcase
+from operator import is_
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ _Slots = list[tuple[dict[str, torch.Tensor | None], str, str]]
 class BufferState:
     def __init__(self) -> None:
         self._slots: dict[nn.Module, _Slots] = {}
+        # the last probe's buffers (by identity) and their device-side "non-finite" flags: the
+        # state the next step starts from, so that a step probes its buffers once, not twice
+        self._last: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def capture(self, top: Top, taken: dict[int, torch.Tensor] | None = None) -> None:
         """``taken``: copies of buffers (by id of the buffer) made just before this call."""
@@ -74,12 +78,35 @@ class BufferState:
         if not now:
             return None
         with torch.no_grad():
-            ok = (stack_probes([torch.isfinite(b).all() for b in now])
-                  | ~stack_probes([torch.isfinite(c).all() for c in before]).to(now[0].device))
-            return ok.to(torch.float32).log(), Buffers(names, now)  # log(0) = -inf: newly non-finite
+            bad_now = _bad(now)
+            last = self._last
+            if last is not None and len(last[0]) == len(now) and all(map(is_, last[0], now)):
+                bad_before = last[1]  # this step began where the last one ended
+            else:  # the first step, or other buffers: judged on the copies taken when the step began
+                bad_before = _bad(before)
+            self._last = (now, bad_now)
+            fresh = bad_now & ~bad_before.to(bad_now.device)
+            return (~fresh).to(torch.float32).log(), Buffers(names, now)  # log(0) = -inf: newly non-finite
+
+    def forget(self) -> None:
+        """The buffers were put back (a restore after a finding): the last probe is not where the
+        next step begins."""
+        self._last = None
 
     def clear(self) -> None:
         self._slots.clear()
+        self._last = None
+
+
+def _bad(ts: list[torch.Tensor]) -> torch.Tensor:
+    """One "non-finite?" flag per tensor, on the first one's device: one fused multi-tensor
+    reduction per (device, dtype) on CUDA (a loop in C++ on CPU). A sum of magnitudes: NaN and
+    Inf propagate; a finite tensor whose magnitudes sum past the dtype's range is flagged too
+    (the analysis judges exactly, and the next step starts from it)."""
+    try:
+        return ~torch.isfinite(torch.stack(torch._foreach_norm(ts, 1)))
+    except RuntimeError:  # several devices or dtypes
+        return ~torch.isfinite(stack_probes([torch.linalg.vector_norm(t, 1) for t in ts]))
 
 
 def _floating_slots(root: nn.Module) -> _Slots:
