@@ -200,3 +200,41 @@ def test_a_model_compiled_after_watch_is_watched_from_the_next_step(mode):
     _assert_found_at_layernorm(hunt)
     assert "_compiled_call_impl" not in model.__dict__ or not hasattr(model._compiled_call_impl, "__nanhunt_root__")
     torch._dynamo.reset()
+
+
+class _LogInOwnCode(nn.Module):
+    """A root whose own forward makes -inf (log of 0) that its child then consumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.log(self.fc(x).abs() * keep))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_value_born_in_the_compiled_roots_own_code_is_the_roots(how):
+    # the log saw only the root's call (the children ran in the graph): the replay finds the
+    # child fed first, and the cause climbs back to the root's own code, which is named
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _LogInOwnCode()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fn = zoo.compiled(model, how)
+    x = torch.randn(4, 8)
+    keep = torch.ones(4, 8)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for step in range(3):
+            if step == 1:
+                keep[1, 0] = 0.0
+            fn(x, keep).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    torch._dynamo.reset()
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.module_type, first.step, first.cause) == (
+        "forward", "", "_LogInOwnCode", 1, "created")
+    assert first.op == "aten.log.default"

@@ -263,10 +263,11 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         reproducible = (first is not None and rc is not None and any(rc.out_bad)
                         and (first.ordinal == rc.ordinal or _within(r, first, rc.ordinal)))
         if reproducible and rc is not None:
+            fed_to = rc
             cause, rc, path = _forward_cause(r, rc, path)
-            if rc.ordinal != c.ordinal:  # born in an enclosing module's own code
+            if rc is not fed_to:  # born in an enclosing module's own code (the compiled root's too)
                 name, module = rc.name, rc.module
-                call = _call_index(ctx, c.top, rc)
+                call = c.call if rc.ordinal == c.ordinal else _call_index(ctx, c.top, rc)
             tensor = dict(rc.outputs).get(path, tensor)
     if cause == "unknown" and any(is_bad(p) for _, p in own_tensors(module)):
         cause = "parameter"
