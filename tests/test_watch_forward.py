@@ -484,3 +484,16 @@ def test_a_nan_in_a_validation_loop_raises_at_the_models_next_forward() -> None:
     assert seen[-1] == 3, "raised at batch 4's forward"
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.call, f.cause) == ("forward", "0", 2, 3, "input")
+
+
+def test_a_float32_overflow_is_not_told_to_move_to_float32() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        m[1].weight.mul_(1e38)  # an exploded weight
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m):
+        m(torch.randn(4, 8) * 100)
+    f = ei.value.finding
+    assert (f.module, f.cause, f.op) == ("1", "created", "aten.addmm.default")
+    assert "float32's largest finite value" in f.hint and "keep this module in float32" not in f.hint
+    assert "exploding weights" in f.hint

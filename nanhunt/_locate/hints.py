@@ -163,8 +163,13 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
     if "reached" in fx:
+        if fx["dtype"] in ("float32", "float64"):  # no wider dtype to move to: the values are the trouble
+            remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
+                      "learning rate, gradient clipping, normalising the inputs)")
+        else:
+            remedy = "keep this module in float32/bfloat16 or scale before it"
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs, past {fx['dtype']}'s largest "
-                f"finite value {fx['limit']:g}; keep this module in float32/bfloat16 or scale before it.")
+                f"finite value {fx['limit']:g}; {remedy}.")
     if fx.get("masked_row"):
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
