@@ -37,7 +37,7 @@ VERDICT_WORDS = {
     "precision": "finite in float32: the range of the reduced dtype",
     "compiler": "only under torch.compile: eager is finite",
     "nondeterministic": "identical replays disagree",
-    "transient": "no replay reproduces it: suspect the device",
+    "transient": "no replay reproduces it: state the replay cannot restore, or the device",
 }
 
 
@@ -146,7 +146,8 @@ def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str
     rows = [
         ("phase", f.phase),
         ("module", f"{f.module or '<model>'} ({f.module_type})" if f.phase != "check" else f.module),
-        ("tensor", f"{f.tensor}  shape {shape_text(f.shape)}  {f.dtype}"),
+        ("tensor", f"{f.tensor}  shape {shape_text(f.shape)}  {f.dtype}" if f.dtype
+         else f"{f.tensor}  (shape and dtype unknown: gone before the analysis, and no replay reproduced it)"),
         ("step", f"{f.step}  (call {f.call})"),
     ]
     if f.index is not None:
@@ -250,6 +251,8 @@ def remedy(f: Finding) -> str:
         return ("Make the run repeatable (torch.use_deterministic_algorithms(True), fixed seeds) and look for "
                 "state that changes between calls (a counter, a racing in-place write, uninitialised memory).")
     if v == "transient":
-        return ("Nothing reproduces it: suspect the device (ECC errors in nvidia-smi -q, DCGM diagnostics) and "
-                "rerun the step there and on another device.")
+        return ("Nothing reproduces it from the same inputs, weights and RNG state: look for state a replay "
+                "cannot restore (Python state in forward: a counter, a cache, a flag that changes per call; data "
+                "written in place since), and on a GPU suspect the device (ECC errors in nvidia-smi -q, DCGM "
+                "diagnostics): rerun the step there and on another device.")
     return ""

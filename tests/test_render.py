@@ -223,3 +223,13 @@ def test_a_precision_reference_whose_value_fits_does_not_say_it_overflowed():
     assert "within float16's range" in line and "65504" in line and "(failing run: nan)" in line
     over = dataclasses.replace(fits, reference={**fits.reference, "value": 90112.0})
     assert "= 90112, past float16's largest value 65504" in reference_text(over)
+
+
+def test_a_finding_with_no_tensor_left_says_so_and_a_transient_one_names_python_state():
+    from nanhunt._words import details, remedy
+
+    f = softmax_finding(index=None, value=None, counts={}, shape=(), dtype="", cause="unknown", op=None,
+                        source=None, chain=(), reproducible=False, verdict="transient", reference={})
+    rows = dict(details(f))
+    assert "shape ()" not in rows["tensor"] and "unknown" in rows["tensor"]
+    assert "Python state in forward" in remedy(f)
