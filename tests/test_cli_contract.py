@@ -322,3 +322,11 @@ def test_replay_exit_1_when_the_module_itself_fails(cli, user_bundle, monkeypatc
     monkeypatch.setattr(mymodels.LogHead, "forward", mymodels.Broken.forward)
     rc, out, _ = cli("replay", str(user_bundle), "--module", "mymodels:LogHead")
     assert rc == 1 and "Replaying `head` (LogHead) failed: RuntimeError: the module's own bug" in out
+
+
+@pytest.mark.parametrize("suffix", [".html", ".txt"])
+def test_show_of_a_rendered_report_says_it_reads_the_json(cli, tmp_path, suffix):
+    path = tmp_path / f"r{suffix}"
+    path.write_text("<html>a rendering</html>\n" if suffix == ".html" else "First NaN: ...\n")
+    rc, out, err = cli("show", str(path))
+    assert rc == 2 and out == "" and "reads the .json report" in one_line(err)

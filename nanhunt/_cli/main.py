@@ -168,7 +168,12 @@ def _cmd_show(ns: argparse.Namespace) -> int:
     try:
         report = Report.load(ns.report)  # at most MAX_REPORT_BYTES are read
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        _err(f"cannot read report {ns.report!r}: {_one_line(e)}")
+        suffix = os.path.splitext(ns.report)[1].lower()
+        if suffix in (".html", ".txt"):  # a rendering of a report, not the report itself
+            _err(f"cannot read report {ns.report!r}: `nanhunt show` reads the .json report (a {suffix} file is "
+                 "already a rendering of one: open it as it is)")
+        else:
+            _err(f"cannot read report {ns.report!r}: {_one_line(e)}")
         return EXIT_USAGE
     if ns.html:
         try:
