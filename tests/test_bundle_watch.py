@@ -43,3 +43,16 @@ def test_unwritable_bundle_path_is_an_error_at_watch_time(tmp_path):
         nanhunt.watch(nn.Linear(2, 2), bundle=tmp_path / "missing-dir" / "b.pt")
     with pytest.raises(ValueError, match="bundle"):
         nanhunt.watch(nn.Linear(2, 2), bundle=tmp_path / "b.json")
+
+
+def test_no_bundle_for_a_first_finding_outside_every_module_says_why(tmp_path):
+    # a bundle holds one watched module's forward call: a NaN born in the loss code has none
+    path = tmp_path / "b.pt"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match="no repro bundle"):
+        with nanhunt.watch(model, on_find="record", bundle=path) as hunt:
+            out = model(torch.randn(2, 4))
+            torch.log(out - out).sum()  # log(0) in the loop's own code
+    assert hunt.first is not None and hunt.first.module == "<outside>"
+    assert not path.exists()

@@ -57,6 +57,7 @@ class _Ctx:
         self.where: dict[int, tuple[str, int, int, Path]] = {}
         self.stopped = False  # on_find="breakpoint" stopped already
         self.facts: dict[int, dict[str, Any]] = {}  # per finding: the numbers its hint is chosen from
+        self.bundled = False  # the repro bundle was written (or its writing failed, with a warning)
 
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
@@ -186,7 +187,13 @@ def analyze(view: StepView) -> list[Finding]:
                 out.append(f)
                 break
     ops = [m for m, b in zip(log.meta, sbad) if b and isinstance(m, Op)]
-    return [_with_op(_finish(ctx, f), ops) for f in out]
+    found = [_with_op(_finish(ctx, f), ops) for f in out]
+    if view.bundle and found and not ctx.bundled:
+        f0 = found[0]
+        warnings.warn(f"nanhunt wrote no repro bundle to {view.bundle}: the first finding ({f0.phase} of "
+                      f"{f0.module or '<model>'}) is not a watched module's forward call that a replay "
+                      "reproduced, the one thing a bundle holds", stacklevel=2)
+    return found
 
 
 def _with_op(f: Finding, ops: list[Op]) -> Finding:
@@ -223,6 +230,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
 
 def _save_bundle(ctx: _Ctx, where: tuple[str, int, int, Path], f: Finding) -> None:
     """The first finding's failing call, its inputs, state and RNG: a file to hand to a colleague."""
+    ctx.bundled = True
     try:
         _bundle.save_from_top(ctx.view.bundle or "", top=ctx.log.tops[where[1]], names=ctx.names,
                               ordinal=where[2], finding=f)
