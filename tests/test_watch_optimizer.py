@@ -328,3 +328,18 @@ def test_a_weight_the_optimizer_overflows_is_still_created_after_a_clean_start()
     first = hunt.first
     assert first is not None and first.phase == "optimizer" and first.cause == "created"
     assert first.op is not None and "already non-finite" not in first.hint
+
+
+def test_a_parameter_outside_the_model_is_named_by_its_place_in_the_optimizer() -> None:
+    # a learnable temperature of the loss, stepped by the same optimizer: not one of the model's
+    # parameters, so it lives outside the model (not module '' of the model itself)
+    torch.manual_seed(0)
+    model = zoo.mlp(d_out=3)
+    temp = torch.nn.Parameter(torch.tensor(0.0))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [temp]}], lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        (model(torch.randn(4, 4)).softmax(-1).sum() * torch.sqrt(temp)).backward()  # sqrt at 0: inf grad
+        opt.step()
+        opt.zero_grad()
+    grad = next(f for f in hunt.findings if f.phase == "grad")
+    assert (grad.module, grad.tensor) == ("<outside>", "param_groups[1][0].grad")

@@ -68,7 +68,17 @@ class _Ctx:
                     for pname, q in m.named_parameters(recurse=False):
                         self._params.setdefault(id(q), (mname, pname, m))
         got = self._params.get(id(p))
-        return got if got is not None else ("", "parameter", None)
+        if got is not None:
+            return got
+        # not the watched model's (a loss's learnable temperature, an optimizer of another model):
+        # it lives outside the model; named by its place in the optimizer that holds it
+        for oi, opt in enumerate(self.view.optimizers):
+            for gi, g in enumerate(opt.param_groups):
+                for pi, q in enumerate(g["params"]):
+                    if q is p:
+                        where = f"optimizer[{oi}]." if len(self.view.optimizers) > 1 else ""
+                        return _outside.OUTSIDE, f"{where}param_groups[{gi}][{pi}]", None
+        return _outside.OUTSIDE, "parameter", None
 
     def replay(self, top_i: int, backward: bool) -> Replay | None:
         key = (top_i, backward)
