@@ -56,7 +56,7 @@ from .faults import InternalError, log_fault
 from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
-from .outside import Outside, _is_lib, user_line
+from .outside import Outside, is_lib, user_line
 from .probe import GradProbe, OptimizerProbe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
@@ -89,7 +89,7 @@ def _user_stacklevel() -> int:
     torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
     f: Any = sys._getframe(2)  # the caller of warnings.warn's caller
     level = 2
-    while f is not None and _is_lib(f.f_code.co_filename):
+    while f is not None and is_lib(f.f_code.co_filename):
         f = f.f_back
         level += 1
     return level if f is not None else 2
@@ -1065,7 +1065,8 @@ class Hunt:
         if advance:
             self.step += 1
             self._calls_before = {}
-        elif log.calls:  # the step goes on in a new log: its calls keep counting from here
+        elif log.calls and not collective:  # the step goes on in a new log (an evaluation call, the cap):
+            # its calls keep counting from here (at a step() the step ends: nothing to carry)
             self._calls_before = before = dict(prior)
             for c in log.calls:
                 k = id(c.module)

@@ -39,7 +39,7 @@ from .._tensors import probe
 if TYPE_CHECKING:
     from .hunt import Hunt
 
-__all__ = ["Outside", "user_line"]
+__all__ = ["Outside", "user_line", "is_lib"]
 
 _BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward})
 _PASS = frozenset({torch.autograd.grad})
@@ -49,7 +49,7 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _lib: dict[str, bool] = {}
 
 
-def _is_lib(filename: str) -> bool:
+def is_lib(filename: str) -> bool:
     k = _lib.get(filename)
     if k is None:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
@@ -74,7 +74,7 @@ def user_line(depth: int = 2) -> tuple[str | None, str]:
     f: Any = sys._getframe(depth)
     while f is not None:
         code = f.f_code
-        if not _is_lib(code.co_filename):
+        if not is_lib(code.co_filename):
             return f"{code.co_filename}:{f.f_lineno}", getattr(code, "co_qualname", code.co_name)
         f = f.f_back
     return None, ""
