@@ -236,47 +236,53 @@ def test_a_buffer_replaced_by_assignment_is_the_one_a_replay_starts_from(on_find
     assert torch.equal(seen[2][id(bn.running_var)], torch.full((6,), 7.0))
 
 
-def test_damage_of_a_refused_checkpoint_names_the_poisoned_buffer(tmp_path: Any) -> None:
-    # a BatchNorm whose running_var overflowed (one sample of 3e19: its square is past float32's
-    # max) while every output stayed finite, its module ignored (so the step's own buffer check
-    # passes it): the first finding is the refused save, and the damage names the buffer
+def _bn_model() -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with nanhunt.watch(model, opt, on_find="record", ignore=["0"]) as hunt:
-        for i in range(2):
-            x = torch.randn(8, 4)
-            if i == 1:
-                x[0, 0] = 3e19
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        with pytest.raises(nanhunt.NonFiniteError):
-            torch.save({"model": model.state_dict()}, tmp_path / "bn.pt")
-    assert hunt.first is not None and hunt.first.phase == "checkpoint"
-    assert hunt.report.damage["buffers"] == ["0.running_var"]
+    return model, torch.optim.SGD(model.parameters(), lr=1e-2)
+
+
+def _bn_train(model: torch.nn.Module, opt: torch.optim.Optimizer, huge_at: tuple[int, ...], steps: int,
+              done: list[int] | None = None) -> None:
+    """``steps`` steps; at ``huge_at`` one sample of 3e19: finite, but its square is not, so the
+    running variance overflows while every output stays finite."""
+    for i in range(steps):
+        x = torch.randn(8, 4)
+        if i in huge_at:
+            x[0, 0] = 3e19
+        out = model(x)
+        mask = getattr(model, "mask", None)
+        (out if mask is None else out + mask.clamp_min(-1e4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if done is not None:
+            done.append(i)
 
 
 def _bn_steps(hunt_kw: dict[str, Any], huge_at: int, steps: int = 3) -> tuple[torch.nn.Module, Any, list[int]]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    done = []
+    model, opt = _bn_model()
+    done: list[int] = []
     hunt = nanhunt.watch(model, opt, **hunt_kw)
     try:
-        for i in range(steps):
-            x = torch.randn(8, 4)
-            if i == huge_at:
-                x[0, 0] = 3e19  # finite; its square is not: the running variance overflows
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            done.append(i)
+        _bn_train(model, opt, (huge_at,), steps, done)
     except nanhunt.NonFiniteError:
         pass
     finally:
         hunt.close()
     return model, hunt, done
+
+
+def test_damage_of_a_refused_checkpoint_names_the_poisoned_buffer(tmp_path: Any) -> None:
+    # a BatchNorm whose running_var overflowed (one sample of 3e19: its square is past float32's
+    # max) while every output stayed finite, its module ignored (so the step's own buffer check
+    # passes it): the first finding is the refused save, and the damage names the buffer
+    model, opt = _bn_model()
+    with nanhunt.watch(model, opt, on_find="record", ignore=["0"]) as hunt:
+        _bn_train(model, opt, (1,), 2)
+        with pytest.raises(nanhunt.NonFiniteError):
+            torch.save({"model": model.state_dict()}, tmp_path / "bn.pt")
+    assert hunt.first is not None and hunt.first.phase == "checkpoint"
+    assert hunt.report.damage["buffers"] == ["0.running_var"]
 
 
 def test_a_running_statistic_that_overflows_with_finite_outputs_is_found_in_its_step() -> None:
@@ -298,33 +304,17 @@ def test_raise_mode_puts_an_overflowed_running_statistic_back() -> None:
 
 def test_buffers_non_finite_from_the_start_or_ignored_are_not_findings() -> None:
     # an intended -inf mask buffer, and a BatchNorm under an ignore glob
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    model, opt = _bn_model()
     model.register_buffer("mask", torch.tensor([0.0, float("-inf"), 0.0]))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     with nanhunt.watch(model, opt, on_find="record", ignore=["0"]) as hunt:
-        for i in range(3):
-            x = torch.randn(8, 4)
-            if i == 1:
-                x[0, 0] = 3e19
-            (model(x) + model.mask.clamp_min(-1e4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _bn_train(model, opt, (1,), 3)
     assert hunt.findings == []
 
 
 def test_skip_mode_drops_each_step_whose_running_statistic_overflows() -> None:
     # the restore puts the buffers back after each: the next overflow is new again, and found
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = _bn_model()
     with nanhunt.watch(model, opt, on_find="skip") as hunt:
-        for i in range(5):
-            x = torch.randn(8, 4)
-            if i in (1, 2):
-                x[0, 0] = 3e19
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _bn_train(model, opt, (1, 2), 5)
     assert hunt.skipped == [1, 2]
     assert torch.isfinite(model[0].running_var).all()
