@@ -238,3 +238,29 @@ def test_a_value_born_in_the_compiled_roots_own_code_is_the_roots(how):
     assert (first.phase, first.module, first.module_type, first.step, first.cause) == (
         "forward", "", "_LogInOwnCode", 1, "created")
     assert first.op == "aten.log.default"
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_finding_and_its_analysis_do_not_recompile_the_graph(how):
+    # the analysis replays the compiled call while the hunt is paused: a traced read of that flag
+    # would have guarded the graph on it and recompiled it once (seconds under Inductor)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _LogInOwnCode()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fn = zoo.compiled(model, how)
+    x, keep = torch.randn(4, 8), torch.ones(4, 8)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for step in range(4):
+            if step == 1:
+                traced = counters["stats"]["unique_graphs"]
+            keep[1, 0] = 0.0 if step == 2 else 1.0
+            fn(x, keep).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert hunt.first is not None and hunt.first.step == 2
+        assert counters["stats"]["unique_graphs"] == traced, "recompiled after the finding"
+    torch._dynamo.reset()

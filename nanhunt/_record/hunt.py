@@ -395,8 +395,11 @@ class Hunt:
             self._names = None  # rebuilt at the next call
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._paused or _is_compiling() or (REPLAYING and get_ident() in REPLAYING):
-            return  # inside a compiled graph only _post_compiled runs; a replay is no hunt's program
+        if _is_compiling() or self._paused or (REPLAYING and get_ident() in REPLAYING):
+            # inside a compiled graph only _post_compiled runs (tested first: a traced read of
+            # _paused would guard the graph on it, and the analysis' compiled replay recompile it);
+            # a replay is no hunt's program
+            return
         try:
             if _get_ident() != self._owner and not self._take_step():
                 return  # another thread owns the step (see "Threads" in the module docstring)
@@ -720,8 +723,8 @@ class Hunt:
         if comp is None:
             self._traced = True  # compiled without slots to write into (compiled after watch()): see _after_trace
             return
-        if slots is None or self._paused:
-            return
+        if slots is None:  # (no _paused here: a guard on it would recompile the graph for the analysis'
+            return  # compiled replay, whose writes into the slots are put back anyway: graph.guarded)
         slot = slots.get(module)
         if slot is None:
             return
