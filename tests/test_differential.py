@@ -158,6 +158,7 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run, h
     assert (f.module, f.module_type, f.op) == ("attn", "SharpAttention", "aten.exp.default")
     assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
     assert f.chain[0].startswith("aten.exp.default") and any(c.startswith("aten.div") for c in f.chain)
+    assert not any(c.startswith("aten.addmm") for c in f.chain)  # ends at attn's output, not in the head after it
     assert f.reference["config"] == "eager"
     assert f.reproducible is True
     # nothing of the replays is left behind: hooks, modes, the deterministic flag, the stance

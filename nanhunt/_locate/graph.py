@@ -214,12 +214,13 @@ def _locate_graph(fn: Any, top: Top, prefix: str, path: Path | None) -> GraphOri
     first = walked[0]
     node = mode.nodes[first]
     module, mtype = _module_of(node, prefix)
-    chain = _chain(rec, walked)
-    # the element: at the last op on the chain still inside the creator's module
+    # the element: at the last op on the chain still inside the creator's module (the chain ends
+    # there too: the finding reports that module's output, not what later modules made of it)
     last = first
     for ri in walked:
         if _module_of(mode.nodes[ri], prefix)[0] == module and any(c is not None for _, c in rec.recs[ri].outs):
             last = ri
+    chain = _chain(rec, walked[: walked.index(last) + 1])
     shape, code = next(((s, c) for s, c in rec.recs[last].outs if c is not None), ((), None))
     origin = GraphOrigin(rec.recs[first].op, node.name if node is not None else "", module, mtype,
                          rec.recs[first].src, chain, shape=tuple(shape), dtype=mode.dtypes[last])
