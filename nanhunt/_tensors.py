@@ -20,7 +20,8 @@ from torch import nn
 
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
-    "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local",
+    "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
+    "strided",
 ]
 
 _F32 = torch.float32
@@ -82,7 +83,20 @@ def is_bad(t: torch.Tensor | None) -> bool:
     """Does ``t`` hold a non-finite value? (Exact; reads the answer back to the host.)"""
     if t is None or not (t.is_floating_point() or t.is_complex()):
         return False
-    return not bool(torch.isfinite(local(t)).all())
+    return not bool(torch.isfinite(values(t)).all())
+
+
+def values(t: torch.Tensor) -> torch.Tensor:
+    """The strided tensor that holds ``t``'s values: a sparse or nested tensor's values (flat: an
+    element's index is then its place among them), a sharded tensor's local shard, else ``t``."""
+    return strided(local(t))
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """A sparse or nested tensor's values (flat); any other tensor as it is."""
+    if t.is_nested or t.layout is not torch.strided:
+        return t._values() if t.layout is torch.sparse_coo else t.values()
+    return t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +116,7 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim float32 tensor on ``t``'s device, outside autograd: non-finite iff ``t`` has a
     non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
     exactly before it becomes a finding). Reads nothing back to the host."""
-    t = local(t).detach()  # cheaper than a no_grad context per call
+    t = values(t).detach()  # cheaper than a no_grad context per call
     if t.dtype is _F32:
         return t.sum()
     if t.is_complex():
@@ -126,7 +140,7 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
     tensor; counts over the shard."""
     offset = _shard_offset(t)
     with torch.no_grad():
-        t = local(t).detach()
+        t = values(t).detach()
         if t.is_complex():
             parts = torch.view_as_real(t)
             bad = ~torch.isfinite(parts)

@@ -497,3 +497,49 @@ def test_a_float32_overflow_is_not_told_to_move_to_float32() -> None:
     assert (f.module, f.cause, f.op) == ("1", "created", "aten.addmm.default")
     assert "float32's largest finite value" in f.hint and "keep this module in float32" not in f.hint
     assert "exploding weights" in f.hint
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "jagged"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: str) -> None:
+    # exp overflows in the module that returns a sparse or nested tensor: found there (its
+    # element indexed among the values), never an internal fault that switches the hunt off
+    class Out(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x).exp()
+            if layout == "sparse_coo":
+                return y.to_sparse()
+            if layout == "sparse_csr":
+                return y.to_sparse_csr()
+            kw = {"layout": torch.jagged} if layout == "jagged" else {}
+            return torch.nested.nested_tensor([y[0], y[1:].flatten()], **kw)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = Out()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            o = self.out(x)
+            return o.values().sum() if o.is_nested else o.to_dense().sum()
+
+    torch.manual_seed(0)
+    m = Model()
+    x = torch.randn(3, 4)
+    with nanhunt.watch(m, on_find="record", mode=mode) as hunt:
+        for step in range(2):
+            if step == 1:
+                x[1] *= 1e3
+            loss = m(x)
+            hunt.check(loss, "loss")  # what sentinel mode sees; it then replays the forward
+            if loss.requires_grad:  # (a nested tensor made from a list has no autograd history)
+                loss.backward()
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.step, f.cause) == ("forward", "out", 1, "created") and f.value == float("inf")

@@ -19,7 +19,7 @@ from torch import nn
 
 from .._hooks import ReplayHooks, replaying
 from .._steplog import Top
-from .._tensors import Path, is_bad, local, own_tensors, probe, stack_probes, tensors, version
+from .._tensors import Path, is_bad, own_tensors, probe, stack_probes, strided, tensors, values, version
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
 
@@ -233,10 +233,11 @@ def _replay_top(
         c = calls[stack.pop()]
         c.done = len(order)
         order.append(c.ordinal)
-        c.inputs = list(tensors((args, kwargs if isinstance(kwargs, dict) else {})))
-        c.outputs = list(tensors(output))
+        # a sparse or nested tensor is judged by its values (flat: an element is its place among them)
+        c.inputs = [(p, strided(t)) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
+        c.outputs = [(p, strided(t)) for p, t in tensors(output)]
         with torch.no_grad():
-            c.at_return = [torch.isfinite(local(t)).all() if (t.is_floating_point() or t.is_complex()) and t.numel()
+            c.at_return = [torch.isfinite(values(t)).all() if (t.is_floating_point() or t.is_complex()) and t.numel()
                            else None for _, t in c.outputs]
         c.versions = [version(t) for _, t in c.outputs]
         if want_grad and torch.is_grad_enabled():

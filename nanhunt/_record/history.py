@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from .._tensors import dtype_max
+from .._tensors import dtype_max, values
 
 __all__ = ["History", "stats"]
 
 
 def stats(t: torch.Tensor) -> torch.Tensor:
     """``[min, max, l2, nonzeros]`` as float32 on ``t``'s device, outside autograd."""
-    t = t.detach()
+    t = values(t).detach()
     if t.is_complex():
         t = torch.view_as_real(t)
     mn, mx = torch.aminmax(t)

@@ -575,14 +575,16 @@ class Hunt:
                     if len(log.lazy) >= _LAZY_CAP:
                         self._resolve(log)
                 else:
-                    if _grad_enabled():  # one switch instead of a detach
+                    grad = _grad_enabled()
+                    if grad:  # one switch instead of a detach
                         _set_grad_enabled(False)
-                        try:
-                            sums.append(output.sum() if dt is _F32 else probe(output))
-                        finally:
-                            _set_grad_enabled(True)
-                    else:
+                    try:
                         sums.append(output.sum() if dt is _F32 else probe(output))
+                    except NotImplementedError:  # a nested tensor: no plain sum (probe sums its values)
+                        sums.append(probe(output))
+                    finally:
+                        if grad:
+                            _set_grad_enabled(True)
                     if small and mid not in self._eager:  # on trial: is it written after it returns?
                         log.trial.append((output, key[1], mid))
                         if len(log.trial) >= _LAZY_CAP:
@@ -672,7 +674,8 @@ class Hunt:
                     continue  # handed on unchanged from a call already probed (containers, wrappers)
                 ref = weakref.ref(t)
                 seen[key] = ref
-                sums.append(t.sum() if t.dtype is _F32 and type(t) is torch.Tensor else probe(t))  # DTensor & co: probe
+                sums.append(t.sum() if t.dtype is _F32 and type(t) is torch.Tensor and not t.is_nested
+                            else probe(t))  # DTensor, nested & co: probe
                 meta.append(Fwd(ci, len(paths)))
                 if stat:
                     stat = False
