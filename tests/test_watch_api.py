@@ -381,3 +381,27 @@ def test_report_txt_written_on_close(tmp_path: Path) -> None:
     with nanhunt.watch(m, report=path):
         m(torch.randn(2, 4))
     assert path.exists()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_watched_model_can_be_deep_copied_and_saved_whole(mode: str, tmp_path: Path) -> None:
+    # an EMA or a teacher made with copy.deepcopy while the hunt is open, torch.save of the whole
+    # module: the copy is not watched (its hooks, if any, do nothing) and the hunt is not copied
+    import copy
+
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(2, 4)
+    with nanhunt.watch(m, opt, mode=mode) as hunt:
+        m(x).sum().backward()
+        opt.step()
+        ema = copy.deepcopy(m)
+        torch.save(m, tmp_path / "whole.pt")
+        with torch.no_grad():
+            ema[0].weight.fill_(float("nan"))  # a poisoned copy is no finding of this hunt
+            ema(x)
+        m(x).sum().backward()
+        opt.step()
+    assert hunt.findings == []
+    back = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert torch.equal(back(x), back(x)) and _leftovers(m, opt) == []

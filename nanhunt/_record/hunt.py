@@ -84,6 +84,38 @@ _FWD0: list[Fwd] = []  # Fwd(i, 0) for each call index i seen so far: shared, ne
 _FWD_CACHED = 1 << 16  # call indices past this get an entry of their own
 
 
+def _noop_hook(*args: Any) -> None:
+    """What a copy of a watched module carries in place of the hunt's hook: nothing to do."""
+    return None
+
+
+def _noop_factory() -> Any:
+    return _noop_hook
+
+
+class _OnModule:
+    """A hook the hunt puts on one of the user's modules (the root's in sentinel mode, a module
+    with forward hooks of its own): it calls the hunt through a weak reference, and a copy of the
+    module (``copy.deepcopy`` for an EMA or a teacher, ``torch.save`` of the whole module) gets a
+    hook that does nothing, never a copy of the hunt (which holds a lock: the copy failed)."""
+
+    __slots__ = ("_hunt", "_method")
+
+    def __init__(self, hunt: Hunt, method: str) -> None:
+        self._hunt = weakref.ref(hunt)
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        h = self._hunt()
+        return None if h is None else getattr(h, self._method)(*args)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return _noop_hook
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _noop_factory, ()
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line (the first frame outside
     torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
@@ -226,8 +258,9 @@ class Hunt:
         if self._per_module:
             self._handles.append(GlobalHooks(self._pre, self._post))
         else:
-            self._handles.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._root_post, with_kwargs=True, always_call=True))
+            self._handles.append(model.register_forward_pre_hook(_OnModule(self, "_root_pre"), with_kwargs=True))
+            self._handles.append(model.register_forward_hook(_OnModule(self, "_root_post"), with_kwargs=True,
+                                                             always_call=True))
         self._opts = []
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
@@ -615,7 +648,7 @@ class Hunt:
         hooks = module._forward_hooks  # an OrderedDict
         h = self._late.get(id(module))
         if h is None:
-            h = module.register_forward_hook(self._late_post, with_kwargs=True, always_call=True)
+            h = module.register_forward_hook(_OnModule(self, "_late_post"), with_kwargs=True, always_call=True)
             self._late[id(module)] = h
         elif next(reversed(hooks)) != h.id:
             hooks.move_to_end(h.id)  # type: ignore[attr-defined]
