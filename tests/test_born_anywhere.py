@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import nanhunt
+from tests import zoo
 
 HERE = os.path.abspath(__file__)
 with open(HERE) as _f:
@@ -514,3 +515,37 @@ def test_a_non_finite_value_handed_back_unchanged_by_a_later_step_is_not_born_th
             opt.step()
             opt.zero_grad()
     assert [(f.step, f.module, f.op) for f in hunt.findings] == [(0, "<outside>", "aten.log.default")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's nested-tensor and fast-path remarks
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_teachers_native_fast_path_in_loss_code_is_bit_identical(mode: str) -> None:
+    # distillation: an unwatched TransformerEncoder teacher in eval under no_grad, called between
+    # the student's forward and backward. Its native fast path runs only with no torch function
+    # mode on: the outside recorder must step aside for it, or padded rows come out as values
+    def run(watched: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        teacher = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+        student = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        x = torch.randn(4, 7, 16)
+        pad = torch.arange(7)[None] >= torch.tensor([7, 5, 3, 6])[:, None]
+        got = []
+        hunt = nanhunt.watch(student, opt, mode=mode) if watched else None
+        for _ in range(3):
+            out = student(x)
+            with torch.no_grad():
+                target = teacher(x, src_key_padding_mask=pad)
+            got += [out.detach().clone(), target.clone()]
+            ((out - target) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+            assert hunt.findings == []
+        return got + [p.detach().clone() for p in student.parameters()]
+
+    plain, watched = run(False), run(True)
+    assert all(zoo.bit_equal(a, b) for a, b in zip(plain, watched))
+    assert float(plain[1][2, 5].abs().sum()) == 0.0  # the fast path's padded row: zeros

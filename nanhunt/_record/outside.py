@@ -111,12 +111,87 @@ _RECORDED_APPLY: Any = classmethod(_recorded_apply)
 
 def _route_apply(on: bool) -> None:
     """Route custom autograd Functions through the recorder while it is on (and only then: nothing
-    of it is left once the mode is off the stack, nor inside any watched call)."""
+    of it is left once the mode is off the stack, nor inside any watched call); see the fast-path
+    modules too (`_FastPath`)."""
     if on:
         if _FUNCTION.__dict__.get("apply") is _ORIG_APPLY:
             _FUNCTION.apply = _RECORDED_APPLY  # type: ignore[method-assign, assignment]
-    elif _FUNCTION.__dict__.get("apply") is _RECORDED_APPLY:
-        _FUNCTION.apply = _ORIG_APPLY  # type: ignore[method-assign]
+        _FAST.on()
+    else:
+        if _FUNCTION.__dict__.get("apply") is _RECORDED_APPLY:
+            _FUNCTION.apply = _ORIG_APPLY  # type: ignore[method-assign]
+        _FAST.off()
+
+
+class _FastPath:
+    """Modules with a native fast path (``TransformerEncoder``, ``TransformerEncoderLayer``,
+    ``MultiheadAttention`` in eval/no_grad) take it only when no torch function mode is on: called
+    outside every watched call while the recorder is on the stack (a distillation teacher, an
+    unwatched encoder), they would compute otherwise (padded rows, rounding). While the recorder is
+    on, two global module hooks take it off the stack for such a call and record the call as one
+    outside call (replayed as itself); modules a hunt watches are left to their hunt."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.inside: Any = None  # the fast-path module whose call runs with the recorder off
+        self.rng: torch.Tensor | None = None
+
+    def on(self) -> None:
+        if not self.handles:
+            from torch.nn.modules import module as module_mod
+
+            self.handles = [module_mod.register_module_forward_pre_hook(self._pre),
+                            module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
+
+    def off(self) -> None:
+        if self.inside is not None:
+            return  # inside the call: its post-hook puts things back, then the next off() removes these
+        if self.handles:
+            from torch.nn.modules import module as module_mod
+
+            for h in self.handles:
+                h.remove()
+                module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
+            self.handles = []
+
+    def _pre(self, module: Any, args: Any) -> None:
+        m = _SWITCH.on
+        if (self.inside is not None or m is None or not isinstance(module, _FAST_TYPES)
+                or torch.compiler.is_compiling() or torch.overrides._get_current_function_mode() is not m
+                or any(_watches(o, module) for o in _SWITCH.active)):
+            return
+        recs = [o for o in _SWITCH.active if not o.quiet and not o.busy()]
+        self.rng = torch.get_rng_state() if any(o.fresh for o in recs) else None
+        self.inside = module
+        torch._C._pop_torch_function_stack()
+
+    def _post(self, module: Any, args: Any, kwargs: Any, output: Any = None) -> None:
+        if self.inside is not module:
+            return
+        self.inside = None
+        m = _SWITCH.on
+        if m is not None:
+            torch._C._push_on_torch_function_stack(m)
+        else:
+            self.off()
+        if output is None or isinstance(kwargs, BaseException):
+            return
+        outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, torch.Tensor)]
+        src, fn = user_line()
+        for o in [o for o in _SWITCH.active if not o.quiet and not o.busy()]:
+            o._record(module, args, kwargs, output, outs, "", self.rng, src, fn)
+
+
+def _watches(o: Outside, module: Any) -> bool:
+    h = o._hunt()
+    if h is None:
+        return False
+    names = h._names
+    return module is h._root or (names is not None and id(module) in names)
+
+
+_FAST_TYPES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, torch.nn.MultiheadAttention)
+_FAST = _FastPath()
 
 
 class _Switch:
