@@ -213,3 +213,37 @@ def test_a_gradient_made_inside_a_module_whose_input_needs_none_is_named_by_its_
     f = ei.value.finding
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "0", "SqrtBackward0", "created")
     assert f.tensor == "SqrtBackward0.grad_input[0]" and f.shape == (3, 1)  # not the module's (3, 4) input
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loop_that_leaves_before_step_still_gets_its_backward_finding(mode: str) -> None:
+    # clip_grad_norm_(error_if_nonfinite=True) raises torch's error before step(): the hunt closes
+    # with the exception, and still judges the gradients that backward left
+    class Gate(nn.Module):
+        def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return h * torch.sqrt(gate + 0 * h)  # sqrt at 0: an infinite gradient
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.gate, self.c = nn.Linear(4, 8), Gate(), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return self.c(self.gate(self.a(x), gate))
+
+    torch.manual_seed(0)
+    m = Net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        with nanhunt.watch(m, opt, mode=mode) as hunt:
+            for i in range(3):
+                gate = torch.ones(5, 8)
+                if i == 1:
+                    gate[2, 2] = 0.0
+                m(torch.randn(5, 4), gate).pow(2).mean().backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=True)
+                opt.step()
+                opt.zero_grad()
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.step, f.op, f.cause) == ("backward", "gate", 1, "SqrtBackward0", "created")

@@ -1087,11 +1087,17 @@ class Hunt:
             self._backup.end_step()
         batches = self._batches.take() if self._batches is not None else None
         self._pending.clear()
-        if not self._opts and self._root is not None:  # no optimizer: the gradients are checked here
-            params = [p for p in self._root.parameters() if p.grad is not None]
+        # no optimizer: the gradients are checked here; with one, also when its step() never came
+        # after a backward (the loop left with an exception, clip_grad_norm_'s error_if_nonfinite)
+        unstepped = log.backward and self._opts and not any(isinstance(v, Grads) for _, v in log.vectors)
+        if self._root is not None and (not self._opts or unstepped):
+            every = (self._root.parameters() if not self._opts
+                     else (p for o in self._opts for g in o.param_groups for p in g["params"]))
+            params = [p for p in every if p.grad is not None]
             if params:
                 grads = [p.grad for p in params if p.grad is not None]
-                log.vectors.append((self._grad_probe(-2).probe(params, grads), Grads(-1, params)))
+                log.vectors.append((self._grad_probe(-2 if not self._opts else -3).probe(params, grads),
+                                    Grads(-1, params)))
         drained = self._compiled.drain() if self._compiled is not None else None
         if drained is not None:
             log.vectors.append(drained)
