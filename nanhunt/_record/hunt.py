@@ -1068,6 +1068,7 @@ class Hunt:
         log = self._log
         log.keep([i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)])
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
+        log.backward = False  # its gradients are the scaler's business: not judged at this step's end either
         if self._dist is not None:
             self._dist.forget()  # the local gradients' probes of that step go too
 
