@@ -120,3 +120,17 @@ def test_an_optimizer_step_that_poisons_the_weights_comes_first_in_sentinel_mode
     steps = [f.step for f in hunt.findings]
     assert steps == sorted(steps), [(f.step, f.phase) for f in hunt.findings]
     assert any(f.phase == "forward" and f.step == 1 and f.cause == "parameter" for f in hunt.findings)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_sentinel_with_no_optimizer_judges_the_models_outputs(grad: bool) -> None:
+    # inference or evaluation: no gradients or optimizer state to judge, so the root's outputs
+    # are, and the hit is localised by replay (it found nothing at all before). LogNet's ReLU
+    # zeros make its Log emit -inf.
+    model, _ = _log0()
+    with nanhunt.watch(model, on_find="record", mode="sentinel") as hunt:
+        with torch.set_grad_enabled(grad):
+            model(torch.randn(2, 4))
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "log", 0, "created",
+                                                                            "aten.log.default")

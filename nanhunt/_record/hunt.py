@@ -929,6 +929,8 @@ class Hunt:
             if self._stack and self._stack[-1].module is module and _get_ident() == self._owner:
                 c = self._stack.pop()
                 log = self._log
+                if not self._opts and c.index < len(log.calls) and log.calls[c.index] is c:
+                    self._probe_root_outputs(log, c, output)
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
                     c.out_keys = out_keys = []
@@ -944,6 +946,19 @@ class Hunt:
                     self._outside.on()
         except Exception as exc:
             self._fault(exc, "the forward hook")
+
+    def _probe_root_outputs(self, log: StepLog, c: Call, output: Any) -> None:
+        """Sentinel mode with no optimizer (inference, evaluation): no gradients or optimizer state
+        to judge, so the root's outputs are (one probe each), and a hit is localised by replay."""
+        paths: list[Path] = []
+        outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        c.paths, c.outs = paths, outs
+        for path, t in tensors(output):
+            if is_checked(t) and t.numel():
+                log.sums.append(probe(t))
+                log.meta.append(Fwd(c.index, len(paths)))
+                paths.append(path)
+                outs.append((weakref.ref(t), version(t)))
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
