@@ -343,3 +343,22 @@ def test_a_parameter_outside_the_model_is_named_by_its_place_in_the_optimizer() 
         opt.zero_grad()
     grad = next(f for f in hunt.findings if f.phase == "grad")
     assert (grad.module, grad.tensor) == ("<outside>", "param_groups[1][0].grad")
+
+
+def test_a_weight_loaded_non_finite_mid_run_is_not_blamed_on_the_optimizer() -> None:
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        F.cross_entropy(m(x), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+        opt.zero_grad()
+        state = {k: v.clone() for k, v in m.state_dict().items()}
+        name = next(k for k in state if k.endswith("weight"))
+        state[name][0, 0] = float("nan")
+        m.load_state_dict(state)  # a poisoned checkpoint loaded mid-run
+        F.cross_entropy(m(x), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.cause) == ("forward", "parameter")
+    assert "written after its optimizer's last step" in f.hint and "no optimizer step poisoned it" in f.hint

@@ -662,17 +662,25 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
 
 # ---------------------------------------------------------------- grad / optimizer
 def _start_hint(ctx: _Ctx, f: Finding) -> str:
-    """For a poisoned module: its weight or buffer that was already non-finite when the watch began."""
+    """For a poisoned module: its weight or buffer that was already non-finite when the watch
+    began, or a weight written after its optimizer's last step (a load_state_dict mid-run)."""
     root = ctx.view.root
-    if f.cause != "parameter" or root is None or not ctx.view.bad_at_start or f.phase == "checkpoint":
+    if f.cause != "parameter" or root is None or f.phase == "checkpoint":
         return ""
     try:
         module = root.get_submodule(f.module)
     except AttributeError:
         return ""
+    after = {k: v for d in ctx.view.after_step.values() for k, v in d.items()}
     for name, t in own_tensors(module):
-        if _at_start(ctx, t) and is_bad(t):
-            return _hints.at_start_hint(f"{name!r} of `{f.module or type(root).__name__}`")
+        if not is_bad(t):
+            continue
+        what = f"{name!r} of `{f.module or type(root).__name__}`"
+        if _at_start(ctx, t):
+            return _hints.at_start_hint(what)
+        if id(t) in after and after[id(t)] != t._version:
+            return (f"{what[:1].upper()}{what[1:]} was written after its optimizer's last step (a load_state_dict, "
+                    "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
     return ""
 
 
