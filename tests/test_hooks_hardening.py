@@ -306,3 +306,23 @@ def test_the_users_own_on_find_exception_is_theirs_not_an_internal_fault(caplog:
             model(torch.zeros(2, 4) - 1.0)
             model(torch.randn(2, 4))
     assert not [r for r in caplog.records if r.name == "nanhunt"]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_root_call_on_a_worker_thread_leaves_no_mode_on_that_threads_stack(mode: str) -> None:
+    # the outside recorder is a torch function mode: pushed on a worker thread's own stack it
+    # could only be popped there, and a thread that ended with it aborted the process at exit
+    m = zoo.mlp()
+    seen = {}
+
+    def work() -> None:
+        with torch.no_grad():
+            m(torch.randn(2, 4))
+        seen["stack"] = torch._C._len_torch_function_stack()
+
+    with nanhunt.watch(m, mode=mode):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    assert seen == {"stack": 0}
+    assert torch._C._len_torch_function_stack() == 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from threading import get_ident
@@ -247,6 +248,12 @@ class _Switch:
 
     def resume(self, m: Outside | None = None) -> None:
         if self.on is not None or not self.active:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            # a torch function mode sits on the calling thread's own stack, and only that thread can
+            # pop it: left on a worker thread that ends (the switch is process-wide, close() runs
+            # elsewhere), it aborted the process at exit. Code outside watched calls is recorded on
+            # the main thread only.
             return
         idle = [o for o in self.active if not o.busy()]
         if not idle:
