@@ -134,3 +134,23 @@ def test_sentinel_with_no_optimizer_judges_the_models_outputs(grad: bool) -> Non
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "log", 0, "created",
                                                                             "aten.log.default")
+
+
+@pytest.mark.parametrize("bad_micro", [0, 2])
+def test_sentinel_numbers_the_call_of_a_micro_batch_as_full_mode_does(bad_micro: int) -> None:
+    # gradient accumulation: three micro-batches per step; the NaN is in micro-batch `bad_micro`
+    def first_call(mode: str) -> int:
+        model, _ = _poisoned_ln()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xs = [torch.randn(4, 8) for _ in range(3)]
+        xs[bad_micro][1, 2] = float("nan")
+        with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+            for x in xs:
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        f = next(f for f in hunt.findings if f.phase == "forward")
+        assert (f.module, f.step) == ("0", 0)
+        return f.call
+
+    assert first_call("sentinel") == first_call("full") == bad_micro

@@ -374,9 +374,17 @@ def _call_index(ctx: _Ctx, top: int, rc: ReplayCall) -> int:
     for c in ctx.log.calls:
         if c.top == top and c.ordinal == rc.ordinal and c.module is rc.module:
             return c.call
-    earlier = sum(1 for c in ctx.log.calls if c.top < top and c.module is rc.module)
     r = ctx._replays.get((top, False)) or ctx._replays.get((top, True))
-    within = sum(1 for o in (r.calls if r else []) if o.ordinal < rc.ordinal and o.module is rc.module)
+    calls = r.calls if r else []
+    within = sum(1 for o in calls if o.ordinal < rc.ordinal and o.module is rc.module)
+    per_top = sum(1 for o in calls if o.module is rc.module)
+    tops = ctx.log.tops
+    earlier = 0
+    for ti in range(top):
+        seen = sum(1 for c in ctx.log.calls if c.top == ti and c.module is rc.module)
+        if not seen and ctx.view.mode == "sentinel" and tops[ti].module is tops[top].module:
+            seen = per_top  # sentinel records the root's calls only: an earlier call of it ran the module as often
+        earlier += seen
     return earlier + within
 
 
