@@ -289,9 +289,11 @@ class StepLog:
         lazy, trial = self.lazy, self.trial
         if not lazy and not trial:
             return [], []
-        # (a sparse or nested output is never deferred: its probe is no plain stack and sum)
-        changed = [mid for t, ver, mid in trial if t._version != ver or t.is_nested or t.layout is not torch.strided]
-        kept = [mid for t, ver, mid in trial if t._version == ver and not t.is_nested and t.layout is torch.strided]
+        changed: list[int] = []
+        kept: list[int] = []
+        for t, ver, mid in trial:  # (a sparse or nested output is never deferred: no plain stack and sum)
+            plain = t._version == ver and not t.is_nested and t.layout is torch.strided
+            (kept if plain else changed).append(mid)
         self.trial = []
         if not lazy:
             return changed, kept

@@ -398,10 +398,12 @@ def test_a_watched_model_can_be_deep_copied_and_saved_whole(mode: str, tmp_path:
         ema = copy.deepcopy(m)
         torch.save(m, tmp_path / "whole.pt")
         with torch.no_grad():
+            saved_out = m(x)
+        with torch.no_grad():
             ema[0].weight.fill_(float("nan"))  # a poisoned copy is no finding of this hunt
             ema(x)
         m(x).sum().backward()
         opt.step()
     assert hunt.findings == []
     back = torch.load(tmp_path / "whole.pt", weights_only=False)
-    assert torch.equal(back(x), back(x)) and _leftovers(m, opt) == []
+    assert torch.equal(back(x), saved_out) and _leftovers(m, opt) == []

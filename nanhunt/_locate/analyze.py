@@ -687,8 +687,7 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
         if _at_start(ctx, t):
             return _hints.at_start_hint(what)
         if id(t) in after and after[id(t)] != t._version:
-            return (f"{what[:1].upper()}{what[1:]} was written after its optimizer's last step (a load_state_dict, "
-                    "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
+            return _hints.written_hint(what)
     return ""
 
 

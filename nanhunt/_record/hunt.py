@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from threading import get_ident
 from typing import Any
@@ -548,7 +548,11 @@ class Hunt:
         accumulation keeps its gradients: no extra sync there)."""
         if not self._opts:
             return False
-        return all(p.grad is None for o in self._opts for g in o.param_groups for p in g["params"])
+        return all(p.grad is None for p in self._opt_params())
+
+    def _opt_params(self) -> Iterator[torch.Tensor]:
+        """Every parameter of every watched optimizer, in order."""
+        return (p for o in self._opts for g in o.param_groups for p in g["params"])
 
     def _take_step(self) -> bool:
         """Threads: the calling thread owns the step if nobody does (rare: once per step)."""
@@ -1107,8 +1111,7 @@ class Hunt:
         # after a backward (the loop left with an exception, clip_grad_norm_'s error_if_nonfinite)
         unstepped = log.backward and self._opts and not any(isinstance(v, Grads) for _, v in log.vectors)
         if self._root is not None and (not self._opts or unstepped):
-            every = (self._root.parameters() if not self._opts
-                     else (p for o in self._opts for g in o.param_groups for p in g["params"]))
+            every = self._root.parameters() if not self._opts else self._opt_params()
             params = [p for p in every if p.grad is not None]
             if params:
                 grads = [p.grad for p in params if p.grad is not None]

@@ -31,6 +31,7 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 
 from .._hooks import REPLAYING
@@ -139,8 +140,6 @@ class _FastPath:
 
     def on(self) -> None:
         if not self.handles:
-            from torch.nn.modules import module as module_mod
-
             self.handles = [module_mod.register_module_forward_pre_hook(self._pre),
                             module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
 
@@ -148,8 +147,6 @@ class _FastPath:
         if self.inside is not None:
             return  # inside the call: its post-hook puts things back, then the next off() removes these
         if self.handles:
-            from torch.nn.modules import module as module_mod
-
             for h in self.handles:
                 h.remove()
                 module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
