@@ -4,6 +4,8 @@ accumulated ``.grad`` that overflowed. In raise mode the weights are never updat
 from __future__ import annotations
 
 import copy
+import linecache
+from typing import Any
 
 import pytest
 import torch
@@ -247,3 +249,199 @@ def test_a_loop_that_leaves_before_step_still_gets_its_backward_finding(mode: st
     f = hunt.first
     assert f is not None
     assert (f.phase, f.module, f.step, f.op, f.cause) == ("backward", "gate", 1, "SqrtBackward0", "created")
+
+
+class _CkptBlock(nn.Module):
+    """A residual block whose ``bad`` step takes sqrt at 0 (backward: inf) or log of 0 (forward)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d, d), nn.Linear(d, d), nn.GELU()
+        self.bad: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        if self.bad == "backward":
+            h = torch.sqrt(h - h.min())  # one element at 0: d sqrt = inf
+        elif self.bad == "forward":
+            h = torch.log(h - h.max())  # log of 0 and of negatives
+        return x + self.fc2(h)
+
+
+class _CkptNet(nn.Module):
+    def __init__(self, reentrant: bool, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, d), nn.Linear(d, 2)
+        self.blocks = nn.ModuleList(_CkptBlock(d) for _ in range(3))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _ckpt_train(model: _CkptNet, bad: str | None, **watch: Any) -> tuple[Any, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Three steps with activation checkpointing; block 1 is bad at step 2. (hunt or None,
+    outputs, the state when the loop stopped)."""
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)) for _ in range(3)]
+    hunt = nanhunt.watch(model, opt, **watch) if watch else None
+    outs: list[torch.Tensor] = []
+    try:
+        for i, (x, y) in enumerate(data):
+            model.blocks[1].bad = bad if i == 2 else None
+            out = model(x)
+            outs.append(out.detach().clone())
+            ((out - y) ** 2).mean().backward()
+            outs.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            opt.step()
+            opt.zero_grad()
+    except nanhunt.NonFiniteError:
+        pass
+    finally:
+        if hunt is not None:
+            hunt.close()
+    return hunt, outs, snapshot(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("bad", ["backward", "forward"])
+def test_a_nan_inside_an_activation_checkpointed_block_is_named_by_its_module(
+        reentrant: bool, mode: str, bad: str) -> None:
+    """``checkpoint(block, h, use_reentrant=True)`` (also HF's default ``gradient_checkpointing``)
+    runs the block without grad, then again inside a nested backward: a backward NaN born in the
+    block was blamed on the block before it ("blocks.0 grad_output, input") in full mode and on
+    the first layer's weight.grad in sentinel mode. The block's recomputation during the backward
+    is not a new call, and the replay runs the block itself."""
+    torch.manual_seed(0)
+    _, plain, _ = _ckpt_train(_CkptNet(reentrant), bad)  # unwatched
+    torch.manual_seed(0)
+    hunt, outs, state = _ckpt_train(_CkptNet(reentrant), bad, mode=mode)
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.step, f.cause) == (bad, "blocks.1", 2, "created"), f
+    if bad == "backward":
+        assert (f.tensor, f.op) == ("grad_input[0]", "SqrtBackward0")
+    else:
+        assert (f.tensor, f.op) == ("output", "aten.log.default")
+    assert f.source is not None and f.source.endswith(f"test_watch_backward.py:{_line_of(bad)}")
+    # every output and gradient up to the error is the unwatched run's, bit for bit
+    assert len(outs) == 6 and all(zoo.bit_equal(a, b) for a, b in zip(outs, plain))
+    # the bad step was not applied: the weights are those after step 1 ...
+    torch.manual_seed(0)
+    two = _CkptNet(reentrant)
+    opt = torch.optim.Adam(two.parameters(), 1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
+        ((two(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert same_state(state, snapshot(two))
+    # ... and the replay put torch's checkpoint back as it was
+    from torch.utils.checkpoint import CheckpointFunction
+
+    assert "apply" not in CheckpointFunction.__dict__
+
+
+def _line_of(bad: str) -> int:
+    import inspect
+
+    src, start = inspect.getsourcelines(_CkptBlock.forward)
+    word = "torch.sqrt" if bad == "backward" else "torch.log"
+    return start + next(i for i, line in enumerate(src) if word in line)
+
+
+def test_hf_gpt2_reentrant_gradient_checkpointing_names_the_module_of_a_backward_nan() -> None:
+    """transformers' ``gradient_checkpointing_enable`` (``use_reentrant=True``): a sqrt at 0 in
+    one block's MLP activation is found there, in the backward."""
+    pytest.importorskip("transformers")
+
+    class SqrtAct(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x - x.amin(-1, keepdim=True))
+
+    model = zoo.gpt2(dropout=0.0)
+    model.transformer.h[1].mlp.act = SqrtAct()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.op, f.cause) == (
+        "backward", "transformer.h.1.mlp.act", "grad_input[0]", "SqrtBackward0", "created"), f
+
+
+class _GatedBlock(nn.Module):
+    """``fc(h) * sqrt(gate + 0 * h)``: with a gate of 0, d sqrt = inf in the block's own code, and
+    ``0 * inf`` = NaN reaches ``h`` through ``0 * h``; ``fc``'s own input gradient stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.fc(h) * torch.sqrt(gate + 0 * h)
+
+
+class _GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.blk, self.c = nn.Linear(4, 8), _GatedBlock(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.blk(torch.relu(self.a(x[:, :4])), x[:, 4:5]))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_born_in_a_parents_own_code_is_not_blamed_on_the_child_sharing_its_input(mode: str) -> None:
+    """``h``'s gradient is the sum over its uses: the child ``fc`` takes ``h`` too, but its
+    backward made nothing non-finite (its output's gradient and its own share of ``h``'s are
+    finite): the block's own sqrt did."""
+    torch.manual_seed(0)
+    model = _GatedNet()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    x = torch.randn(6, 5)
+    x[:, 4] = 1.0
+    x[3, 4] = 0.0
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        (model(x) ** 2).mean().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.module_type, f.op, f.cause) == (
+        "backward", "blk", "_GatedBlock", "SqrtBackward0", "created"), f
+    assert f.tensor == "SqrtBackward0.grad_input[0]" and f.value == float("inf")
+    assert f.source is not None
+    file, line = f.source.rsplit(":", 1)
+    assert "torch.sqrt(gate + 0 * h)" in linecache.getline(file, int(line))
+
+
+def test_a_gradient_born_in_the_first_child_of_a_container_stays_the_childs() -> None:
+    """The container's input is its first child's: that child still owns what its backward made."""
+    torch.manual_seed(0)
+
+    class Sqrt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x)
+
+    class Gate(nn.Module):  # exact zeros, and a backward that passes 0 * inf = NaN on
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (x > 0)
+
+    # the inner container's input is Sqrt's
+    model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Sequential(Sqrt(), nn.Linear(4, 4)), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.op) == ("backward", "2.0", "grad_input[0]", "SqrtBackward0"), f

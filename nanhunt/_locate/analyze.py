@@ -509,6 +509,9 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
                 return fb
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
+    owner = _owning_ancestor(ctx, top_i, r, rc, k)
+    if owner is not None:
+        return owner
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
     if rc.params_bad:
         cause = "parameter"
@@ -521,6 +524,28 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     return f
+
+
+def _owning_ancestor(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Finding | None:
+    """The gradient of a tensor is the sum over its uses: when the call's input that turned
+    non-finite is also an input of a call around it, the parent's own code may have made it
+    (``fc(h) * sqrt(gate + 0 * h)``: the NaN reaches ``h`` through ``0 * h``, not through ``fc``).
+    The autograd node that made it decides: a finding for the enclosing call that owns the node,
+    or None when the call itself does (or the node cannot be told)."""
+    ancestors: list[ReplayCall] = []
+    p = rc.parent
+    while p >= 0:
+        ancestors.append(r.calls[p])
+        p = r.calls[p].parent
+    if not any(k in (kk for kk, _ in a.in_keys) for a in ancestors):
+        return None
+    f = _node_finding(ctx, top_i)
+    if f is None:
+        return None
+    owner = next((a for a in ancestors if a.name == f.module), None)
+    if owner is None:
+        return None  # made inside the call (or outside the top): the call's own finding stands
+    return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
 
 
 def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:

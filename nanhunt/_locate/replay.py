@@ -150,6 +150,8 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
             if enabled:
                 stack.enter_context(torch.autocast(dev, dtype=dtype))
         stack.enter_context(torch.set_grad_enabled(top.grad_enabled))
+        if not compiled:
+            stack.enter_context(_checkpoint_inline())
         yield
     finally:
         stack.close()
@@ -159,6 +161,39 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         with torch.no_grad():
             for b, v in bufs:
                 b.copy_(v)
+
+
+@contextlib.contextmanager
+def _checkpoint_inline() -> Iterator[None]:
+    """A ``checkpoint(fn, *args, use_reentrant=True)`` block runs as ``fn(*args)`` in a replay.
+
+    The reentrant checkpoint runs its block under no_grad and again inside the backward, in a
+    nested backward of its own: a replay's hooks would see no gradient inside the block, and a
+    NaN born there would surface at the block's boundary (the wrong module). Run directly, the
+    block computes the same values (a replay starts from the call's RNG state, as the checkpoint
+    does) and its backward passes through its modules. The non-reentrant checkpoint needs no
+    help: its backward already does. Put back when the replay ends."""
+    ck = sys.modules.get("torch.utils.checkpoint")
+    cls = getattr(ck, "CheckpointFunction", None)
+    if cls is None:
+        yield
+        return
+    had = cls.__dict__.get("apply", _NONE)
+
+    def inline(_cls: Any, run_function: Any, _preserve_rng_state: Any, *args: Any) -> Any:
+        return run_function(*args)
+
+    cls.apply = classmethod(inline)
+    try:
+        yield
+    finally:
+        if had is _NONE:
+            del cls.apply
+        else:
+            cls.apply = had
+
+
+_NONE = object()
 
 
 def replay_top(

@@ -73,6 +73,7 @@ _F32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -475,6 +476,11 @@ class Hunt:
         stack = self._stack
         log = self._log
         if not stack:
+            if _graph_task() != -1:
+                # a module called by a backward: activation checkpointing recomputing its block
+                # (reentrant: in a nested backward; non-reentrant: unpacking a saved tensor). Its
+                # forward was recorded when it ran; a replay runs the block itself (`faithful`).
+                return
             got = self._begin_top(module, args, cap=True)
             if got is None:  # on_find closed the hunt
                 return
