@@ -93,6 +93,9 @@ def test_torch_where_gradient_trap() -> None:
         opt.step()
     assert_finding(ei.value.finding, phase="backward", module="safe", module_type="SafeSqrt",
                    tensor="grad_input[0]", step=0, call=0, cause="created", expected=rec.grad_in("safe"))
+    assert ei.value.finding.op == "SqrtBackward0"
+    # inside a submodule too, the hint names the trap and its fix (not "the gradient of sqrt at 0")
+    assert "where trap" in ei.value.finding.hint and "double-where" in ei.value.finding.hint
     assert same_state(snapshot(m), before)
 
 

@@ -23,12 +23,11 @@ from torch import nn
 from .._hooks import ReplayHooks
 from .._steplog import Top
 from .._tensors import is_bad, tensors
-from .oplevel import _fmt, _Mode, _Recorder
+from .oplevel import _SELECT, _fmt, _Mode, _Recorder
 from .replay import faithful
 
 __all__ = ["Born", "creator", "blame_nodes"]
 
-_SELECT = ("WhereBackward", "MaskedFillBackward", "IndexPutBackward", "MaskedScatterBackward")
 
 
 @dataclass

@@ -54,6 +54,11 @@ class OpOrigin:
     facts: dict[str, Any] = field(default_factory=dict)  # the numbers a hint is chosen from (hints.facts)
 
 
+# the nodes whose backward hands a masked-out element a zero gradient: a NaN made from that zero
+# (0 * inf in the masked branch's own backward) is the `where` trap (hints.DOUBLE_WHERE)
+_SELECT = ("WhereBackward", "MaskedFillBackward", "IndexPutBackward", "MaskedScatterBackward")
+
+
 # ---------------------------------------------------------------- source lines
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package
@@ -775,4 +780,5 @@ def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, 
     for j in chain_nodes:
         n = nodes[j]
         chain.append(_fmt(n.name, node_src.get(n.fn, (None, False))[0]))
-    return OpOrigin(creator.name, src, chain)
+    feeders = [n for n in nodes if n.done >= 0 and any(f is creator.fn for f, _ in n.fn.next_functions)]
+    return OpOrigin(creator.name, src, chain, {"where_trap": any(n.name.startswith(_SELECT) for n in feeders)})
