@@ -155,10 +155,10 @@ class OutRec:
     ``file:line``, ``fn`` the name of the user's function that made the call.
     """
 
-    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng")
+    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng", "autocast")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, src: str | None, fn: str,
-                 rng: torch.Tensor | None) -> None:
+                 rng: torch.Tensor | None, autocast: tuple[tuple[str, torch.dtype], ...] = ()) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -166,6 +166,7 @@ class OutRec:
         self.src = src
         self.fn = fn
         self.rng = rng  # the CPU RNG state before the call, for the first call after a root call
+        self.autocast = autocast  # (device type, dtype) of each autocast on at the call: a replay runs under it
 
 
 Entry = Fwd | Chk | Bwd | Op | Out

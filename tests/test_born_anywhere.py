@@ -11,6 +11,7 @@ gradient from finite ones). The referee uses no nanhunt code.
 
 from __future__ import annotations
 
+import linecache
 import math
 import os
 import subprocess
@@ -549,3 +550,40 @@ def test_a_teachers_native_fast_path_in_loss_code_is_bit_identical(mode: str) ->
     plain, watched = run(False), run(True)
     assert all(zoo.bit_equal(a, b) for a, b in zip(plain, watched))
     assert float(plain[1][2, 5].abs().sum()) == 0.0  # the fast path's padded row: zeros
+
+
+def _info_nce(z: torch.Tensor) -> torch.Tensor:
+    z = z.float()  # "keep the loss in float32": autocast still runs the matmul in float16
+    sim = z @ z.T / 0.07
+    return F.cross_entropy(sim.float(), torch.arange(z.shape[0]))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_loss_code_under_autocast_is_replayed_under_it(mode: str) -> None:
+    """Loss code inside ``torch.autocast(float16)``: its similarity matmul overflows float16 only
+    because autocast runs it there. The outside code's replay ran without autocast (float32:
+    finite), so the finding had no op, no line, and was not reproducible."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 32, generator=g) * (1 + 6 * s) for s in range(6)]  # growing scale
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _info_nce(model(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.dtype, f.reproducible) == (
+        "forward", "<outside>", "aten.mm.default", "float16", True), f
+    assert f.source is not None and "sim = z @ z.T / 0.07" in linecache.getline(*_file_line(f.source))
+    assert f.value == float("inf") or f.value == float("-inf")
+    # the replay put autocast back as it was: off
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def _file_line(source: str) -> tuple[str, int]:
+    file, line = source.rsplit(":", 1)
+    return file, int(line)

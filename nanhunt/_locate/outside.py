@@ -16,6 +16,7 @@ produced a non-finite gradient from finite ones. The RNG is restored afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -113,7 +114,10 @@ class _Replay:
             if tag is not None:
                 tag.src = r.src
                 tag.on = True
-            out = r.func(*args, **kwargs)
+            with contextlib.ExitStack() as casts:
+                for dev, dtype in r.autocast:  # as the call ran (a loss under torch.autocast)
+                    casts.enter_context(torch.autocast(dev, dtype=dtype))
+                out = r.func(*args, **kwargs)
             if tag is not None:
                 tag.on = False
             if out is None and getattr(r.func, "__name__", "") == "__setitem__":

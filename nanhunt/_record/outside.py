@@ -51,6 +51,21 @@ _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _lib: dict[str, bool] = {}
 
 
+_is_autocast = torch.is_autocast_enabled
+_autocast_dtype = torch.get_autocast_dtype
+
+
+def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocasts on at a call (loss code inside ``torch.autocast``): what its replay runs under."""
+    if _is_autocast("cpu"):
+        on = (("cpu", _autocast_dtype("cpu")),)
+    else:
+        on = ()
+    if _is_autocast("cuda"):
+        on += (("cuda", _autocast_dtype("cuda")),)
+    return on
+
+
 def is_lib(filename: str) -> bool:
     k = _lib.get(filename)
     if k is None:
@@ -365,7 +380,7 @@ class Outside(TorchFunctionMode):
             rng = None
             if self.fresh:
                 rng, self.fresh = rng_before, False
-            log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng))
+            log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng, _autocast()))
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):
