@@ -57,10 +57,9 @@ _autocast_dtype = torch.get_autocast_dtype
 
 def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
     """The autocasts on at a call (loss code inside ``torch.autocast``): what its replay runs under."""
+    on: tuple[tuple[str, torch.dtype], ...] = ()
     if _is_autocast("cpu"):
         on = (("cpu", _autocast_dtype("cpu")),)
-    else:
-        on = ()
     if _is_autocast("cuda"):
         on += (("cuda", _autocast_dtype("cuda")),)
     return on
