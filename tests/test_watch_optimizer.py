@@ -87,9 +87,10 @@ def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     m = _regression()
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, growing)
-    done = []
+    done, forwards = [], []
     with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
         for k, (x, y) in enumerate(data):
+            forwards.append(k)
             F.mse_loss(m(x).double(), y.double()).backward()
             opt.step()
             done.append(k)
@@ -98,8 +99,9 @@ def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     mn, mt, tensor, t = expected
     assert_finding(ei.value.finding, phase="optimizer", module=mn, module_type=mt, tensor=tensor, step=bad_step,
                    call=0, cause="created", expected=t)
-    # the error comes before the next step applies: the weights are those the bad step produced
-    assert done[-1] == bad_step
+    # the error comes from the step() that made it (on CPU: no device to wait for), so the model's
+    # next forward never runs on the overflowed weights; the weights are those that step produced
+    assert forwards[-1] == bad_step and done[-1] == bad_step - 1
     assert same_state(snapshot(m), states[bad_step])
 
 

@@ -57,7 +57,7 @@ from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
 from .outside import Outside, is_lib, user_line
-from .probe import GradProbe, OptimizerProbe
+from .probe import Fused, GradProbe, OptimizerProbe
 from .protect import BufferBackup, drop_grads
 from .retain import settle
 from .samples import LoaderIndices
@@ -1063,7 +1063,24 @@ class Hunt:
             items, tens = op.current()
             if tens:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
-                self._log.vectors.append((op.probe(), OptimState(i, step, items, tens, fed)))
+                vec = op.probe()
+                self._log.vectors.append((vec, OptimState(i, step, items, tens, fed)))
+                if self._judged_now(vec):
+                    self._log.vectors.pop()
+
+    def _judged_now(self, vec: torch.Tensor | Fused) -> bool:
+        """Judge the optimizer's update at once where that costs no device sync: CPU tensors, one
+        process. Finite: True (nothing left to read). Non-finite: the finding is made now, so it
+        raises from this ``step()``, before the model's next forward. On a GPU (a read there would
+        be a second sync per step) and under torch.distributed (the ranks agree at a collective)
+        the probe stays in the log and is read at the next step's sync."""
+        summary = vec if isinstance(vec, torch.Tensor) else vec.summary
+        if self.distributed or not summary.is_cpu:
+            return False
+        if bool(torch.isfinite(summary).all()):
+            return True
+        self._end_step(advance=False)
+        return False
 
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
