@@ -318,3 +318,54 @@ def test_skip_mode_drops_each_step_whose_running_statistic_overflows() -> None:
         _bn_train(model, opt, (1, 2), 5)
     assert hunt.skipped == [1, 2]
     assert torch.isfinite(model[0].running_var).all()
+
+
+def _train_and_validate(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any],
+                        val: list[Any]) -> None:
+    """The usual epoch: a training step, then a validation batch in eval mode under no_grad, then
+    ``model.train()`` again before the next step's forward."""
+    for (x, y), (vx, _) in zip(batches, val):
+        model.train()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(vx)
+    model.train()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_a_validation_batch_skips_no_training_step(mode: str) -> None:
+    """A corrupt validation sample: the finding is made (at the next forward: the validation call's
+    own eval/no_grad state says so, although the loop already called ``model.train()``), but
+    skip mode drops no training step for it: the run is the unwatched run, bit for bit."""
+    batches = _batches(5, (), (6,), 3)
+    val = _batches(5, {2}, (6,), 3, seed=2)
+    ref = zoo.bnmlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train_and_validate(ref, ref_opt, batches, val)
+
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="skip", mode=mode) as hunt:
+        _train_and_validate(model, opt, batches, val)
+    assert hunt.skipped == []
+    f = hunt.first
+    assert f is not None and (f.phase, f.step, f.cause) == ("forward", 3, "input"), f
+    _same(model, opt, ref, ref_opt)
+    # raise mode: raised by the next training step's forward, not at its step()
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepped = []
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        for i, ((x, y), (vx, _)) in enumerate(zip(batches, val)):
+            model.train()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            stepped.append(i)
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(vx)
+    assert stepped == [0, 1, 2] and err.value.finding.step == 3

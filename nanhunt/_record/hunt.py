@@ -543,8 +543,9 @@ class Hunt:
         root = self._root
         if not log.tops or self.distributed or root is None:
             return False
-        if not log.backward:
-            return not log.tops[-1].grad_enabled and not root.training
+        if not log.backward:  # the last call's own mode: the loop has usually called model.train() again by now
+            last = log.tops[-1]
+            return not last.grad_enabled and not last.training
         return self._grads_dropped()
 
     def _grads_dropped(self) -> bool:
@@ -939,7 +940,10 @@ class Hunt:
             if self._stack and self._stack[-1].module is module and _get_ident() == self._owner:
                 c = self._stack.pop()
                 log = self._log
-                if not self._opts and c.index < len(log.calls) and log.calls[c.index] is c:
+                # no optimizer (inference), or an evaluation call (no_grad, eval mode: a validation
+                # batch never reaches a gradient): the outputs are what there is to judge
+                if ((not self._opts or (not module.training and not torch.is_grad_enabled()))
+                        and c.index < len(log.calls) and log.calls[c.index] is c):
                     self._probe_root_outputs(log, c, output)
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
@@ -1162,6 +1166,7 @@ class Hunt:
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         found: list[Finding] = []
+        evaluation = False
         d = self._dist if collective else None
         try:
             flag = log.bad_flag()
@@ -1198,13 +1203,16 @@ class Hunt:
                     raise failed
             elif self._dist is not None:
                 found = _dist.judge(found, None)
+            # an evaluation pass (no_grad calls only, no gradients, no update): nothing a skip could drop
+            evaluation = (bool(log.tops) and not log.backward and not any(t.grad_enabled for t in log.tops)
+                          and not any(isinstance(e, (Grads, OptimState)) for _, e in log.vectors))
         finally:
             log.release()
         if found:
             with span("nanhunt::finding", cuda):
-                self._handle(found, raise_ok)
+                self._handle(found, raise_ok, evaluation)
 
-    def _handle(self, found: list[Finding], raise_ok: bool) -> None:
+    def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False) -> None:
         first = not self.findings and not self._dropped
         room = max(self.options.max_findings - len(self.findings), 0)
         self._dropped += max(len(found) - room, 0)
@@ -1216,7 +1224,7 @@ class Hunt:
         if self._backup is not None:
             self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
             self._state.forget()
-        skipped = self.on_find == "skip" and self._skip(found)
+        skipped = self.on_find == "skip" and self._skip(found, evaluation)
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
@@ -1251,12 +1259,18 @@ class Hunt:
                 self._close(raise_pending=False)
             raise error
 
-    def _skip(self, found: list[Finding]) -> bool:
+    def _skip(self, found: list[Finding], evaluation: bool = False) -> bool:
         """``on_find="skip"``: drop this step (its gradients; buffers are already back), unless it
-        cannot be undone (the optimizer already applied it) or too many steps in a row were dropped."""
+        cannot be undone (the optimizer already applied it) or too many steps in a row were dropped.
+        An evaluation pass (a validation batch) has nothing to drop: its findings are kept, the
+        training step around it is not skipped and no skip is counted."""
         if any(f.phase in ("optimizer", "checkpoint") for f in found):
             return False
         step = found[0].step
+        if evaluation:
+            _logger.warning("nanhunt: a finding in an evaluation pass at step %d (no training step to skip): %s",
+                            step, found[0].summary())
+            return True
         if self.skipped and self.skipped[-1] == step:
             return True
         run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
