@@ -369,3 +369,40 @@ def test_a_nan_in_a_validation_batch_skips_no_training_step(mode: str) -> None:
             with torch.no_grad():
                 model(vx)
     assert stepped == [0, 1, 2] and err.value.finding.step == 3
+
+
+class _GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+        self.D = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+
+
+def test_skip_in_a_gan_loop_leaves_the_generators_graph_usable() -> None:
+    """The usual GAN loop: ``fake = G(z)``, the discriminator's step, then the generator's loss
+    through ``D(fake)`` backpropagates into ``fake``'s graph. A NaN in a real batch makes skip mode
+    drop the discriminator's step and put the buffers back at its ``step()``; G's BatchNorm buffers
+    (saved by ``fake``'s graph) went back with a version bump, and the generator's backward then
+    failed ("modified by an inplace operation"), which the unwatched loop never does."""
+    torch.manual_seed(0)
+    gan = _GAN()
+    opt_g = torch.optim.Adam(gan.G.parameters(), 1e-3)
+    opt_d = torch.optim.Adam(gan.D.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)) for _ in range(5)]
+    data[3][0][1, 1] = float("nan")
+    bce = F.binary_cross_entropy_with_logits
+    with nanhunt.watch(gan, [opt_d, opt_g], on_find="skip") as hunt:
+        for real, z in data:
+            fake = gan.G(z)
+            loss_d = bce(gan.D(real), torch.ones(16, 1)) + bce(gan.D(fake.detach()), torch.zeros(16, 1))
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            loss_g = bce(gan.D(fake), torch.ones(16, 1))
+            opt_g.zero_grad()
+            loss_g.backward()  # fake's graph: G's BatchNorm saved its buffers
+            opt_g.step()
+    assert hunt.skipped == [3]
+    assert (hunt.first.phase, hunt.first.module, hunt.first.step) == ("forward", "D.0", 3)
+    assert all(torch.isfinite(t).all() for t in gan.state_dict().values() if t.is_floating_point())

@@ -77,7 +77,12 @@ class BufferBackup:
                     continue
                 if t is not src:  # replaced by assignment during the step: the original goes back
                     d[k] = src
-                src.copy_(c)
+                # through .data: no version bump. A graph the loop still backprops through may have
+                # saved the buffer (a GAN's generator BatchNorm, whose output the generator's loss
+                # uses after the discriminator's skipped step): its backward must not fail as
+                # "modified by an inplace operation" (in training mode BatchNorm's backward reads
+                # the batch statistics it saved, not the running ones)
+                src.data.copy_(c)
                 names.append(name)
         return names
 
