@@ -511,9 +511,15 @@ class Hunt:
             log.root_calls += 1
         elif (cap and len(log) > _MAX_ENTRIES and not self.distributed) or (
                 module is self._root and self._iteration_over(log)):
+            skips = len(self.skipped)
             self._end_step(advance=False)
             if self._closed:
                 return None
+            if len(self.skipped) > skips and log.backward:
+                # an iteration without step() (a GradScaler not given to watch() skipped it) that
+                # on_find="skip" dropped: a skipped step still counts, as the user's loop does
+                self.step += 1
+                self._calls_before = {}
             log = self._log
         taken = None
         if log.tops:
@@ -1046,15 +1052,7 @@ class Hunt:
             self._damage_at = None
             self._damage = damage(self._root, self._opts)
         step = self.step
-        # one training step is a round in which each watched optimizer steps once; an optimizer
-        # that steps again before the others did starts the next round
-        if i in self._round:
-            self._round = set()
-        self._round.add(i)
-        if len(self._round) == len(self._opts):
-            self.step += 1
-            self._calls_before = {}
-            self._round = set()
+        self._count_step(i)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         # Parameters and state are read every `optimizer_every` steps (1 in full mode, 10 in
@@ -1086,6 +1084,18 @@ class Hunt:
         self._end_step(advance=False)
         return False
 
+    def _count_step(self, i: int) -> None:
+        """Watched optimizer ``i`` stepped: one training step is a round in which each watched
+        optimizer steps once; an optimizer that steps again before the others did starts the next
+        round."""
+        if i in self._round:
+            self._round = set()
+        self._round.add(i)
+        if len(self._round) == len(self._opts):
+            self.step += 1
+            self._calls_before = {}
+            self._round = set()
+
     def _wrap_scaler(self, scaler: Any) -> None:
         orig = scaler.step
         hunt = weakref.ref(self)
@@ -1103,7 +1113,12 @@ class Hunt:
                 # iteration still ends here (its forward is checked), without counting a step.
                 h._skipped_steps += 1
                 h._drop_backward()
+                skips = len(h.skipped)
                 h._end_step(advance=False, collective=True)
+                if len(h.skipped) > skips:  # on_find="skip" dropped it too: a skipped step still counts
+                    i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
+                    if i is not None:
+                        h._count_step(i)
             return out
 
         step.__nanhunt__ = True  # type: ignore[attr-defined]
