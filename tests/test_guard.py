@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import os
+import types
 from typing import Any
 
 import pytest
@@ -239,3 +241,38 @@ def test_findings_stay_in_order_of_occurrence_around_a_refused_checkpoint(tmp_pa
     phases = [f.phase for f in hunt.findings]
     assert phases.index("optimizer") < phases.index("checkpoint")
     assert hunt.findings[phases.index("optimizer")].step == 0
+
+
+@dataclasses.dataclass
+class _TrainState:
+    model: Any
+    step: int
+
+
+class _Slotted:
+    __slots__ = ("weights",)
+
+    def __init__(self, weights: Any) -> None:
+        self.weights = weights
+
+
+def test_state_held_in_objects_is_judged_too(tmp_path: Any) -> None:
+    """``torch.save(TrainState(model=model.state_dict(), step=3))``: a dataclass, a
+    ``SimpleNamespace``, an object with ``__slots__`` are "any structure" too; their fields are
+    named as attributes in the key path. A finite object of the same kind saves unchanged."""
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "state.pt"
+    with nanhunt.watch(model, opt, on_find="record"):
+        torch.save(_TrainState(model.state_dict(), 0), path)  # finite: written
+        assert torch.load(path, weights_only=False).step == 0
+        before = _digest(path)
+        _blow_up(model, opt)
+        cases = [(_TrainState(model.state_dict(), 3), ".model['fc1.weight']"),
+                 (types.SimpleNamespace(run=types.SimpleNamespace(sd=model.state_dict())), ".run.sd['fc1.weight']"),
+                 ({"ema": _Slotted(model.state_dict())}, "['ema'].weights['fc1.weight']")]
+        for obj, key in cases:
+            with pytest.raises(nanhunt.NonFiniteError) as ei:
+                torch.save(obj, path)
+            assert ei.value.finding.tensor == key
+            assert _digest(path) == before

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -27,9 +28,31 @@ Entry = tuple[Keys, torch.Tensor, bool]
 _MAX_DEPTH = 64
 
 
+class Attr(str):
+    """A key that is an attribute name (an object's field): ``.model`` in a key path."""
+
+
 def key_path(keys: Keys) -> str:
-    """``['model']['fc.weight']``: how a person indexes the saved object; a bare tensor is ``<tensor>``."""
-    return "".join(f"[{k!r}]" for k in keys) or "<tensor>"
+    """``['model']['fc.weight']``: how a person indexes the saved object (``.model['fc.weight']`` for
+    a dataclass's field); a bare tensor is ``<tensor>``."""
+    return "".join(f".{k}" if isinstance(k, Attr) else f"[{k!r}]" for k in keys) or "<tensor>"
+
+
+def _fields(o: Any) -> list[tuple[str, Any]] | None:
+    """An object's own fields, as pickle saves them (``__dict__``, then ``__slots__``): a dataclass,
+    a ``SimpleNamespace``, a trainer's state object. None for classes, functions, Python modules."""
+    if isinstance(o, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return None
+    out: list[tuple[str, Any]] = []
+    d = getattr(o, "__dict__", None)
+    if isinstance(d, dict):
+        out += [(k, v) for k, v in d.items() if isinstance(k, str)]
+    for cls in type(o).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(o, name):
+                out.append((name, getattr(o, name)))
+    return out or None
 
 
 def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
@@ -37,8 +60,8 @@ def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
 
 
 def walk(obj: Any) -> Iterator[Entry]:
-    """Every tensor of ``obj`` (dicts, lists, tuples; a module or optimizer as its state_dict), in
-    a stable order; each container is visited once (no cycles)."""
+    """Every tensor of ``obj`` (dicts, lists, tuples, an object's fields; a module or optimizer as
+    its state_dict), in a stable order; each container is visited once (no cycles)."""
     seen: set[int] = set()
 
     def go(o: Any, keys: Keys, optim: bool, depth: int) -> Iterator[Entry]:
@@ -60,6 +83,12 @@ def walk(obj: Any) -> Iterator[Entry]:
             seen.add(id(o))
             for i, v in enumerate(o):
                 yield from go(v, (*keys, i), optim, depth + 1)
+        else:
+            fields = _fields(o)
+            if fields:
+                seen.add(id(o))
+                for k, v in fields:
+                    yield from go(v, (*keys, Attr(k)), optim, depth + 1)
 
     yield from go(obj, (), False, 0)
 
