@@ -267,6 +267,25 @@ def test_a_list_of_optimizers_counts_one_training_step_per_round() -> None:
     del data
 
 
+def test_a_round_of_optimizers_numbers_the_calls_across_their_steps() -> None:
+    """Alternating updates (a GAN, manual optimization): forward, ``o1.step()``, forward,
+    ``o2.step()``. The round is one step, so the second forward's calls are call 1, also after the
+    first optimizer's step() judged the first forward."""
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.bias.fill_(3.0)
+    opts = [torch.optim.SGD(m.lin.parameters(), lr=0.0), torch.optim.SGD(m.head.parameters(), lr=0.0)]
+    kill = -100.0 * m.lin.weight[0].detach().sign()
+    with nanhunt.watch(m, opts, on_find="record") as hunt:
+        for k in range(3):
+            for j, o in enumerate(opts):
+                x = kill.expand(2, 4) if (k, j) == (2, 1) else torch.full((2, 4), 0.1)
+                o.zero_grad()
+                m(x).sum().backward()
+                o.step()
+    assert (hunt.first.module, hunt.first.step, hunt.first.call) == ("log", 2, 1)
+
+
 def test_optimizer_hooks_do_not_change_the_update() -> None:
     data = _data(4)
     ref, m = _classifier(), _classifier()

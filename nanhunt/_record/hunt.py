@@ -1171,8 +1171,9 @@ class Hunt:
         if advance:
             self.step += 1
             self._calls_before = {}
-        elif log.calls and not collective:  # the step goes on in a new log (an evaluation call, the cap):
-            # its calls keep counting from here (at a step() the step ends: nothing to carry)
+        elif log.calls:  # the step goes on in a new log (an evaluation call, the cap, the other
+            # optimizers of a round): its calls keep counting from here; `_count_step` starts anew
+            # when the round's last optimizer has stepped
             self._calls_before = before = dict(prior)
             for c in log.calls:
                 k = id(c.module)
