@@ -103,10 +103,11 @@ class NonFiniteError(FloatingPointError):
     ``.finding`` is the first :class:`Finding`, ``.report`` the hunt's :class:`Report`.
     """
 
-    def __init__(self, finding: Finding, report: Any = None) -> None:
-        super().__init__(finding.summary())
+    def __init__(self, finding: Finding, report: Any = None, why: str | None = None) -> None:
+        super().__init__(f"{why} {finding.summary()}" if why else finding.summary())
         self.finding = finding
         self.report = report
+        self.why = why  # why a run that was going on stops now (on_find="skip": max_skips), else None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.finding, self.report))
+        return (type(self), (self.finding, self.report, self.why))

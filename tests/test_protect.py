@@ -7,6 +7,7 @@ each is compared bit for bit with a reference loop that drops that batch by hand
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
@@ -130,6 +131,19 @@ def test_max_skips_consecutive_then_raise(caplog: Any) -> None:
     assert raised == [5] and hunt.skipped == [2, 3, 4]
     assert sum("skipped step" in r.getMessage() for r in caplog.records) == 3
     assert torch.isfinite(model.bn.running_var).all()
+    # the error says why the run stops at step 5, and its finding is the first (step 2's)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, on_find="skip", max_skips=3) as hunt:
+        for x, y in batches:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    e = err.value
+    assert e.finding == hunt.first and e.finding.step == 2
+    assert "dropped 3 steps in a row (2, 3, 4; max_skips=3)" in str(e) and "step 5" in str(e)
+    assert str(e).endswith(hunt.first.summary())
+    assert pickle.loads(pickle.dumps(e)).why == e.why
 
 
 def test_skips_that_are_not_consecutive_never_raise() -> None:

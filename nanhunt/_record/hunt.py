@@ -243,6 +243,7 @@ class Hunt:
         self.skipped: list[int] = []  # steps dropped by on_find="skip"
         self._max_skips = o.max_skips
         self._skip_run = 0  # consecutive skipped steps
+        self._skips_exceeded = False  # the step being handled would have been one skip too many
         self._damage: dict[str, list[str]] | None = None
         self._damage_at: torch.optim.Optimizer | None = None  # damage read again after this optimizer's step
         self._bad_samples: set[int] = set()
@@ -1240,6 +1241,7 @@ class Hunt:
         if self._backup is not None:
             self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
             self._state.forget()
+        self._skips_exceeded = False
         skipped = self.on_find == "skip" and self._skip(found, evaluation)
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)
@@ -1270,7 +1272,13 @@ class Hunt:
             _logger.warning("%s", message)
             warnings.warn(message, NonFiniteWarning, stacklevel=_user_stacklevel())
         elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
-            error = NonFiniteError(found[0], self.report)
+            why = None
+            if self._skips_exceeded and self.findings:
+                # max_skips: the run stops at a step that is not its first finding's
+                why = (f"nanhunt: on_find='skip' dropped {self._max_skips} steps in a row "
+                       f"({', '.join(map(str, self.skipped[-self._max_skips:]))}; max_skips={self._max_skips}) "
+                       f"and step {found[0].step} has a finding again, so the run stops. The first finding:")
+            error = NonFiniteError(self.findings[0] if why else found[0], self.report, why)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
                 self._close(raise_pending=False)
             raise error
@@ -1291,6 +1299,7 @@ class Hunt:
             return True
         run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
         if run > self._max_skips:
+            self._skips_exceeded = True
             return False
         self._skip_run = run
         self.skipped.append(step)
