@@ -207,6 +207,24 @@ def test_lightning_options_are_checked_up_front() -> None:
 
 
 # ====================================================================== Hugging Face
+@_mark
+def test_lightning_resumed_fit_numbers_findings_as_global_step(tmp_path: Any) -> None:
+    """``fit(ckpt_path=...)``: the trainer's global_step goes on from the checkpoint's, and so does
+    the hunt's step (it started at 0: a finding at global step 4 said "step 2")."""
+    pl, (Net, NanHunt) = _lightning_parts()
+    first = _trainer(pl, NanHunt(), max_steps=2, enable_checkpointing=True, default_root_dir=str(tmp_path))
+    first.fit(Net(), _loader())
+    ckpt = tmp_path / "two.ckpt"
+    first.save_checkpoint(str(ckpt))
+    model, cb = Net(bad_forward_at=4), NanHunt()
+    trainer = _trainer(pl, cb, max_steps=8)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(model, _loader(), ckpt_path=str(ckpt))
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step) == ("forward", "net.2", 4)
+    assert f.step == trainer.global_step
+
+
 def _hf_parts(tmp_path: Any, lr: float, **kw: Any) -> tuple[Any, Any, Any]:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # the Trainer needs it

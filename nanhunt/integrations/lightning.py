@@ -139,8 +139,12 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
         # optimizers configured late (e.g. by a strategy after on_fit_start) are watched too
         hunt = self.hunt
         if hunt is not None and not hunt.closed:
-            for opt in _torch_optimizers(getattr(trainer, "optimizers", None)):
+            opts = _torch_optimizers(getattr(trainer, "optimizers", None))
+            for opt in opts:
                 hunt.add_optimizer(opt)
+            # fit(ckpt_path=...): the loops' state is restored after on_fit_start; the hunt numbers
+            # its steps as global_step does (which counts every optimizer's step: one round here)
+            self._resume_at((getattr(trainer, "global_step", 0) or 0) // max(len(opts), 1))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.hunt is not None and not self.hunt.closed and not self._eval_only:

@@ -114,6 +114,7 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
         self.hunt._close_before_raise = True  # skip mode's NonFiniteError (max_skips) too
         if closing is not None:
             closing.hunt = self.hunt
+        self._resume_at(getattr(state, "global_step", 0) or 0)  # resume_from_checkpoint: its step on
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                     **kwargs: Any) -> None:
