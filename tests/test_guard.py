@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import io
 import os
 import types
 from typing import Any
@@ -276,3 +277,44 @@ def test_state_held_in_objects_is_judged_too(tmp_path: Any) -> None:
                 torch.save(obj, path)
             assert ei.value.finding.tensor == key
             assert _digest(path) == before
+
+
+_SEEN: list[int] = []
+
+
+def _user_hook(module: Any, args: Any, output: Any) -> None:
+    _SEEN.append(1)
+
+
+def _user_noop_hook(module: Any, args: Any, output: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_whole_module_saved_while_watched_carries_no_nanhunt_hook(mode: str) -> None:
+    """``torch.save(model)`` pickles the module's hook dicts: sentinel's root hooks (and full
+    mode's late hook behind a user's forward hook) went into the file, so the loaded model carried
+    no-op hooks and loading needed nanhunt. They step aside while torch.save runs, then go back in
+    their place (the user's hook keeps its order)."""
+    torch.manual_seed(0)
+    model = zoo.bnmlp()
+    _SEEN.clear()
+    model.register_forward_hook(_user_hook)  # the user's own hooks (picklable)
+    model.fc1.register_forward_hook(_user_noop_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        model(x).sum().backward()
+        opt.step()
+        orders = {n: [list(d) for d in (m._forward_pre_hooks, m._forward_hooks)] for n, m in model.named_modules()}
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        assert {n: [list(d) for d in (m._forward_pre_hooks, m._forward_hooks)]
+                for n, m in model.named_modules()} == orders
+        assert hunt.module_hook_handles()  # the hunt did hook the user's modules ...
+        data = buf.getvalue()
+        assert b"nanhunt" not in data  # ... but none of it is in the file
+        loaded = torch.load(io.BytesIO(data), weights_only=False)
+        assert len(loaded._forward_hooks) == 1 and not loaded._forward_pre_hooks
+        model(x)  # the hunt still sees the root's calls
+    assert _SEEN == [1, 1] and hunt.findings == []

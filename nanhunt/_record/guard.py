@@ -53,7 +53,31 @@ def _guarded_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
     for g in list(_guards):
         g.judge(obj, f)
     original = _original if _original is not None else _SERIALIZATION_SAVE
-    return original(obj, f, *args, **kwargs)
+    with _hooks_aside([h for g in list(_guards) if (hunt := g._hunt()) is not None for h in hunt.module_hook_handles()]):
+        return original(obj, f, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _hooks_aside(handles: list[Any]) -> Iterator[None]:
+    """While a module is pickled (``torch.save(model)``), the hooks a hunt put on the user's own
+    modules (sentinel's root hooks, the late hooks behind the user's forward hooks) are out of
+    its hook dicts: the file is the one an unwatched save writes, and loading it needs no nanhunt.
+    Each dict is put back as it was, order included."""
+    saved: dict[int, tuple[dict[Any, Any], list[tuple[Any, Any]]]] = {}
+    try:
+        for h in handles:
+            for ref in (h.hooks_dict_ref, *getattr(h, "extra_dict_ref", ())):
+                d = ref()
+                if d is None or h.id not in d:
+                    continue
+                if id(d) not in saved:
+                    saved[id(d)] = (d, list(d.items()))
+                del d[h.id]
+        yield
+    finally:
+        for d, items in saved.values():
+            d.clear()
+            d.update(items)
 
 
 _SERIALIZATION_SAVE: Callable[..., Any] = torch.serialization.save  # torch's own, as it was at import

@@ -423,6 +423,16 @@ class Hunt:
                 out[m] = n
         return out
 
+    def module_hook_handles(self) -> list[Any]:
+        """The handles of the hooks this hunt put on the user's own modules (`_OnModule`: the
+        root's in sentinel mode, the late hooks after the user's forward hooks)."""
+        out = []
+        for h in (*self._handles, *self._late.values()):
+            d = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
+            if d is not None and isinstance(d.get(h.id), _OnModule):
+                out.append(h)
+        return out
+
     def _on_register(self, parent: nn.Module, name: str, sub: Any) -> None:
         """torch's global module registration hook: a watched module gained or swapped a child."""
         names = self._names
