@@ -455,7 +455,7 @@ def test_skip_with_a_gradscaler_numbers_and_counts_the_skipped_steps(passed: boo
     assert hunt.skipped == [2, 5]
     assert sorted({f.step for f in hunt.findings}) == [2, 5]
     hunt, stepped, err = _scaled_loop({2, 3, 4, 5, 6}, 8, passed)
-    assert err is not None and hunt.skipped == [2, 3, 4] and err.finding.step == 5
+    assert err is not None and hunt.skipped == [2, 3, 4] and "step 5 has a finding again" in str(err)
     # with the scaler given to watch() the 4th skip raises from its own step(); without it, at the
     # model's next forward (nanhunt sees the skipped iteration only when the next one begins)
     assert stepped == ([0, 1, 2, 3, 4] if passed else [0, 1, 2, 3, 4, 5])

@@ -249,13 +249,20 @@ def test_a_list_of_optimizers_each_watched() -> None:
     assert f.index is not None and f.value == float("inf")
 
 
-def test_a_list_of_optimizers_counts_one_training_step_per_round() -> None:
-    data = _data(3)
+def _two_optimizer_lognet() -> tuple[zoo.LogNet, list[torch.optim.Optimizer], torch.Tensor]:
+    """A LogNet with one optimizer per layer (lr 0: the weights stay) and an input row that
+    makes its Log take log(0)."""
     m = zoo.lognet()
     with torch.no_grad():
         m.lin.bias.fill_(3.0)
-    opts = [torch.optim.SGD(m.lin.parameters(), lr=0.0), torch.optim.SGD(m.head.parameters(), lr=0.0)]
-    kill = -100.0 * m.lin.weight[0].detach().sign()
+    opts: list[torch.optim.Optimizer] = [torch.optim.SGD(m.lin.parameters(), lr=0.0),
+                                         torch.optim.SGD(m.head.parameters(), lr=0.0)]
+    return m, opts, -100.0 * m.lin.weight[0].detach().sign()
+
+
+def test_a_list_of_optimizers_counts_one_training_step_per_round() -> None:
+    data = _data(3)
+    m, opts, kill = _two_optimizer_lognet()
     with nanhunt.watch(m, opts, on_find="record") as hunt:
         for k in range(3):
             x = kill.expand(2, 4) if k == 2 else torch.full((2, 4), 0.1)
@@ -271,11 +278,7 @@ def test_a_round_of_optimizers_numbers_the_calls_across_their_steps() -> None:
     """Alternating updates (a GAN, manual optimization): forward, ``o1.step()``, forward,
     ``o2.step()``. The round is one step, so the second forward's calls are call 1, also after the
     first optimizer's step() judged the first forward."""
-    m = zoo.lognet()
-    with torch.no_grad():
-        m.lin.bias.fill_(3.0)
-    opts = [torch.optim.SGD(m.lin.parameters(), lr=0.0), torch.optim.SGD(m.head.parameters(), lr=0.0)]
-    kill = -100.0 * m.lin.weight[0].detach().sign()
+    m, opts, kill = _two_optimizer_lognet()
     with nanhunt.watch(m, opts, on_find="record") as hunt:
         for k in range(3):
             for j, o in enumerate(opts):
