@@ -268,6 +268,7 @@ class StepLog:
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet
         self.outside: list[OutRec] = []  # torch calls outside every watched call (see _record.outside)
         self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
+        self.seeds_at: list[int] = []  # len(outside) when each backward() there was called
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -407,6 +408,7 @@ class StepLog:
         self.pending.clear()
         self.outside.clear()
         self.seeds.clear()
+        self.seeds_at.clear()
 
 
 
@@ -434,3 +436,4 @@ class StepView:
     scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into
     step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()
     bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began
+    judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)

@@ -448,3 +448,30 @@ def test_a_gradient_born_in_the_first_child_of_a_container_stays_the_childs() ->
         opt.step()
     f = err.value.finding
     assert (f.phase, f.module, f.tensor, f.op) == ("backward", "2.0", "grad_input[0]", "SqrtBackward0"), f
+
+
+class _SqrtOfZero(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(h * 0)  # d sqrt at 0 = inf, times the 0: NaN into h's gradient
+
+
+class _Siblings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), _SqrtOfZero()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.a(h) + self.b(h)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_born_in_one_of_two_siblings_sharing_an_input_is_named_by_that_sibling(mode: str) -> None:
+    """``a(h) + b(h)``: h's gradient is the sum of both; ``b`` made the NaN, not ``a``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Siblings(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "1.b", "SqrtBackward0", "created"), f

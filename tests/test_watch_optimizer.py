@@ -3,6 +3,7 @@ GradScaler's skipped steps, and several optimizers."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -386,3 +387,24 @@ def test_a_weight_loaded_non_finite_mid_run_is_not_blamed_on_the_optimizer() -> 
     f = hunt.first
     assert f is not None and (f.phase, f.cause) == ("forward", "parameter")
     assert "written after its optimizer's last step" in f.hint and "no optimizer step poisoned it" in f.hint
+
+
+@pytest.mark.parametrize("on_find", ["record", "warn"])
+def test_an_update_judged_at_its_step_is_not_found_again_at_the_next_hit(on_find: str) -> None:
+    """On CPU the update is judged when step() returns; the next step's hit (its forward fed the
+    overflowed weights) must not report that same update a second time."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e38)
+    x = torch.randn(8, 4) * 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(m, opt, on_find=on_find) as hunt:
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            assert [(f.phase, f.step) for f in hunt.findings] == [("optimizer", 0)]
+            m(x).sum().backward()
+            opt.step()
+    found = [(f.phase, f.step) for f in hunt.findings]
+    assert found.count(("optimizer", 0)) == 1 and ("forward", 1) in found, found

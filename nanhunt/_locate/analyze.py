@@ -528,8 +528,9 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
 
 def _owning_ancestor(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Finding | None:
     """The gradient of a tensor is the sum over its uses: when the call's input that turned
-    non-finite is also an input of a call around it, the parent's own code may have made it
-    (``fc(h) * sqrt(gate + 0 * h)``: the NaN reaches ``h`` through ``0 * h``, not through ``fc``).
+    non-finite is also an input of a call around it or of another call, that call may have made it
+    (``fc(h) * sqrt(gate + 0 * h)``: the NaN reaches ``h`` through ``0 * h``, not through ``fc``;
+    ``a(h) + b(h)`` with the NaN born in ``b``).
     The autograd node that made it decides: a finding for the enclosing call that owns the node,
     or None when the call itself does (or the node cannot be told)."""
     ancestors: list[ReplayCall] = []
@@ -537,12 +538,14 @@ def _owning_ancestor(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -
     while p >= 0:
         ancestors.append(r.calls[p])
         p = r.calls[p].parent
-    if not any(k in (kk for kk, _ in a.in_keys) for a in ancestors):
+    # the calls around it, and the others that take the same tensor (siblings: a(h) + b(h))
+    sharing = [c for c in r.calls if c is not rc and any(kk == k for kk, _ in c.in_keys)]
+    if not sharing:
         return None
     f = _node_finding(ctx, top_i)
     if f is None:
         return None
-    owner = next((a for a in ancestors if a.name == f.module), None)
+    owner = next((a for a in (*ancestors, *sharing) if a.name == f.module and a is not rc), None)
     if owner is None:
         return None  # made inside the call (or outside the top): the call's own finding stands
     return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
@@ -744,6 +747,8 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         return None  # no step() yet: whatever is non-finite was not made by the optimizer
     last = max(ctx.step - 1, 0)
     for i, opt in enumerate(view.optimizers):
+        if i in view.judged:
+            continue  # its update was judged when step() returned (found then, or finite)
         items, tens = optimizer_tensors(opt)
         after = view.after_step.get(i, {})
         # a parameter written since its last step() (by the user) is not the optimizer's doing

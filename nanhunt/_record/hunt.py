@@ -244,6 +244,7 @@ class Hunt:
         self._max_skips = o.max_skips
         self._skip_run = 0  # consecutive skipped steps
         self._skips_exceeded = False  # the step being handled would have been one skip too many
+        self._judged: set[int] = set()  # optimizers whose last update was judged at once (`_judged_now`)
         self._damage: dict[str, list[str]] | None = None
         self._damage_at: torch.optim.Optimizer | None = None  # damage read again after this optimizer's step
         self._bad_samples: set[int] = set()
@@ -877,8 +878,8 @@ class Hunt:
         try:
             if _get_ident() != self._owner and not self._take_step():
                 return
-            if _functorch_level() is not None:
-                return  # inside torch.func transforms: not recorded
+            if _functorch_level() is not None or _graph_task() != -1:
+                return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
             got = self._begin_top(module, args, cap=False)
             if got is None:  # on_find closed the hunt
                 return
@@ -1071,29 +1072,34 @@ class Hunt:
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
         # optimizer's writes from the user's.
         self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
+        self._judged.discard(i)
         if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
             op = self._oprobes[i]
             items, tens = op.current()
             if tens:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
                 vec = op.probe()
-                self._log.vectors.append((vec, OptimState(i, step, items, tens, fed)))
+                log = self._log
+                log.vectors.append((vec, OptimState(i, step, items, tens, fed)))
+                self._judged.add(i)  # before judging: a finding made now is not made again by a later hit's analysis
                 if self._judged_now(vec):
-                    self._log.vectors.pop()
+                    if log.vectors:
+                        log.vectors.pop()  # judged finite (non-finite: the step's log was ended, findings made)
+                else:
+                    self._judged.discard(i)
 
     def _judged_now(self, vec: torch.Tensor | Fused) -> bool:
         """Judge the optimizer's update at once where that costs no device sync: CPU tensors, one
-        process. Finite: True (nothing left to read). Non-finite: the finding is made now, so it
-        raises from this ``step()``, before the model's next forward. On a GPU (a read there would
+        process; True when judged. Non-finite: the finding is made now, so it raises from this
+        ``step()``, before the model's next forward (the step's log is ended: nothing to read again). On a GPU (a read there would
         be a second sync per step) and under torch.distributed (the ranks agree at a collective)
         the probe stays in the log and is read at the next step's sync."""
         summary = vec if isinstance(vec, torch.Tensor) else vec.summary
         if self.distributed or not summary.is_cpu:
             return False
-        if bool(torch.isfinite(summary).all()):
-            return True
-        self._end_step(advance=False)
-        return False
+        if not bool(torch.isfinite(summary).all()):
+            self._end_step(advance=False)  # judges it (and whatever else the log holds) now
+        return True
 
     def _count_step(self, i: int) -> None:
         """Watched optimizer ``i`` stepped: one training step is a round in which each watched
@@ -1375,6 +1381,7 @@ class Hunt:
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
             step_lines=dict(self._step_lines),
             bad_at_start=self._start.bad(),
+            judged=frozenset(self._judged),
         )
 
     def _meta(self) -> dict[str, Any]:
