@@ -475,3 +475,29 @@ def test_a_gradient_born_in_one_of_two_siblings_sharing_an_input_is_named_by_tha
         opt.step()
     f = err.value.finding
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "1.b", "SqrtBackward0", "created"), f
+
+
+class _SqrtAtZeroAct(nn.Module):
+    """An activation whose backward is 0 * inf = NaN: sqrt(x * x * 0) is 0, its derivative inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * x * 0) + torch.tanh(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_bert_backward_nan_is_localized_despite_its_integer_buffers(mode: str) -> None:
+    """BERT's embedding saves a view of its ``token_type_ids`` buffer for the backward; the replay
+    put the buffers back with a version bump before running its backward, which then failed
+    ("modified by an inplace operation"): every BERT backward NaN was only a weight.grad finding."""
+    pytest.importorskip("transformers")
+    model = zoo.bert(dropout=0.0)
+    model.encoder.layer[1].intermediate.intermediate_act_fn = _SqrtAtZeroAct()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        model(input_ids=ids).last_hidden_state.pow(2).mean().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == (
+        "backward", "encoder.layer.1.intermediate.intermediate_act_fn", "SqrtBackward0", "created"), f

@@ -137,7 +137,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         for b, _ in bufs:  # start from the buffers as they were before the call (BatchNorm statistics)
             v = top.saved.get(id(b))
             if v is not None:
-                b.copy_(v)
+                b.data.copy_(v)  # .data: no version bump (see the restore below)
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
@@ -160,7 +160,11 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda)
         with torch.no_grad():
             for b, v in bufs:
-                b.copy_(v)
+                # only what the replay changed, through .data: a version bump would break a graph
+                # that saved the buffer (BERT's token_type_ids in its embedding's backward, which a
+                # backward replay runs after this context; the user's own pending graph)
+                if not torch.equal(b, v):
+                    b.data.copy_(v)
 
 
 @contextlib.contextmanager
