@@ -209,8 +209,10 @@ def reference_text(f: Finding) -> str:
         if lim is not None:
             dt = r.get("failing_dtype", "the dtype")
             if isinstance(val, (int, float)) and math.isfinite(val) and abs(val) <= lim:
-                # the value itself fits: something on the way to it did not (x * x, then * 0)
-                s += f", within {dt}'s range: a value on the way there passed its largest value {_exact(lim)}"
+                # the value itself fits: on the way to it the dtype's range (x * x past the max, then
+                # * 0) or its rounding (E[x^2] - E[x]^2 coming out below 0) made the difference
+                s += (f", within {dt}'s range: on the way there a value passed its largest value {_exact(lim)} "
+                      f"or {dt}'s rounding made a difference (a variance E[x^2] - E[x]^2 below 0)")
             else:
                 s += f", past {dt}'s largest value {_exact(lim)}"
         return s + f" (failing run: {fmt(r.get('failing', f.value))})"
