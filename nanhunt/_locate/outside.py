@@ -288,14 +288,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
             if not (nan or t.numel() < max(x.numel() for x in bad_in)):
                 return None
         else:
-            ignored = log.ignored
-            outside_made = [x for x in fed if producer(log.outside, x) is not None
-                            or (id(x), -1 if x.is_inference() else x._version) in ignored]
-            if outside_made or (log.seeds_at and rec_i >= log.seeds_at[0]):
-                # fed: not born here (an earlier op of this code, an ignored module's output, or,
-                # after a backward, a gradient: the backward's own finding says where it was born)
-                return None
-            return _fed_finding(log, step, rec_i, out_i, t)  # non-finite from nothing this step made
+            return None  # fed: not born here (an ignored module's output, the data); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in:
         return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
     got, fx = forward_origin(log.outside, rec_i, out_i)
@@ -313,24 +306,6 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
 def _feeds(x: torch.Tensor) -> bool:
     """Holds a NaN or +inf (a -inf alone is a mask's value by design)."""
     return bool(torch.isnan(x).any()) or bool((x == float("inf")).any())
-
-
-def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tensor) -> Finding:
-    """Code outside the watched calls was fed a NaN/+inf that nothing of this step made: an
-    unwatched module's weights (an EMA teacher updated after ``step()``), the data, a tensor kept
-    from an earlier step. Its first use is reported, cause ``input``."""
-    r = log.outside[rec_i]
-    outs = _outs(r)
-    index, value, counts = element(t)
-    return Finding(
-        phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
-        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
-        dtype=dtype_name(t), cause="input", op=None, source=r.src, chain=(),
-        reproducible=None,
-        hint="This code was fed a non-finite value that nothing watched made in this step: an unwatched "
-             "module's weights (an EMA or teacher model updated after step()), the data, or a tensor kept "
-             "from an earlier step. Watch that module too (or check the data) to see where it was born.",
-    )
 
 
 def backward_finding(log: StepLog, step: int) -> Finding | None:
