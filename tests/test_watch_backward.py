@@ -384,6 +384,15 @@ def test_hf_gpt2_reentrant_gradient_checkpointing_names_the_module_of_a_backward
         "backward", "transformer.h.1.mlp.act", "grad_input[0]", "SqrtBackward0", "created"), f
 
 
+def _one_step_finding(model: nn.Module, loss: Any, mode: str = "full") -> nanhunt.Finding:
+    """The finding of one watched SGD step whose ``loss()`` backward goes non-finite (it must raise)."""
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        loss().backward()
+        opt.step()
+    return err.value.finding
+
+
 class _GatedBlock(nn.Module):
     """``fc(h) * sqrt(gate + 0 * h)``: with a gate of 0, d sqrt = inf in the block's own code, and
     ``0 * inf`` = NaN reaches ``h`` through ``0 * h``; ``fc``'s own input gradient stays finite."""
@@ -412,14 +421,10 @@ def test_a_gradient_born_in_a_parents_own_code_is_not_blamed_on_the_child_sharin
     finite): the block's own sqrt did."""
     torch.manual_seed(0)
     model = _GatedNet()
-    opt = torch.optim.SGD(model.parameters(), 0.1)
     x = torch.randn(6, 5)
     x[:, 4] = 1.0
     x[3, 4] = 0.0
-    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
-        (model(x) ** 2).mean().backward()
-        opt.step()
-    f = err.value.finding
+    f = _one_step_finding(model, lambda: (model(x) ** 2).mean(), mode)
     assert (f.phase, f.module, f.module_type, f.op, f.cause) == (
         "backward", "blk", "_GatedBlock", "SqrtBackward0", "created"), f
     assert f.tensor == "SqrtBackward0.grad_input[0]" and f.value == float("inf")
@@ -442,11 +447,7 @@ def test_a_gradient_born_in_the_first_child_of_a_container_stays_the_childs() ->
 
     # the inner container's input is Sqrt's
     model = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Sequential(Sqrt(), nn.Linear(4, 4)), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), 0.1)
-    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt):
-        model(torch.randn(8, 4)).sum().backward()
-        opt.step()
-    f = err.value.finding
+    f = _one_step_finding(model, lambda: model(torch.randn(8, 4)).sum())
     assert (f.phase, f.module, f.tensor, f.op) == ("backward", "2.0", "grad_input[0]", "SqrtBackward0"), f
 
 
@@ -469,11 +470,7 @@ def test_a_gradient_born_in_one_of_two_siblings_sharing_an_input_is_named_by_tha
     """``a(h) + b(h)``: h's gradient is the sum of both; ``b`` made the NaN, not ``a``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), _Siblings(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), 0.1)
-    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-    f = err.value.finding
+    f = _one_step_finding(model, lambda: model(torch.randn(4, 8)).sum(), mode)
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "1.b", "SqrtBackward0", "created"), f
 
 

@@ -509,7 +509,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
                 return fb
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
-    owner = _owning_ancestor(ctx, top_i, r, rc, k)
+    owner = _owning_call(ctx, top_i, r, rc, k)
     if owner is not None:
         return owner
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
@@ -526,7 +526,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     return f
 
 
-def _owning_ancestor(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Finding | None:
+def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Finding | None:
     """The gradient of a tensor is the sum over its uses: when the call's input that turned
     non-finite is also an input of a call around it or of another call, that call may have made it
     (``fc(h) * sqrt(gate + 0 * h)``: the NaN reaches ``h`` through ``0 * h``, not through ``fc``;

@@ -1081,19 +1081,18 @@ class Hunt:
                 vec = op.probe()
                 log = self._log
                 log.vectors.append((vec, OptimState(i, step, items, tens, fed)))
-                self._judged.add(i)  # before judging: a finding made now is not made again by a later hit's analysis
-                if self._judged_now(vec):
-                    if log.vectors:
-                        log.vectors.pop()  # judged finite (non-finite: the step's log was ended, findings made)
-                else:
+                self._judged.add(i)  # first: the analysis of a hit now must not read this update again
+                if not self._judged_now(vec):
                     self._judged.discard(i)
+                elif log.vectors:  # judged finite (non-finite: that log was ended, its findings made)
+                    log.vectors.pop()
 
     def _judged_now(self, vec: torch.Tensor | Fused) -> bool:
-        """Judge the optimizer's update at once where that costs no device sync: CPU tensors, one
-        process; True when judged. Non-finite: the finding is made now, so it raises from this
-        ``step()``, before the model's next forward (the step's log is ended: nothing to read again). On a GPU (a read there would
-        be a second sync per step) and under torch.distributed (the ranks agree at a collective)
-        the probe stays in the log and is read at the next step's sync."""
+        """Judge the optimizer's update at once where that costs no device sync (CPU tensors, one
+        process); True when judged. Non-finite: the finding is made now (the step's log is ended),
+        so it raises from this ``step()``, before the model's next forward. On a GPU (a read there
+        would be a second sync per step) and under torch.distributed (the ranks agree at a
+        collective) the probe stays in the log and is read at the next step's sync."""
         summary = vec if isinstance(vec, torch.Tensor) else vec.summary
         if self.distributed or not summary.is_cpu:
             return False
