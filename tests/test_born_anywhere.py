@@ -614,3 +614,83 @@ def test_a_reduction_over_a_fully_masked_row_in_loss_code_is_found(mode: str) ->
     f = err.value.finding
     assert (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 2, "created"), f
     assert any("logsumexp" in c for c in f.chain) and f.index == (1,)
+
+
+# ---------------------------------------------------------------- fed from outside the model
+def _fed_run(mode: str, *, poison: str) -> nanhunt.Finding:
+    """Three SGD steps of a small regressor whose loss code is fed a NaN at step 1 that nothing
+    watched made: a target from the data (``poison="target"``), or an unwatched mean teacher whose
+    EMA update after step() divides by the step number (``"teacher"``: 1 - 1/0 at step 0)."""
+    import copy
+
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 3))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(student, opt, mode=mode):
+        for step in range(3):
+            x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+            if poison == "target" and step == 1:
+                y[2, 1] = float("nan")  # a broken label in the data
+            s = student(x)
+            if poison == "target":
+                loss = F.mse_loss(s, y)  # @fed-target
+            else:
+                loss = F.mse_loss(s.softmax(1), teacher(x).softmax(1))  # @fed-teacher
+            assert step < 2 or not loss.isnan(), "the poison never reached the loss"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if poison == "teacher":
+                alpha = torch.clamp(1 - 1 / torch.tensor(float(step)), max=0.99)  # the warm-up ramp's bug at 0
+                with torch.no_grad():
+                    for pt, ps in zip(teacher.parameters(), student.parameters()):
+                        pt.mul_(alpha).add_(ps, alpha=float(1 - alpha))
+    return err.value.finding
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("poison", ["target", "teacher"])
+def test_loss_code_fed_a_nan_nothing_watched_made_is_reported_as_fed(mode: str, poison: str) -> None:
+    """A NaN target, or an unwatched EMA teacher's NaN weights: the loss code was fed a value that
+    nothing watched made. Its first use is the finding, cause 'input', at the loss line, with the
+    argument's element in the hint. (It was a backward finding at MseLossBackward0, 'created
+    from finite inputs': false, and it blamed the loss function for the data's NaN.)"""
+    f = _fed_run(mode, poison=poison)
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "<outside>", 1, "input", None), f
+    assert same_source(f.source, line(f"fed-{poison}")), f.source
+    assert "nothing watched made" in f.hint
+    if poison == "target":
+        assert "argument 1 (shape (8, 3)) holds nan at index (2, 1)" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_the_model_made_in_a_no_grad_training_pass_is_not_reported_as_fed(mode: str) -> None:
+    """FixMatch-style pseudo-labels: the watched model runs under no_grad in training mode and its
+    output (NaN from a log of 0 in its own code) feeds the loss code. That NaN was made by the
+    model, not fed from outside: the finding names the model's module, never '<outside>'."""
+
+    class LogHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            return torch.log(h.relu()) - torch.log(h.relu())  # log(0) - log(0): -inf - -inf
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), LogHead())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(6, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        with torch.no_grad():
+            pseudo = model(x).argmax(1).float()  # NaN rows: argmax of NaN
+            weight = model(x).sum(1)
+        loss = (model[0](x).sum(1) * weight - pseudo).mean()
+        loss.backward()
+        opt.step()
+    f = err.value.finding
+    assert f.module != "<outside>" and f.module.startswith("1"), f
+    assert f.phase == "forward" and f.cause == "created", f

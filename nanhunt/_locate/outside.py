@@ -287,8 +287,10 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
             nan = bool(torch.isnan(t).any())
             if not (nan or t.numel() < max(x.numel() for x in bad_in)):
                 return None
+        elif all(_foreign(log, x, rec_i) for x in fed):
+            return _fed_finding(log, step, rec_i, out_i, t, fed[0])  # non-finite from nothing this step made
         else:
-            return None  # fed: not born here (an ignored module's output, the data); found where it flows
+            return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in:
         return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
     got, fx = forward_origin(log.outside, rec_i, out_i)
@@ -306,6 +308,43 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
 def _feeds(x: torch.Tensor) -> bool:
     """Holds a NaN or +inf (a -inf alone is a mask's value by design)."""
     return bool(torch.isnan(x).any()) or bool((x == float("inf")).any())
+
+
+def _foreign(log: StepLog, x: torch.Tensor, rec_i: int) -> bool:
+    """``x`` was made by nothing this step recorded, before any backward() of the step: the data,
+    an unwatched module's weights, a tensor kept from an earlier step (not an earlier op of this
+    code, a watched or ignored module's output, anything autograd tracks, or a gradient)."""
+    if x.grad_fn is not None or (log.seeds_at and rec_i >= log.seeds_at[0]):
+        return False
+    if producer(log.outside, x) is not None:
+        return False
+    key = (id(x), -1 if x.is_inference() else x._version)
+    ref = log.probed.get(key)
+    if key in log.ignored or (ref is not None and ref() is x):
+        return False
+    return not any(r() is x for r in log.root_outs)
+
+
+def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tensor, x: torch.Tensor) -> Finding:
+    """Code outside the watched calls was fed a NaN/+inf that nothing of this step made (``x``,
+    one of its arguments): its first use is reported, cause ``input``."""
+    r = log.outside[rec_i]
+    outs = _outs(r)
+    index, value, counts = element(t)
+    where, bad, _ = element(x)
+    leaves = tree_leaves((r.args, r.kwargs))
+    arg = next((i for i, a in enumerate(leaves) if a is x), 0)
+    name = getattr(r.func, "__name__", None) or r.fn or "this call"
+    return Finding(
+        phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
+        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
+        dtype=dtype_name(t), cause="input", op=None, source=r.src, chain=(), reproducible=None,
+        hint=f"{name} was fed a non-finite value that nothing watched made in this step: its tensor argument "
+             f"{arg} (shape {tuple(x.shape)}) holds {bad} at index {where}. It came from outside the watched model: "
+             "the data (a NaN in the batch or its targets), an unwatched module's weights (an EMA or teacher "
+             "model updated after step()), or a tensor kept from an earlier step. Check the data, or watch that "
+             "module too, to see where it was born.",
+    )
 
 
 def backward_finding(log: StepLog, step: int) -> Finding | None:

@@ -963,6 +963,8 @@ class Hunt:
                 if ((not self._opts or (not module.training and not torch.is_grad_enabled()))
                         and c.index < len(log.calls) and log.calls[c.index] is c):
                     self._probe_root_outputs(log, c, output)
+                elif not torch.is_grad_enabled():  # a no_grad pass in training (pseudo-labels): unprobed, made
+                    log.root_outs.extend(weakref.ref(t) for _, t in tensors(output))  # here all the same
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
                     c.out_keys = out_keys = []

@@ -343,6 +343,7 @@ class Outside(TorchFunctionMode):
                 h = m._hunt()
                 if h is not None:
                     h._log.seeds.append((args, kwargs, src))
+                    h._log.seeds_at.append(len(h._log.outside))
             return func(*args, **kwargs)
         if func in _PASS:
             return func(*args, **kwargs)
