@@ -91,7 +91,7 @@ def _where(f: Finding) -> str:
 
 
 def element_text(f: Finding) -> str:
-    idx = "" if f.index is None else "[" + ", ".join(map(str, f.index)) + "]"
+    idx = "" if not f.index else "[" + ", ".join(map(str, f.index)) + "]"  # () : a 0-dim tensor
     val = "" if f.value is None else f" = {fmt(f.value)}"
     return f"{f.tensor}{idx}{val}"
 

@@ -694,3 +694,30 @@ def test_a_nan_the_model_made_in_a_no_grad_training_pass_is_not_reported_as_fed(
     f = err.value.finding
     assert f.module != "<outside>" and f.module.startswith("1"), f
     assert f.phase == "forward" and f.cause == "created", f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_warnings_raised_by_loss_code_point_at_the_users_line(mode: str) -> None:
+    """Torch's warnings from code outside the model (a Python ``warn(stacklevel=2)`` in
+    ``mse_loss``, a C++ ``TORCH_WARN`` in ``std``) point at the user's line, as without nanhunt:
+    they pointed at nanhunt's recorder (``outside.py``), which looked like nanhunt's fault."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def compute_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y)  # @warn-python
+
+    with warnings.catch_warnings(record=True) as got, nanhunt.watch(m, opt, mode=mode, on_find="record") as hunt:
+        warnings.simplefilter("always")
+        loss = compute_loss(m(torch.randn(8, 4)), torch.randn(8))
+        spread = torch.randn(1).std()  # @warn-cpp
+        loss.backward()
+        opt.step()
+    assert spread.isnan()
+    assert hunt.first is not None and hunt.first.index == () and hunt.first.op == "aten.std.correction"
+    assert "output = nan" in str(hunt.report) and "output[]" not in str(hunt.report)  # a 0-dim tensor
+    where = {("target size" in str(w.message), "degrees of freedom" in str(w.message)): f"{w.filename}:{w.lineno}"
+             for w in got}
+    assert same_source(where.get((True, False)), line("warn-python")), where
+    assert same_source(where.get((False, True)), line("warn-cpp")), where

@@ -98,7 +98,7 @@ def test_text_has_details_warnings_and_all_findings():
          "First +Inf: backward of `layers.3.attn` (Attention) at step 41 — grad_input[0][0, 5, 2] = inf, born here "
          "in SqrtBackward0 at m.py:3."),
         (dict(phase="check", module="loss", value=float("-inf"), cause="input", op=None, call=2, index=()),
-         "First -Inf: checked tensor `loss` at step 41 (call 2) — output[] = -inf, fed in by a non-finite input."),
+         "First -Inf: checked tensor `loss` at step 41 (call 2) — output = -inf, fed in by a non-finite input."),
         (dict(phase="optimizer", module="", module_type="Net", tensor="state['exp_avg_sq']", index=None, value=None,
               counts={"nan": 0, "+inf": 3, "-inf": 0}, cause="parameter", op=None, rank=1),
          "First +Inf: optimizer step, in `<model>` (Net) at step 41 — state['exp_avg_sq'], from a non-finite "

@@ -25,6 +25,7 @@ import contextlib
 import os
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterator
 from threading import get_ident
@@ -87,13 +88,46 @@ def _own_code(filename: str) -> bool:
 
 def user_line(depth: int = 2) -> tuple[str | None, str]:
     """``file:line`` and function name of the first frame outside torch, nanhunt and the stdlib."""
+    f = _user_frame(depth + 1)
+    if f is None:
+        return None, ""
+    code = f.f_code
+    return f"{code.co_filename}:{f.f_lineno}", getattr(code, "co_qualname", code.co_name)
+
+
+def _plain_call(func: Any, args: Any, kwargs: Any) -> Any:
+    return func(*args, **kwargs)
+
+
+def _user_frame(depth: int) -> Any:
     f: Any = sys._getframe(depth)
     while f is not None:
-        code = f.f_code
-        if not is_lib(code.co_filename):
-            return f"{code.co_filename}:{f.f_lineno}", getattr(code, "co_qualname", code.co_name)
+        if not is_lib(f.f_code.co_filename):
+            return f
         f = f.f_back
-    return None, ""
+    return None
+
+
+_CALL = compile("def call(f, a, k): return f(*a, **k)", "<nanhunt>", "exec").co_consts[0]
+_calls: dict[tuple[str, int, str], Any] = {}
+
+
+def _from_user_line(frame: Any) -> Any:
+    """A ``call(func, args, kwargs)`` whose frame says the user's file, line and function: a
+    warning the call raises (torch's C++ warnings take the innermost Python frame; a Python
+    ``warn(stacklevel=2)`` its caller's) points at the user's line, filtered and registered in
+    the user's module, not at this recorder."""
+    code = frame.f_code
+    name = code.co_name if code.co_name.isidentifier() else "call"
+    key = (code.co_filename, frame.f_lineno or 1, name)
+    fn = _calls.get(key)
+    if fn is None:
+        if len(_calls) >= 4096:
+            _calls.clear()
+        c = _CALL.replace(co_filename=key[0], co_firstlineno=key[1], co_name=name,
+                          **({"co_qualname": getattr(code, "co_qualname", name)} if hasattr(code, "co_qualname") else {}))
+        fn = _calls[key] = types.FunctionType(c, frame.f_globals, name)
+    return fn
 
 
 class _Apply:
@@ -320,6 +354,7 @@ class Outside(TorchFunctionMode):
         _SWITCH.leave(self)
 
     def close(self) -> None:
+        _calls.clear()  # they hold the user's module globals (and through them, often the model)
         _SWITCH.sweep()
         if self in _SWITCH.active:
             _SWITCH.active.remove(self)
@@ -337,6 +372,8 @@ class Outside(TorchFunctionMode):
         recs = [m for m in _SWITCH.active if not m.quiet and not m.busy()]
         if not recs:
             return func(*args, **kwargs)
+        frame = _user_frame(1)
+        call = _from_user_line(frame) if frame is not None else _plain_call
         if func in _BACKWARD:
             src, _ = user_line()
             for m in recs:
@@ -344,11 +381,11 @@ class Outside(TorchFunctionMode):
                 if h is not None:
                     h._log.seeds.append((args, kwargs, src))
                     h._log.seeds_at.append(len(h._log.outside))
-            return func(*args, **kwargs)
+            return call(func, args, kwargs)
         if func in _PASS:
-            return func(*args, **kwargs)
+            return call(func, args, kwargs)
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
-        out = func(*args, **kwargs)
+        out = call(func, args, kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__" or name == "__set__":
             return out
@@ -360,7 +397,11 @@ class Outside(TorchFunctionMode):
             outs = (args[0],)  # x[i] = v writes a new value into x
         else:
             return out
-        src, fn = user_line()
+        if frame is None:
+            src, fn = None, ""
+        else:
+            code = frame.f_code
+            src, fn = f"{code.co_filename}:{frame.f_lineno}", getattr(code, "co_qualname", code.co_name)
         for m in recs:
             m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn)
         return out
