@@ -268,8 +268,7 @@ class StepLog:
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet
         self.outside: list[OutRec] = []  # torch calls outside every watched call (see _record.outside)
         self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
-        self.seeds_at: list[int] = []  # len(outside) when each of those backward() calls ran
-        self.root_outs: list[Any] = []  # sentinel: weakrefs to the root's unprobed outputs (what loss code is fed)
+        self.grads_out: list[Any] = []  # weakrefs to what torch.autograd.grad returned there (gradients)
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -409,8 +408,7 @@ class StepLog:
         self.pending.clear()
         self.outside.clear()
         self.seeds.clear()
-        self.seeds_at.clear()
-        self.root_outs.clear()
+        self.grads_out.clear()
 
 
 

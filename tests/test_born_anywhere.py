@@ -666,6 +666,63 @@ def test_loss_code_fed_a_nan_nothing_watched_made_is_reported_as_fed(mode: str, 
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_a_nan_target_taken_apart_by_indexing_is_fed_also_in_a_later_micro_batch(mode: str, micro: int) -> None:
+    """The batch's targets are indexed per micro-batch (``Y[k]``: a view the loss code made from
+    the data) and the NaN sits in the last micro-batch, after the step's earlier backward()
+    calls. Still fed from the data: cause 'input' at the loss line (it was 'created', at the
+    loss or at MseLossBackward0)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(micro, 16, 8, generator=g), torch.randn(micro, 16, 1, generator=g)) for _ in range(3)]
+    data[1][1][micro - 1, 5, 0] = float("nan")
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for xs, ys in data:
+            for k in range(micro):
+                loss = F.mse_loss(m(xs[k]), ys[k]) / micro  # @fed-indexed
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.call) == ("forward", "<outside>", 1, "input", micro - 1), f
+    assert same_source(f.source, line("fed-indexed")) and "holds nan at index (5, 0)" in f.hint, f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_models_own_minus_inf_turned_into_nan_by_loss_code_is_the_models(mode: str) -> None:
+    """A model returns log(1 - sigmoid(z)), -inf where the sigmoid saturates; the loss code's
+    ``(1 - y) * lq`` turns 0 * -inf into NaN. The -inf was born in the model (its log line), not
+    in the loss code: sentinel mode, which does not probe the model's output in training,
+    reported the loss line 'created' (a -inf alone passed for an intended mask)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            z = self.body(x)
+            return torch.log(torch.sigmoid(z)), torch.log(1 - torch.sigmoid(z))  # @model-log
+
+    torch.manual_seed(0)
+    m = Net()
+    with torch.no_grad():
+        m.body[2].bias.fill_(20.0)  # sigmoid(z) rounds to 1 in float32
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x, y = torch.randn(6, 4), torch.ones(6, 1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        lp, lq = m(x)
+        loss = -(y * lp + (1 - y) * lq).mean()
+        loss.backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.cause, f.op) == ("forward", "", "output[1]", "created", "aten.log.default"), f
+    assert same_source(f.source, line("model-log")), f.source
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_nan_the_model_made_in_a_no_grad_training_pass_is_not_reported_as_fed(mode: str) -> None:
     """FixMatch-style pseudo-labels: the watched model runs under no_grad in training mode and its
     output (NaN from a log of 0 in its own code) feeds the loss code. That NaN was made by the
@@ -721,3 +778,26 @@ def test_warnings_raised_by_loss_code_point_at_the_users_line(mode: str) -> None
              for w in got}
     assert same_source(where.get((True, False)), line("warn-python")), where
     assert same_source(where.get((False, True)), line("warn-cpp")), where
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_fed_to_a_no_grad_training_pass_is_found_at_the_model_not_in_batchnorm(mode: str) -> None:
+    """Pseudo-labels from a no_grad pass in training mode on an unlabelled batch holding a NaN:
+    the model was fed it (its first module, cause 'input'). Sentinel mode did not judge that
+    pass, released its inputs, and then blamed the BatchNorm's running_mean the NaN reached."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            x, xu = torch.randn(6, 4), torch.randn(6, 4)
+            if step == 1:
+                xu[3, 2] = float("nan")
+            with torch.no_grad():
+                pseudo = m(xu).argmax(1)
+            loss = F.cross_entropy(m(x), pseudo)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.index) == ("forward", "0", 1, "input", (3, 0)), f

@@ -145,10 +145,11 @@ def analyze(view: StepView) -> list[Finding]:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
         elif kind == "out":  # the first outside value born there (not fed a non-finite input)
+            grads = _grad_ids(view)
             for j in range(i, len(sbad)):
                 e = log.meta[j]
                 if sbad[j] and isinstance(e, Out) and j not in checked:
-                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out)
+                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out, grads)
                     if f is not None:
                         break
         elif kind == "chk":
@@ -632,6 +633,13 @@ def _grad_input_name(path: Path) -> str:
 
 
 # ---------------------------------------------------------------- sentinel
+def _grad_ids(view: StepView) -> frozenset[int]:
+    """Ids of the ``.grad`` of the watched model's and optimizers' parameters."""
+    params = list(view.root.parameters()) if view.root is not None else []
+    params += [p for o in view.optimizers for g in o.param_groups for p in g["params"]]
+    return frozenset(id(p.grad) for p in params if p.grad is not None)
+
+
 def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):

@@ -266,8 +266,9 @@ def _outs(r: OutRec) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding | None:
-    """Output ``out_i`` of the recorded outside call ``rec_i`` was the first non-finite value."""
+def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: frozenset[int] = frozenset()) -> Finding | None:
+    """Output ``out_i`` of the recorded outside call ``rec_i`` was the first non-finite value.
+    ``grads``: ids of the watched parameters' ``.grad`` tensors (never fed from outside)."""
     r = log.outside[rec_i]
     outs = _outs(r)
     if out_i >= len(outs) or not is_bad(outs[out_i]):
@@ -287,7 +288,9 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int) -> Finding 
             nan = bool(torch.isnan(t).any())
             if not (nan or t.numel() < max(x.numel() for x in bad_in)):
                 return None
-        elif all(_foreign(log, x, rec_i) for x in fed):
+            if any(_model_made(log, x) for x in bad_in):
+                return None  # the model's own -inf (log of 0 in it, unprobed in sentinel): its replay says where
+        elif all(_foreign(log, x, grads) for x in fed):
             return _fed_finding(log, step, rec_i, out_i, t, fed[0])  # non-finite from nothing this step made
         else:
             return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
@@ -310,19 +313,35 @@ def _feeds(x: torch.Tensor) -> bool:
     return bool(torch.isnan(x).any()) or bool((x == float("inf")).any())
 
 
-def _foreign(log: StepLog, x: torch.Tensor, rec_i: int) -> bool:
-    """``x`` was made by nothing this step recorded, before any backward() of the step: the data,
-    an unwatched module's weights, a tensor kept from an earlier step (not an earlier op of this
-    code, a watched or ignored module's output, anything autograd tracks, or a gradient)."""
-    if x.grad_fn is not None or (log.seeds_at and rec_i >= log.seeds_at[0]):
+def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 0) -> bool:
+    """``x`` came from nothing this step made: the data, an unwatched module's weights, a tensor
+    kept from an earlier step; also through code here that only took it apart (``Y[k]``, a
+    ``.view``). Not an output of a watched or ignored module, not anything autograd tracks (the
+    model's own outputs in sentinel mode, unprobed), not a gradient (``grads``: ids of ``.grad``
+    tensors; what ``torch.autograd.grad`` returned)."""
+    if x.grad_fn is not None or id(x) in grads or any(r() is x for r in log.grads_out):
         return False
-    if producer(log.outside, x) is not None:
-        return False
+    got = producer(log.outside, x)
+    if got is not None:  # made by this code from what it was fed: foreign if all of that was
+        if depth >= 8:
+            return False
+        r = log.outside[got[0]]
+        ins = [a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
+        return bool(ins) and all(_feeds(a) and _foreign(log, a, grads, depth + 1) for a in ins)
     key = (id(x), -1 if x.is_inference() else x._version)
     ref = log.probed.get(key)
     if key in log.ignored or (ref is not None and ref() is x):
         return False
-    return not any(r() is x for r in log.root_outs)
+    return not any(r() is x for c in log.calls for r, _ in c.outs)
+
+
+def _model_made(log: StepLog, x: torch.Tensor) -> bool:
+    """``x`` is an output of the watched model that no probe judged (sentinel mode: the root's
+    outputs in training reach the loss code unprobed), not something this code or an ignored
+    module made."""
+    if x.grad_fn is None or producer(log.outside, x) is not None:
+        return False
+    return (id(x), -1 if x.is_inference() else x._version) not in log.ignored
 
 
 def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tensor, x: torch.Tensor) -> Finding:

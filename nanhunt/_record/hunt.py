@@ -958,13 +958,12 @@ class Hunt:
             if self._stack and self._stack[-1].module is module and _get_ident() == self._owner:
                 c = self._stack.pop()
                 log = self._log
-                # no optimizer (inference), or an evaluation call (no_grad, eval mode: a validation
-                # batch never reaches a gradient): the outputs are what there is to judge
-                if ((not self._opts or (not module.training and not torch.is_grad_enabled()))
+                # no optimizer (inference), or a call without gradients (a validation batch, a
+                # pseudo-label pass in training: what it returns never reaches a gradient): the
+                # outputs are what there is to judge
+                if ((not self._opts or not torch.is_grad_enabled())
                         and c.index < len(log.calls) and log.calls[c.index] is c):
                     self._probe_root_outputs(log, c, output)
-                elif not torch.is_grad_enabled():  # a no_grad pass in training (pseudo-labels): unprobed, made
-                    log.root_outs.extend(weakref.ref(t) for _, t in tensors(output))  # here all the same
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
                     c.out_keys = out_keys = []
@@ -982,8 +981,9 @@ class Hunt:
             self._fault(exc, "the forward hook")
 
     def _probe_root_outputs(self, log: StepLog, c: Call, output: Any) -> None:
-        """Sentinel mode with no optimizer (inference, evaluation): no gradients or optimizer state
-        to judge, so the root's outputs are (one probe each), and a hit is localised by replay."""
+        """Sentinel mode with no optimizer (inference), or a root call without gradients (a
+        validation batch, a pseudo-label pass): no gradient will judge what it returned, so the
+        root's outputs are probed (one probe each), and a hit is localised by replay."""
         paths: list[Path] = []
         outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         c.paths, c.outs = paths, outs

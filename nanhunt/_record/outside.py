@@ -380,10 +380,15 @@ class Outside(TorchFunctionMode):
                 h = m._hunt()
                 if h is not None:
                     h._log.seeds.append((args, kwargs, src))
-                    h._log.seeds_at.append(len(h._log.outside))
             return call(func, args, kwargs)
-        if func in _PASS:
-            return call(func, args, kwargs)
+        if func in _PASS:  # torch.autograd.grad: its results are gradients, never fed from outside
+            out = call(func, args, kwargs)
+            refs = [weakref.ref(t) for t in out if isinstance(t, torch.Tensor)]
+            for m in recs:
+                h = m._hunt()
+                if h is not None:
+                    h._log.grads_out.extend(refs)
+            return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         out = call(func, args, kwargs)
         name = getattr(func, "__name__", "")
