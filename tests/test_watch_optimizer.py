@@ -408,3 +408,31 @@ def test_an_update_judged_at_its_step_is_not_found_again_at_the_next_hit(on_find
             opt.step()
     found = [(f.phase, f.step) for f in hunt.findings]
     assert found.count(("optimizer", 0)) == 1 and ("forward", 1) in found, found
+
+
+def test_a_warm_up_schedule_that_divides_by_zero_is_named_in_the_hint() -> None:
+    """A LambdaLR warm-up of 0 steps (``(s + 1) / warmup`` with numpy floats: inf, no error) sets
+    lr to inf for step 0; the update makes every weight non-finite. The hint names the setting
+    (it spoke of an exploding learning rate in general)."""
+    np = pytest.importorskip("numpy")
+
+    torch.manual_seed(0)
+    model = _classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    warmup = np.int64(0)
+
+    def factor(s: int) -> float:
+        with np.errstate(divide="ignore"):  # numpy warns where Python would raise
+            return float(np.float64(s + 1) / warmup) if s <= warmup else 1.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    assert opt.param_groups[0]["lr"] == float("inf")
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt):
+        for x, y in _data():
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 0, "created"), f
+    assert "param_groups[0]['lr'] = inf" in f.hint, f.hint

@@ -777,6 +777,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
         op = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else None
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
+        setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""
         src = ctx.view.step_lines.get(entry.opt)
         return Finding(
             phase="optimizer", module=mname,
@@ -785,6 +786,6 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
             cause="parameter" if at_start else ("input" if fed else "created"), op=op,
             source=src if op else None, chain=(f"{op} @ {src}" if src else op,) if op else (),
-            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start),
+            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting),
         )
     return None

@@ -274,10 +274,15 @@ def written_hint(what: str) -> str:
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
 
 
-def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False) -> str:
+def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False,
+                   setting: str = "") -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"
     if at_start:
         return at_start_hint(what)
+    if setting:
+        return (f"After the optimizer step, {what} is non-finite: the optimizer was set to {setting} (a "
+                "learning-rate schedule or warm-up that divided by 0, a setting read from a config as inf). "
+                "Check what sets it (scheduler.get_last_lr(), the lambda of a LambdaLR).")
     if eps_zero and not fed:
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps={eps_zero} rounds to 0 in "
                 "float16, so where exp_avg_sq is 0 the update divides by 0. Keep float32 master weights "

@@ -10,6 +10,7 @@ are shadowed (a custom optimizer's step may have side effects); others give ``No
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -71,4 +72,21 @@ def eps_rounds_to_zero(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
                 return repr(eps)
     except Exception:
         pass
+    return ""
+
+
+def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
+    """``param_groups[g]['lr'] = inf`` for the first non-finite number among the settings of
+    ``p``'s parameter group (a warm-up schedule that divided by 0), else ""."""
+    for gi, group in enumerate(opt.param_groups):
+        if not any(q is p for q in group["params"]):
+            continue
+        for key, v in group.items():
+            vals = v if isinstance(v, (tuple, list)) and key != "params" else (v,)
+            for x in vals:
+                if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
+                    x = float(x)
+                if isinstance(x, float) and not math.isfinite(x):
+                    return f"param_groups[{gi}][{key!r}] = {x}"
+        return ""
     return ""
