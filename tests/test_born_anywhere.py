@@ -801,3 +801,31 @@ def test_a_nan_fed_to_a_no_grad_training_pass_is_found_at_the_model_not_in_batch
             opt.zero_grad()
     f = err.value.finding
     assert (f.phase, f.module, f.step, f.cause, f.index) == ("forward", "0", 1, "input", (3, 0)), f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_penalty_whose_norm_is_zero_is_found_at_its_sqrt(mode: str) -> None:
+    """WGAN-GP with a hand-written norm: an interpolate where every ReLU of the critic is dead has
+    a zero input gradient, and sqrt(sum(g**2)) at 0 has an infinite derivative; its double
+    backward poisons the critic's gradients. torch.autograd.grad fills no .grad, so the critic's
+    next call looked like a new iteration: the step was cut there, the penalty's code was lost,
+    and only the critic's weight.grad was reported."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        critic[0].bias.fill_(-0.5)
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.5, 0.9))
+    g = torch.Generator().manual_seed(14)
+    real, fake = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    real[2], fake[2] = 0.0, 0.0  # a pair at the origin: every ReLU dead for that interpolate
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(critic, opt, mode=mode):
+        eps = torch.rand(6, 1, generator=g)
+        x = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        grad, = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        norm = torch.sqrt((grad ** 2).sum(1))  # @gp-sqrt
+        loss = critic(fake).mean() - critic(real).mean() + 10 * ((norm - 1) ** 2).mean()
+        loss.backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "SqrtBackward0", "created"), f
+    assert same_source(f.source, line("gp-sqrt")) and "sqrt at 0" in f.hint, f

@@ -564,6 +564,8 @@ class Hunt:
         if not log.backward:  # the last call's own mode: the loop has usually called model.train() again by now
             last = log.tops[-1]
             return not last.grad_enabled and not last.training
+        if log.grads_out and not log.seeds:
+            return False  # only torch.autograd.grad ran (a gradient penalty): it fills no .grad
         return self._grads_dropped()
 
     def _grads_dropped(self) -> bool:
