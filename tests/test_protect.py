@@ -459,3 +459,67 @@ def test_skip_with_a_gradscaler_numbers_and_counts_the_skipped_steps(passed: boo
     # with the scaler given to watch() the 4th skip raises from its own step(); without it, at the
     # model's next forward (nanhunt sees the skipped iteration only when the next one begins)
     assert stepped == ([0, 1, 2, 3, 4] if passed else [0, 1, 2, 3, 4, 5])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_with_a_gradscaler_and_two_optimizers_runs_on_as_if_the_batch_was_never_seen(mode: str) -> None:
+    """Two optimizers stepped through one GradScaler: skip mode drops the round's gradients at the
+    first ``scaler.step``; the second one found no gradients and the scaler failed ("No inf checks
+    were recorded for this optimizer"). The run goes on, bit-identical to one that never saw the
+    bad batches, and the skipped steps are numbered as the loop's."""
+    batches = _batches(7, {2, 5}, (6,), 3)
+
+    def run(watched: bool) -> tuple[Any, nn.Module, list[torch.optim.Optimizer]]:
+        model = zoo.bnmlp()
+        params = list(model.parameters())
+        opts = [torch.optim.AdamW(params[:2], lr=1e-2), torch.optim.AdamW(params[2:], lr=1e-2)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        hunt = nanhunt.watch(model, opts, on_find="skip", scaler=scaler, mode=mode) if watched else None
+        for i, (x, y) in enumerate(batches):
+            if not watched and i in (2, 5):
+                continue
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            for o in opts:
+                scaler.step(o)
+            scaler.update()
+            for o in opts:
+                o.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return hunt, model, opts
+
+    hunt, model, opts = run(True)
+    _, ref, ref_opts = run(False)
+    assert hunt.skipped == [2, 5]
+    assert sorted({f.step for f in hunt.findings}) == [2, 5]
+    for o, ro in zip(opts, ref_opts):
+        _same(model, o, ref, ro)
+
+
+@pytest.mark.parametrize("on_find", ["raise", "skip"])
+def test_a_validation_pass_under_inference_mode_that_begins_a_step_harms_nothing(on_find: str) -> None:
+    """A loop that validates first (``model.eval()`` and ``torch.inference_mode()``, as Lightning's
+    sanity check does) and then trains: the buffer copies taken at that step's start were
+    inference tensors, the next step's in-place refresh failed and the hunt switched itself off
+    (in skip mode the bad batch then reached the weights). Now the bad batch is found and, in
+    skip mode, dropped."""
+    batches = _batches(4, {2}, (6,), 3)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    found = None
+    with nanhunt.watch(model, opt, on_find=on_find) as hunt:
+        model.eval()
+        with torch.inference_mode():
+            model(batches[0][0])
+        model.train()
+        try:
+            for x, y in batches:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        except nanhunt.NonFiniteError as e:
+            found = e.finding
+    f = found if on_find == "raise" else hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "fc1", 2, "input"), f
+    assert hunt.skipped == ([2] if on_find == "skip" else [])
+    assert all(torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point())

@@ -1127,6 +1127,15 @@ class Hunt:
                 h._outside.off()
             if h is not None and getattr(scaler, "_scale", None) is not None:
                 h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
+            if h is not None and not h._closed and h.skipped and h.skipped[-1] == h.step and all(
+                    p.grad is None for g in optimizer.param_groups for p in g["params"]):
+                # on_find="skip" dropped this round's gradients at another optimizer's step: there is
+                # nothing to apply, and the scaler would fail on an optimizer without gradients ("No
+                # inf checks were recorded for this optimizer"); the round still counts
+                i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
+                if i is not None:
+                    h._count_step(i)
+                return None
             out = orig(optimizer, *args, **kwargs)
             if h is not None and not h._closed and h._steps_applied == before:
                 # the scaler skipped the step: its scaled gradients overflowed, as expected. The

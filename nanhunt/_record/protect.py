@@ -43,12 +43,14 @@ class BufferBackup:
             return
         now = [d.get(k) for d, k, _ in self._slots]
         src, copies = self._src, self._copy
-        if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
-            with torch.no_grad():
+        # never inference tensors, whichever mode the step's first call runs in (a validation pass
+        # under torch.inference_mode begins a step too): later steps copy into them in place
+        with torch.inference_mode(False), torch.no_grad():
+            if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
                 torch._foreach_copy_(copies, now)  # type: ignore[arg-type]
-        else:  # first step, or a buffer was replaced: fresh copies
-            self._src = now
-            self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
+            else:  # first step, or a buffer was replaced: fresh copies
+                self._src = now
+                self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
         self._captured = True
 
     def taken(self) -> dict[int, torch.Tensor]:
