@@ -26,10 +26,10 @@ import secrets
 import stat
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["atomic_write", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
+__all__ = ["atomic_write", "glob_patterns", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
            "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH"]
 
 MAX_REPORT_BYTES = 256 * 2**20  # a report read back is at most this big (nanhunt's own are well under 1 MiB)
@@ -303,6 +303,18 @@ def _ok(v: Any, tp: Any) -> bool:
             return False
         return not args or all(_ok(k, args[0]) and _ok(x, args[1]) for k, x in v.items())
     return isinstance(v, tp) if isinstance(tp, type) else True
+
+
+def glob_patterns(value: Any, of: str) -> tuple[str, ...]:
+    """An ``ignore=`` argument: one glob (str) or an iterable of them, as a tuple; anything else is a
+    `TypeError` naming ``ignore`` and what was passed (never a bare ``'int' object is not iterable``)."""
+    if isinstance(value, (bytes, bytearray)) or not isinstance(value, (str, Iterable)):
+        raise TypeError(f"ignore must be a glob pattern (str) or an iterable of them; got {value!r}")
+    patterns = (value,) if isinstance(value, str) else tuple(value)
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"ignore must be glob patterns (str) of {of}; got {p!r}")
+    return patterns
 
 
 def check_type(v: Any, tp: Any, where: str) -> Any:

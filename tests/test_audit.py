@@ -162,3 +162,23 @@ def test_audit_of_a_folder_a_device_or_a_fifo_names_what_it_is(tmp_path: Any, ca
         assert line == f"nanhunt: {f} {what}{' (named pipe)' if f is fifo else ''}, not a checkpoint file", line
     assert main(["audit", str(tmp_path / "missing.pt")]) == 2
     assert "no such checkpoint" in _one_line(capsys.readouterr().err)
+
+
+def test_a_tensor_nested_however_deep_is_judged_file_object_and_cli(tmp_path: Any, capsys: Any) -> None:
+    """A checkpoint nested 300 levels deep (a trainer's state chain, a list of per-epoch dicts) with
+    an inf at the bottom was reported clean: the walk stopped silently at depth 64."""
+    obj: Any = {"w": torch.tensor([1.0, float("inf")])}
+    for i in range(300):
+        obj = {"k": obj} if i % 2 else [obj]
+    path = tmp_path / "deep.pt"
+    torch.save(obj, path)
+    for found in (nanhunt.audit(path), nanhunt.audit(obj)):
+        assert len(found) == 1 and found[0].tensor.endswith("['w']") and found[0].index == (1,)
+    assert main(["audit", str(path)]) == 3
+    assert "+inf" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [[3], None, 5, b"*.weight"])
+def test_audit_names_a_bad_ignore_argument(bad: Any) -> None:
+    with pytest.raises(TypeError, match="^ignore must be"):
+        nanhunt.audit({"w": torch.ones(1)}, ignore=bad)

@@ -318,3 +318,19 @@ def test_a_whole_module_saved_while_watched_carries_no_nanhunt_hook(mode: str) -
         assert len(loaded._forward_hooks) == 1 and not loaded._forward_pre_hooks
         model(x)  # the hunt still sees the root's calls
     assert _SEEN == [1, 1] and hunt.findings == []
+
+
+def test_a_poisoned_state_nested_deep_in_the_saved_object_is_refused(tmp_path: Any) -> None:
+    """The save guard walks as deep as the object goes (it stopped at 64 levels and wrote the file)."""
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "ckpt.pt"
+    with nanhunt.watch(model, opt, on_find="record"):
+        _blow_up(model, opt)
+        obj: Any = {"model": model.state_dict()}
+        for _ in range(100):
+            obj = {"run": obj}
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save(obj, path)
+    assert ei.value.finding.tensor == "['run']" * 100 + "['model']['fc1.weight']"
+    assert not path.exists()

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .._files import check_readable
+from .._files import check_readable, glob_patterns
 from .checkpoint import Keys, all_bad, finding, key_path, refused_global, unreadable, walk
 
 __all__ = ["audit", "AuditRefused"]
@@ -36,7 +36,7 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
     Not judged: a Lightning checkpoint's ``callbacks`` and ``loops`` state, and key paths (as in
     ``['state_dict']['mask']``) or last keys (``mask``) matching an ``ignore`` glob.
     """
-    patterns = (ignore,) if isinstance(ignore, str) else tuple(ignore)
+    patterns = glob_patterns(ignore, "key paths or keys")
     if isinstance(path_or_object, (str, os.PathLike)):
         name = os.fspath(path_or_object)
         obj = _load(name)

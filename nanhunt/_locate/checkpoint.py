@@ -25,9 +25,6 @@ Keys = tuple[Any, ...]
 # (key path, tensor, inside the "state" of something shaped like an optimizer's state_dict)
 Entry = tuple[Keys, torch.Tensor, bool]
 
-_MAX_DEPTH = 64
-
-
 class Attr(str):
     """A key that is an attribute name (an object's field): ``.model`` in a key path."""
 
@@ -61,36 +58,41 @@ def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
 
 def walk(obj: Any) -> Iterator[Entry]:
     """Every tensor of ``obj`` (dicts, lists, tuples, an object's fields; a module or optimizer as
-    its state_dict), in a stable order; each container is visited once (no cycles)."""
-    seen: set[int] = set()
-
-    def go(o: Any, keys: Keys, optim: bool, depth: int) -> Iterator[Entry]:
+    its state_dict), in a stable order (depth first, as the object is laid out); each container is
+    visited once (no cycles), however deep the nesting (an explicit stack: no recursion limit, no
+    depth past which a tensor would go unseen)."""
+    held: dict[int, Any] = {}  # containers visited; kept alive so that no id is reused meanwhile
+    stack: list[Iterator[tuple[Keys, Any, bool]]] = [iter((((), obj, False),))]
+    while stack:
+        item = next(stack[-1], None)
+        if item is None:
+            stack.pop()
+            continue
+        keys, o, optim = item
         if isinstance(o, torch.Tensor):
             yield keys, o, optim
-            return
-        if depth >= _MAX_DEPTH or o is None or isinstance(o, (str, bytes, int, float, bool)):
-            return
+            continue
+        if o is None or isinstance(o, (str, bytes, int, float, bool)):
+            continue
         if isinstance(o, (nn.Module, torch.optim.Optimizer)):
             o = o.state_dict()
-        if id(o) in seen:
-            return
-        if isinstance(o, Mapping):
-            seen.add(id(o))
-            opt_sd = _is_optimizer_state(o)
-            for k, v in o.items():
-                yield from go(v, (*keys, k), optim or (opt_sd and k == "state"), depth + 1)
-        elif isinstance(o, (list, tuple)):
-            seen.add(id(o))
-            for i, v in enumerate(o):
-                yield from go(v, (*keys, i), optim, depth + 1)
-        else:
-            fields = _fields(o)
-            if fields:
-                seen.add(id(o))
-                for k, v in fields:
-                    yield from go(v, (*keys, Attr(k)), optim, depth + 1)
+        if id(o) in held:
+            continue
+        children = _children(o, keys, optim)
+        if children is not None:
+            held[id(o)] = o
+            stack.append(iter(children))
 
-    yield from go(obj, (), False, 0)
+
+def _children(o: Any, keys: Keys, optim: bool) -> list[tuple[Keys, Any, bool]] | None:
+    """What :func:`walk` visits inside ``o``, in order; None when ``o`` holds nothing to walk."""
+    if isinstance(o, Mapping):
+        state = _is_optimizer_state(o)
+        return [((*keys, k), v, optim or (state and k == "state")) for k, v in o.items()]
+    if isinstance(o, (list, tuple)):
+        return [((*keys, i), v, optim) for i, v in enumerate(o)]
+    fields = _fields(o)
+    return [((*keys, Attr(k)), v, optim) for k, v in fields] if fields else None
 
 
 def _judgeable(t: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .._files import check_writable
+from .._files import check_writable, glob_patterns
 from .._finding import Finding
 
 __all__ = ["Options", "ON_FIND", "MODES", "MAX_DIST_TIMEOUT"]
@@ -75,12 +75,7 @@ class Options:
             )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-        if isinstance(ignore, (bytes, bytearray)) or not (isinstance(ignore, str) or isinstance(ignore, Iterable)):
-            raise TypeError(f"ignore must be a glob pattern (str) or an iterable of them; got {ignore!r}")
-        patterns = (ignore,) if isinstance(ignore, str) else tuple(ignore)
-        for p in patterns:
-            if not isinstance(p, str):
-                raise TypeError(f"ignore must be glob patterns (str) of module names; got {p!r}")
+        patterns = glob_patterns(ignore, "module names")
         _int("history", history, 0, "steps kept", high=_MAX_HISTORY)
         for name, v in (("replay", replay), ("grad_hooks", grad_hooks), ("guard_saves", guard_saves),
                         ("distributed", distributed)):
