@@ -42,16 +42,42 @@ class GlobalHooks:
 class ReplayHooks(GlobalHooks):
     """`GlobalHooks` for a replay after a hit: calls made inside torch.func transforms (vmap,
     grad) are not seen, as the hunt's recorder does not see them (their tensors are wrapped and
-    die with the transform), so the replay counts the same calls as the record."""
+    die with the transform), so the replay counts the same calls as the record. A module with
+    forward hooks of its own is seen after them, as the hunt sees it (a user's hook may replace
+    the output: what the program goes on with is what is judged): ``post`` runs from a hook of its
+    own put last on that module for the replay, removed with the others."""
 
     def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
-        def pre_hook(*args: Any) -> Any:
-            return None if _functorch_level() is not None else pre(*args)
+        late: dict[int, Any] = {}  # id(module) -> the handle of its per-module hook for this replay
+        self._late = late
 
-        def post_hook(*args: Any) -> Any:
-            return None if _functorch_level() is not None else post(*args)
+        def pre_hook(module: Any, args: Any) -> Any:
+            if _functorch_level() is not None:
+                return None
+            hooks = module._forward_hooks
+            if hooks:
+                h = late.get(id(module))
+                if h is None:
+                    late[id(module)] = module.register_forward_hook(late_hook, with_kwargs=True, always_call=True)
+                elif next(reversed(hooks)) != h.id:
+                    hooks.move_to_end(h.id)
+            return pre(module, args)
+
+        def post_hook(module: Any, *args: Any) -> Any:
+            if _functorch_level() is not None or id(module) in late:
+                return None
+            return post(module, *args)
+
+        def late_hook(module: Any, *args: Any) -> Any:
+            return None if _functorch_level() is not None else post(module, *args)
 
         super().__init__(pre_hook, post_hook)
+
+    def remove(self) -> None:
+        super().remove()
+        for h in self._late.values():
+            h.remove()
+        self._late.clear()
 
 
 # thread ident -> depth of the replays under way on that thread. Hot-path check, when nothing

@@ -121,6 +121,33 @@ def test_a_hook_the_user_adds_after_the_watch_still_runs_before_ours() -> None:
     assert [(f.module, f.step) for f in hunt.findings if f.phase == "forward"][:1] == [("0", 1)]
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_by_a_users_forward_hook_is_found_at_its_op_and_line(mode: str) -> None:
+    """A forward hook that normalises a ReLU's rows (``out / out.sum(-1)``): a row the ReLU zeroed
+    gives 0/0. The live hunt judges the output after the user's hooks, but the replay judged it
+    before them (its hook ran first) and called the NaN a transient fault with no op; and the
+    ReLU's hooked output was not probed at all (an activation cannot make a NaN: its hook can)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        model[0].bias.fill_(-5.0)  # most rows dead after the ReLU
+
+    def rows_to_one(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out / out.sum(-1, keepdim=True)
+
+    handle = model[1].register_forward_hook(rows_to_one)
+    try:
+        with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+            model(torch.randn(4, 4)).sum().backward()
+        f = hunt.first
+        assert f is not None
+        assert (f.phase, f.module, f.cause, f.op, f.verdict) == ("forward", "1", "created", "aten.div.Tensor", "numerics")
+        assert f.source is not None and f.source.endswith(f":{rows_to_one.__code__.co_firstlineno + 1}")
+        assert list(model[1]._forward_hooks) == [handle.id]  # the replay's own hook came off too
+    finally:
+        handle.remove()
+
+
 # ---------------------------------------------------------------------------- models that change
 class Growing(nn.Module):
     def __init__(self) -> None:

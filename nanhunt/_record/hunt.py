@@ -703,7 +703,7 @@ class Hunt:
             return  # the step ended inside this call (a sync from another thread)
         ci = c.index
         stats_on = self._stats_on
-        if c.depth and type(module) in _PASSTHROUGH:
+        if c.depth and type(module) in _PASSTHROUGH and not module._forward_hooks:  # (a user's hook may make new values)
             items: Any = ()
             if stats_on and isinstance(output, torch.Tensor) and is_checked(output):
                 _add_stats(log, c.name, output, (id(output), version(output)))  # sampled steps: the heatmap stays whole
