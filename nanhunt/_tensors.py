@@ -26,18 +26,36 @@ __all__ = [
 
 _F32 = torch.float32
 
-_MAX_DEPTH = 32
 Path = tuple[Any, ...]
+_LEAF = (str, bytes, int, float, bool)
+_DEEP = 32  # levels walked by recursion (the usual output); deeper ones by `_deep`
+
+
+def _children(obj: Any, path: Path) -> list[tuple[Any, Path]] | None:
+    """The items of a container an output may be made of, with their paths (the order and paths
+    of `tensors`); None for a leaf."""
+    if isinstance(obj, dict):
+        return [(v, (*path, k)) for k, v in obj.items()]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return [(getattr(obj, k), (*path, _Attr(k))) for k in obj._fields]
+    if isinstance(obj, (tuple, list)):
+        return [(v, (*path, i)) for i, v in enumerate(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(getattr(obj, f.name, None), (*path, _Attr(f.name))) for f in dataclasses.fields(obj)]
+    return None
 
 
 def tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every tensor in ``obj``, in a stable order."""
+    """Yield ``(path, tensor)`` for every tensor in ``obj``, in a stable order (depth first, items
+    in order), however deep it nests."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
         return
-    if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+    if obj is None or isinstance(obj, _LEAF):
         return
-    if isinstance(obj, dict):
+    if depth >= _DEEP:
+        yield from _deep(obj, path)
+    elif isinstance(obj, dict):
         for k, v in obj.items():
             yield from tensors(v, (*path, k), depth + 1)
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -49,6 +67,27 @@ def tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, t
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensors(getattr(obj, f.name, None), (*path, _Attr(f.name)), depth + 1)
+
+
+def _deep(obj: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:
+    """`tensors` past `_DEEP` levels: an explicit stack (no recursion limit), and a container that
+    holds itself is not entered again."""
+    todo: list[tuple[Any, Path, int]] = [(obj, path, 0)]
+    within: list[int] = []  # ids of the containers above the item
+    while todo:
+        x, p, depth = todo.pop()
+        if isinstance(x, torch.Tensor):
+            yield p, x
+            continue
+        if x is None or isinstance(x, _LEAF):
+            continue
+        del within[depth:]
+        if id(x) in within:
+            continue
+        items = _children(x, p)
+        if items:
+            within.append(id(x))
+            todo.extend((v, q, depth + 1) for v, q in reversed(items))
 
 
 class _Attr(str):

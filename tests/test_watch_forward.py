@@ -238,6 +238,18 @@ def _model_output(h: torch.Tensor) -> object:
     return CausalLMOutput(logits=_plant(h))
 
 
+def _nest(obj: object, levels: int) -> object:
+    for _ in range(levels):
+        obj = [obj]
+    return obj
+
+
+def _cycle(h: torch.Tensor) -> object:
+    out: list[object] = [h, _plant(h)]
+    out.append(out)  # a list that holds itself: walked once, not forever
+    return out
+
+
 NESTED = [
     ("tuple", lambda h: (h, _plant(h)), ("output[1]",)),
     ("list", lambda h: [h, [h, _plant(h)]], ("output[1][1]",)),
@@ -246,6 +258,8 @@ NESTED = [
     ("dataclass", lambda h: zoo.Out(h, _plant(h)), ("output.logits",)),
     ("ModelOutput", _model_output, ("output['logits']",)),
     ("mixed", lambda h: {"a": (h, None, "x", 3), "b": [{"c": h.long()}, {"d": _plant(h)}]}, ("output['b'][1]['d']",)),
+    ("deep", lambda h: _nest([h, _plant(h)], 100), ("output" + "[0]" * 100 + "[1]",)),  # however deep it nests
+    ("cycle", _cycle, ("output[1]",)),
 ]
 
 
