@@ -52,10 +52,16 @@ def test_model_must_be_a_module(bad: Any) -> None:
     assert type(bad).__name__ in str(ei.value)
 
 
-@pytest.mark.parametrize("bad", ["loud", "", None, 3])
+@pytest.mark.parametrize("bad", ["loud", "", None, 3, lambda: None, lambda finding, extra: None])
 def test_bad_on_find(bad: Any) -> None:
+    # a callable that cannot take the Finding is refused at watch(), not at the first finding
     with pytest.raises(ValueError, match="on_find"):
         nanhunt.watch(zoo.mlp(), on_find=bad)
+
+
+@pytest.mark.parametrize("ok", [lambda f: None, lambda *a: None, lambda f, extra=1: None, print])
+def test_on_find_callables_that_take_the_finding(ok: Any) -> None:
+    nanhunt.watch(zoo.mlp(), on_find=ok).close()
 
 
 @pytest.mark.parametrize("bad", ["adam", 3, [torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), "sgd"]])

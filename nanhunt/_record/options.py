@@ -8,6 +8,7 @@ inside ``fit()``.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class Options:
                 f"on_find must be 'raise', 'warn', 'record', 'skip', 'breakpoint' or a callable taking a Finding; "
                 f"got {on_find!r}"
             )
+        if callable(on_find):
+            _takes_a_finding(on_find)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
         patterns = glob_patterns(ignore, "module names")
@@ -117,3 +120,16 @@ def _int(name: str, v: Any, low: int, meaning: str, high: int | None = None) -> 
     if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
         bound = f">= {low}" if high is None else f"from {low} to {high}"
         raise ValueError(f"{name} must be an int {bound} ({meaning}); got {v!r}")
+
+
+def _takes_a_finding(fn: Callable[..., Any]) -> None:
+    """An ``on_find`` callable must take the Finding: said at watch(), not as a TypeError from
+    inside the user's step at the first finding (callables without a signature are trusted)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None)
+    except TypeError:
+        raise ValueError(f"on_find must be a callable taking one argument (the Finding); {fn!r} takes {sig}") from None
