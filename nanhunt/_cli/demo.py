@@ -5,7 +5,8 @@ is far too high. The query/key weights grow step after step until one attention 
 passes float16's largest value (65504): the logit becomes ``inf``, and the softmax over its row
 turns it into ``nan`` (``inf - inf``). nanhunt names the attention module, the step and the element.
 
-Everything is seeded and runs on one CPU thread, so the blow-up happens at the same step each time.
+Everything is seeded and runs on one CPU thread, and `nanhunt demo` takes torch's portable float
+code paths (`_cli.main.DEMO_ENV`), so the blow-up happens at the same step each time, on any x86 machine.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.",
                 epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found.")
-    p.add_argument("--version", action="version", version=_version())
+    p.add_argument("--version", action=_Version, nargs=0, help="show the versions of nanhunt and torch and exit")
     sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay,audit}")
 
     r = sub.add_parser("run", help="run an unmodified script with every model and optimizer watched",
@@ -134,6 +134,15 @@ def _version() -> str:
     from .. import __version__
 
     return f"nanhunt {__version__} (torch {torch.__version__})"
+
+
+class _Version(argparse.Action):
+    """``--version``: torch is imported only when it is asked for (every command would pay for it
+    otherwise, and the demo must set its float code paths before torch is imported)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(_version())
+        parser.exit()
 
 
 def _err(msg: str) -> None:
@@ -225,7 +234,16 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- demo
+# The demo's numbers (the blow-up step, the element) depend on the float code paths: MKL's matmul
+# kernels and ATen's vector kernels differ between CPUs (AVX2, AVX-512) and round differently. Its
+# process takes the portable ones (read when torch first runs them), so every x86 machine prints
+# the same report as the README. Set for the demo's own process only, before torch is imported.
+DEMO_ENV = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
+
+
 def _cmd_demo(ns: argparse.Namespace) -> int:
+    if "torch" not in sys.modules:
+        os.environ.update(DEMO_ENV)
     from .._files import check_writable
     from . import demo as _demo
 
