@@ -129,6 +129,74 @@ def test_fully_masked_softmax() -> None:
     assert same_source(f.chain[1].split(" @ ")[1], line("masked-softmax"))
 
 
+class BiasAttention(nn.Module):
+    """Attention that takes its key mask as an additive bias (0 or -inf), as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        scores = q @ q.transpose(-1, -2) + bias
+        return torch.softmax(scores, dim=-1) @ q  # @bias-softmax
+
+
+class BiasModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = BiasAttention()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(x, bias))
+
+
+def test_a_mask_passed_in_as_an_additive_bias_blames_the_softmax_of_the_fully_masked_row() -> None:
+    # the -inf comes in with the mask (built in the loop): the value is born where the softmax of a
+    # fully masked row makes nan of it, not "fed from before the call" with no op at all
+    torch.manual_seed(0)
+    model = BiasModel()
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[1] = False  # the second sequence is all padding
+    bias = torch.zeros(2, 1, 3).masked_fill(~keep[:, None, :], float("-inf"))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model):
+        model(torch.randn(2, 3, 4), bias).sum().backward()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.index[0], f.cause) == ("forward", "attn", 1, "created") and math.isnan(f.value)
+    assert f.op == "aten._softmax.default" and same_source(f.source, line("bias-softmax"))
+    assert chain_ops(f.chain)[:2] == ["aten._softmax.default", "aten.bmm.default"]
+    assert "fully masked row" in (f.hint or "")
+
+
+class Constrained(nn.Module):
+    """Constrained decoding: disallowed classes get -inf logits (``ignore`` lets the model return them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).masked_fill(~allowed, float("-inf"))
+
+
+def test_a_mask_that_reaches_a_sum_is_blamed_where_it_turns_into_inf() -> None:
+    # label smoothing sums -log p over every class, masked (-inf) ones included: +inf, born in the
+    # loss code where the mask's -inf (fed in from the model) is negated, not "not localised"
+    torch.manual_seed(0)
+    model = Constrained()
+    allowed = torch.ones(3, 5, dtype=torch.bool)
+    allowed[:, 4] = False
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, ignore=[""]):
+        logits = model(torch.randn(3, 4), allowed)
+        F.cross_entropy(logits, torch.tensor([0, 1, 2]), label_smoothing=0.1).backward()  # @smoothing
+    f = ei.value.finding
+    assert f.module == "<outside>" and f.value == math.inf
+    assert f.op == "aten.neg.default" and same_source(f.source, line("smoothing"))
+    assert chain_ops(f.chain)[0] == "aten.neg.default" and chain_ops(f.chain)[-1] == "aten.add.Tensor"
+    assert "mask" in (f.hint or "") and "finfo" in (f.hint or "")
+
+
 class InPlaceMask(nn.Module):
     def __init__(self, how: str) -> None:
         super().__init__()

@@ -89,6 +89,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
+        if getattr(rec, "mask_fed", False):
+            out["mask_fed"] = True
         for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
             last = rec.recs[ri]
             if _op_key(last.op).split(".")[0] not in _REDUCTIONS:
@@ -173,6 +175,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("masked_row"):
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
+    if fx.get("mask_fed"):
+        return (f"A -inf fed in from before (a mask) reached arithmetic: {op} made {f.value} of it (a sum or "
+                "mean over masked positions, label smoothing, -inf * 0, inf - inf). Mask with a large finite "
+                "value (torch.finfo(dtype).min) instead of -inf, or keep masked positions out of the computation.")
     if fx.get("all_ignored") or fx.get("empty_mean"):
         what = "every target is ignored (ignore_index)" if fx.get("all_ignored") else "the selection is empty"
         return (f"A mean over zero elements: {what}, so the mean is 0/0 = nan; skip such batches, or "

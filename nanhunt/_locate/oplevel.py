@@ -181,6 +181,7 @@ class _Recorder:
         self.recs: list[_Rec] = []
         self.by_id: dict[int, tuple[Any, int, torch.Tensor | None, tuple[int, int] | None]] = {}
         self.by_storage: dict[int, tuple[int, int]] = {}
+        self.mask_fed = False  # the last `walk` ended where a -inf fed in from before the call turned into something else
 
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         """Code of ``t`` now, and the (record, slot) that last wrote it."""
@@ -279,7 +280,9 @@ class _Recorder:
     # ---------------------------------------------------------------- the walk back
     def walk(self, start: tuple[int, int], idx: tuple[int, ...] | None) -> list[int] | None:
         """Records from the creator to ``start`` (oldest first), following the reported element."""
+        self.mask_fed = False
         path: list[int] = []
+        kinds: list[int] = []  # the followed element's code in each record's output (3: -inf)
         ri, slot = start
         seen: set[tuple[int, int]] = set()
         while True:
@@ -293,12 +296,25 @@ class _Recorder:
             if idx is None or len(idx) != code.dim() or int(code[idx]) == 0:
                 idx = _first(code)
             path.append(ri)
+            kinds.append(int(code[idx]))
             cands = self._candidates(rec, shape, idx)
             if not cands:
                 path.reverse()
                 return path  # every input that matters was finite: created here
             key, inp, in_idx = min(cands, key=lambda c: c[0])
             if inp.prod is None:
+                if inp.code is not None and int(inp.code[in_idx]) == 3:
+                    # a -inf fed in from before the call: an additive mask (attention's key mask, as
+                    # Hugging Face passes it). It is no creation; the op that made something else of
+                    # it (softmax of a fully masked row: nan) is where the value was born
+                    k = len(kinds) - 1
+                    while k >= 0 and kinds[k] == 3:
+                        k -= 1
+                    if k >= 0:
+                        self.mask_fed = True
+                        got = path[:k + 1]
+                        got.reverse()
+                        return got
                 return None  # fed from before the call: not localised here
             ri, slot = inp.prod
             idx = in_idx
