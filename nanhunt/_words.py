@@ -217,7 +217,8 @@ def reference_text(f: Finding) -> str:
                 s += f", past {dt}'s largest value {_exact(lim)}"
         return s + f" (failing run: {fmt(r.get('failing', f.value))})"
     if v == "numerics":
-        return f"{r.get('dtype', 'float32')} eager{at} gives {fmt(r.get('value', f.value))} too"
+        where = f" in {r['tensor']}" if r.get("tensor") else at  # the reported element's value, not the op's
+        return f"{r.get('dtype', 'float32')} eager gives {fmt(r.get('value', f.value))}{where} too"
     if v == "compiler":
         node = f" (graph node {r['node']})" if r.get("node") else ""
         val = f" = {_exact(r['value'])} (compiled: {fmt(r.get('failing', f.value))})" if "value" in r else " is finite"

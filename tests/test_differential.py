@@ -82,6 +82,11 @@ def test_float32_nan_is_numerics(case):
     assert f is not None and (f.module, f.op) == (module, op)
     assert f.verdict == "numerics"
     assert f.reference["dtype"] == "float32" and f.reference["op"] == op
+    # the value is the reported element's, and says so: not a value the op made (log gives -inf, and
+    # the reported element is what later ops made of it)
+    assert f.reference["tensor"] == f.tensor
+    assert str(f.reference["value"]) == str(f.value)
+    assert f"float32 eager gives {f.value} in {f.tensor} too" in str(nanhunt.NonFiniteError(f))
     d = f.to_dict()
     json.dumps(d, allow_nan=False)  # the reference's nan/inf are written as strings
     assert Finding.from_dict(d).to_dict() == d and Finding.from_dict(d).verdict == "numerics"

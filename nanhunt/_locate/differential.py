@@ -464,7 +464,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
             return Examined("compiler", ref, origin)
     low = _low_dtype(top, f)
     if low is None:  # it failed in float32 (or wider) eager: the reference is the failing run itself
-        return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
+        return Examined("numerics", _numerics(f.dtype or "float32", f, f.value))
     # the failing call alone, on the inputs a replay gives it, as it failed and in float32: the
     # reference never holds more than that module's parameters in float32 (a big model's would not fit)
     cap = _run(top, names, ordinal, path)
@@ -478,7 +478,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         value = f.value
         if ref32.output is not None and f.index is not None and tuple(ref32.output.shape) == tuple(f.shape):
             value = float(ref32.output[f.index])
-        return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
+        return Examined("numerics", _numerics("float32", f, value))
     got = _overflow(fail.trace, ref32.trace, low, f, fail.casts)
     if got is None:
         got = {"dtype": "float32", "op": f.op, "limit": float(torch.finfo(low).max),
@@ -487,6 +487,12 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
             got["value"], _ = _value_at(ref32.output, f.index)
     got.setdefault("failing", f.value)
     return Examined("precision", got)
+
+
+def _numerics(dtype: str, f: Finding, value: float | None) -> dict[str, Any]:
+    """The reference of a "numerics" verdict: ``value`` is the reported tensor's element (named by
+    ``tensor``) in the reference run, not the value of ``op``, which made the first non-finite value."""
+    return {"dtype": dtype, "op": f.op, "tensor": f.tensor, "value": value}
 
 
 def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
@@ -499,7 +505,7 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
             return agreed
         low = _low_dtype(top, f)
         if low is None:
-            return Examined("numerics", {"dtype": f.dtype or "float32", "op": f.op, "value": f.value})
+            return Examined("numerics", _numerics(f.dtype or "float32", f, f.value))
         ref = _run_backward(top, names, ordinal, path, grads, float32=True)
         if ref.bad is None:
             return None
@@ -507,7 +513,7 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
         if ref.output is not None and f.index is not None and tuple(ref.output.shape) == tuple(f.shape):
             value = float(ref.output[f.index])
         if ref.bad:
-            return Examined("numerics", {"dtype": "float32", "op": f.op, "value": value})
+            return Examined("numerics", _numerics("float32", f, value))
         got: dict[str, Any] = {"dtype": "float32", "op": f.op, "value": value, "limit": float(torch.finfo(low).max),
                                "failing_dtype": str(low).removeprefix("torch."), "failing": f.value}
         return Examined("precision", got)
