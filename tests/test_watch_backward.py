@@ -167,6 +167,63 @@ def test_accumulated_fp16_grad_overflows_in_phase_grad() -> None:
     assert same_state(snapshot(m), before)
 
 
+class _FF(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.wi = nn.Linear(16, 64, bias=False)
+        self.wo = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.wo(torch.relu(self.wi(self.ln(x))))
+
+
+class _T5ish(nn.Module):
+    """T5-style feed-forward blocks with large activations, in float16, and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_FF() for _ in range(3)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)  # @head-call
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_fp16_weight_gradient_that_overflows_first_is_the_finding(mode: str) -> None:
+    # the head's weight gradient (x^T @ g over the batch) overflows float16 in the head's backward,
+    # before a block's input gradient does (later in the backward): the first is the head's, not
+    # the block's that the module-level analysis of input gradients would blame
+    torch.manual_seed(0)
+    m = _T5ish()
+    with torch.no_grad():
+        for b in m.blocks:
+            b.wi.weight.mul_(60)
+            b.wo.weight.mul_(60)
+    m = m.half()
+    x = torch.randn(4, 16).half()
+    order: list[str] = []  # plain autograd: which non-finite gradient comes first
+    ref = copy.deepcopy(m)
+    ref.head.weight.register_post_accumulate_grad_hook(
+        lambda p: order.append("head") if not torch.isfinite(p.grad).all() else None)
+    ref.blocks[2].wi.register_full_backward_hook(
+        lambda mod, gi, go: order.append("wi") if not torch.isfinite(gi[0]).all() else None)
+    ref(x).float().pow(2).mean().backward()
+    assert order[:2] == ["head", "wi"]
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        m(x).float().pow(2).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause, f.value) == ("backward", "head", "AddmmBackward0", "created", float("inf"))
+    assert f.source is not None
+    file, line = f.source.rsplit(":", 1)
+    assert linecache.getline(file, int(line)).rstrip().endswith("# @head-call")
+
+
 def test_inplace_relu_models_train_and_fail_correctly() -> None:
     """Global full backward hooks break nn.ReLU(inplace=True); the watch must not."""
     m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), zoo.PairDistance(), nn.Linear(1, 1))

@@ -510,6 +510,10 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
                 return fb
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
+    first_bad = next(n for n, (kk, b) in enumerate(events) if kk == k and b)
+    early = _weight_grad_first(ctx, top_i, r, events, first_bad)
+    if early is not None:
+        return early
     owner = _owning_call(ctx, top_i, r, rc, k)
     if owner is not None:
         return owner
@@ -525,6 +529,45 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     return f
+
+
+def _weight_grad_first(ctx: _Ctx, top_i: int, r: Replay, events: list[tuple[int, bool]],
+                       before: int) -> Finding | None:
+    """A call whose backward made a non-finite gradient of one of its *own weights* from finite
+    gradients, earlier than the gradient the module-level analysis blames (event ``before``): an
+    fp16 weight gradient (x^T @ g summed over the batch) overflows in the head before a block's
+    input gradient does. The events hold only module inputs' and outputs' gradients, so this is
+    read from the weights' own ``.grad`` (this step's: accumulation from an earlier micro-batch was
+    judged then) and confirmed by the autograd node that made it, which gives its op and line."""
+    bad_at: dict[int, int] = {}
+    seen_at: dict[int, int] = {}
+    for n, (k, b) in enumerate(events):
+        seen_at.setdefault(k, n)
+        if b:
+            bad_at.setdefault(k, n)
+    best: tuple[int, int, ReplayCall] | None = None
+    for c in r.calls:
+        if not c.out_keys or any(k in bad_at for k, _ in c.out_keys):
+            continue  # no gradient reached it, or a non-finite one did
+        t = min((seen_at[k] for k, _ in c.out_keys if k in seen_at), default=None)
+        if t is None or t >= before:
+            continue
+        for p in c.module.parameters(recurse=False):
+            g = p.grad
+            if isinstance(g, torch.Tensor) and is_bad(g):
+                cand = (t, -c.depth, c)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+                break
+    if best is None:
+        return None
+    # a weight's .grad sums every use (tied embeddings: the NaN may come in through the other use);
+    # the first node in execution order that made a non-finite gradient decides
+    c = best[2]
+    f = _node_finding(ctx, top_i)
+    if f is not None and f.module == c.name:
+        return dataclasses.replace(f, call=_call_index(ctx, top_i, c))
+    return None
 
 
 def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Finding | None:
