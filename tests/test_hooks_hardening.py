@@ -121,6 +121,26 @@ def test_a_hook_the_user_adds_after_the_watch_still_runs_before_ours() -> None:
     assert [(f.module, f.step) for f in hunt.findings if f.phase == "forward"][:1] == [("0", 1)]
 
 
+def test_a_root_with_a_forward_hook_of_the_users_and_no_optimizer_is_replayed() -> None:
+    # no optimizer: each root call is a step. The root's record waits for its late hook (after the
+    # user's); the step's thread was let go before it, so the root call was never recorded, and
+    # without its record no replay: the finding had no element, no op, no cause
+    model = nn.Sequential(nn.Linear(4, 4), zoo.Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.0)
+        model[0].bias.fill_(-1.0)  # log of -1: nan
+    handle = model.register_forward_hook(lambda m, a, o: None)
+    try:
+        with nanhunt.watch(model, on_find="record") as hunt:
+            model(torch.randn(2, 4))  # the output is dropped, as an evaluation loop may do
+            model(torch.randn(2, 4))
+        f = hunt.first
+        assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "1", 0, "created")
+        assert f.index == (0, 0) and f.op == "aten.log.default"
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_nan_made_by_a_users_forward_hook_is_found_at_its_op_and_line(mode: str) -> None:
     """A forward hook that normalises a ReLU's rows (``out / out.sum(-1)``): a row the ReLU zeroed

@@ -610,6 +610,7 @@ class Hunt:
             c = stack.pop()
             if module._forward_hooks and id(module) in self._late:
                 self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
+                return  # (which also lets go of the step's thread)
             elif c.depth and self._lean and type(output) is torch.Tensor:
                 # the common case, kept short: one plain tensor out of a call inside a watched call
                 # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
@@ -691,8 +692,11 @@ class Hunt:
             pending = self._pending
             if pending and pending[-1].module is module:
                 c = pending.pop()
-                if _get_ident() == self._owner and not self._paused:
-                    self._record(c, module, args, kwargs, output)
+                if _get_ident() == self._owner:
+                    if not self._paused:
+                        self._record(c, module, args, kwargs, output)
+                    if not self._stack and not self._opts:
+                        self._owner = None  # as `_post`: each root call is a step; any thread may take the next
         except Exception as exc:
             self._fault(exc, "the forward hook")
 
