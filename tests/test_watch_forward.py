@@ -179,6 +179,26 @@ def test_huge_finite_outputs_are_not_findings() -> None:
     assert hunt.findings == []
 
 
+class _Huge(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3e38  # finite, but its float32 sum (the probe) is inf
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_after_huge_finite_outputs_is_still_found(mode: str) -> None:
+    # the first flagged probe is a finite output whose sum overflowed: no finding, but the NaN that
+    # LayerNorm then makes of it (its variance overflows: inf / inf) must still be found
+    m = nn.Sequential(_Huge(), nn.LayerNorm(16), nn.Linear(16, 2))
+    x = torch.ones(1, 16)
+    rec = Recorder(m)
+    assert not torch.isfinite(m(x)).all()
+    with nanhunt.watch(m, on_find="record", mode=mode) as hunt:
+        m(x)
+    assert_finding(_first(hunt), phase="forward", module="1", module_type="LayerNorm", tensor="output", step=0,
+                   call=0, cause="created", expected=rec.out("1"))
+    assert _first(hunt).op == "aten.native_layer_norm.default"
+
+
 # ---------------------------------------------------------------------------- fp16 overflow
 def test_fp16_linear_overflow() -> None:
     torch.manual_seed(0)

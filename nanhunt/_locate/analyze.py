@@ -8,6 +8,7 @@ themselves, the inputs and parameters, and whether the value is reproducible.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from typing import Any
 
@@ -97,6 +98,9 @@ class _Ctx:
         return r
 
 
+_FWD_TRIES = 64  # flagged forward entries judged at most (their replay is shared: one per top-level call)
+
+
 def _replayable(top: Top) -> bool:
     return top.kwargs is not None and [version(t) for _, t in tensors(top.args)] == top.versions
 
@@ -140,7 +144,13 @@ def analyze(view: StepView) -> list[Finding]:
         if kind in ("bwd", "fwd", "out") and any(g.phase == "forward" for g in out):
             continue  # after a non-finite forward, later values only carry it on: no second replay
         if kind == "fwd":
-            f = _forward_finding(ctx, i)
+            # a probe is a sum: finite values whose sum overflowed are no finding, and a NaN after
+            # them is still to be found (a 3e38 activation before a LayerNorm that makes nan of it)
+            tries = (j for j in range(i, len(sbad)) if sbad[j] and isinstance(log.meta[j], Fwd) and j not in checked)
+            for j in itertools.islice(tries, _FWD_TRIES):
+                f = _forward_finding(ctx, j)
+                if f is not None:
+                    break
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
