@@ -240,6 +240,37 @@ def test_a_value_born_in_the_compiled_roots_own_code_is_the_roots(how):
     assert first.op == "aten.log.default"
 
 
+class _Huge(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3e38  # finite: 16 of them sum past float32's largest value
+
+
+class _HugeThenBack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = _Huge()
+        self.lin = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(self.lin(self.big(x) / 3e38) - shift)  # nan when shift is large
+
+
+def test_huge_finite_values_inside_a_compiled_graph_are_no_finding():
+    # the graph's own check added the outputs' sums: a finite 3e38 activation flagged its module at
+    # every step, with no replay to clear it (a clean run stopped in raise mode); the real NaN at
+    # step 1 is still found
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _HugeThenBack()
+    fn = zoo.compiled(model, "torch.compile")
+    x = torch.ones(1, 16)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        for step in range(3):
+            fn(x, torch.tensor(100.0 if step == 1 else -10.0))
+    torch._dynamo.reset()
+    assert [(f.phase, f.module, f.step, f.op) for f in hunt.findings] == [("forward", "", 1, "aten.sqrt.default")]
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
 def test_a_finding_and_its_analysis_do_not_recompile_the_graph(how):
     # the analysis replays the compiled call while the hunt is paused: a traced read of that flag

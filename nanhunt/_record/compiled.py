@@ -50,7 +50,7 @@ class CompiledChecks:
         for _, t in tensors(output):
             if is_checked(t) and t.device == buf.device:
                 with torch.no_grad():
-                    buf[slot].add_(probe(t))
+                    buf[slot].add_(_flag(t))
 
     def drain(self) -> tuple[torch.Tensor, CompiledSlots] | None:
         """This step's slots (for the sync), and a zeroed buffer for the next step. No host read."""
@@ -59,6 +59,15 @@ class CompiledChecks:
         values = self.buf[: len(self.meta)].clone()
         self.buf.zero_()
         return values, CompiledSlots(list(self.meta))
+
+
+def _flag(t: torch.Tensor) -> torch.Tensor:
+    """nan when ``t`` holds a NaN/Inf, else 0 (``inf * 0`` and ``nan * 0`` are nan): exact, where a
+    sum also overflows for finite values (3e38s), which no eager replay then reproduces; fused into
+    the graph's kernels like a sum, and no non-finite constant in the graph."""
+    if t.layout != torch.strided or t.is_complex():
+        return probe(t)
+    return (t * 0).sum(dtype=torch.float32)
 
 
 class CompiledRoot:
