@@ -182,3 +182,31 @@ def test_a_tensor_nested_however_deep_is_judged_file_object_and_cli(tmp_path: An
 def test_audit_names_a_bad_ignore_argument(bad: Any) -> None:
     with pytest.raises(TypeError, match="^ignore must be"):
         nanhunt.audit({"w": torch.ones(1)}, ignore=bad)
+
+
+def _sparse(layout: str) -> torch.Tensor:
+    """A 2x3 sparse tensor whose first non-finite element in row-major order is ``inf`` at [0, 2]."""
+    inf, nan = float("inf"), float("nan")
+    if layout == "coo_uncoalesced":  # stored out of order, [1, 0] twice: the first stored bad value is not the first
+        return torch.sparse_coo_tensor([[1, 0, 1, 0], [0, 2, 0, 1]], [nan, inf, 1.0, 2.0], (2, 3), check_invariants=True)
+    dense = torch.tensor([[0.0, 2.0, inf], [nan, 0.0, -inf]])
+    return dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr", "coo_uncoalesced"])
+def test_a_sparse_tensor_is_judged_by_its_values_at_its_dense_index(layout: str, tmp_path: Any, capsys: Any) -> None:
+    """A sparse tensor's NaN/Inf was never seen (only strided tensors were judged): audit said clean, exit 0."""
+    s = _sparse(layout)
+    assert s.layout is (torch.sparse_csr if layout == "csr" else torch.sparse_coo)
+    assert s.is_coalesced() is (layout == "coo") if s.layout is torch.sparse_coo else True
+    path = tmp_path / "sparse.pt"
+    torch.save({"step": 4, "emb": s, "ok": torch.ones(2, 2).to_sparse()}, path)
+    counts = {"nan": 1, "+inf": 1, "-inf": 0 if layout == "coo_uncoalesced" else 1}
+    for found in (nanhunt.audit(path), nanhunt.audit({"step": 4, "emb": s})):
+        assert [(f.phase, f.tensor, f.step, f.shape) for f in found] == [("checkpoint", "['emb']", 4, (2, 3))]
+        assert (found[0].index, found[0].value, found[0].counts) == ((0, 2), float("inf"), counts)  # s.to_dense()[0, 2]
+    assert main(["audit", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "['emb']" in out and "first [0, 2] = inf" in out and "['ok']" not in out
+    assert nanhunt.audit(path, ignore=["emb"]) == []

@@ -334,3 +334,60 @@ def test_a_poisoned_state_nested_deep_in_the_saved_object_is_refused(tmp_path: A
             torch.save(obj, path)
     assert ei.value.finding.tensor == "['run']" * 100 + "['model']['fc1.weight']"
     assert not path.exists()
+
+
+def _sparse(layout: str, v: float) -> torch.Tensor:
+    """A 2x2 sparse tensor holding ``v`` at [0, 1] (uncoalesced: stored after [1, 0], and twice)."""
+    if layout == "coo_uncoalesced":
+        return torch.sparse_coo_tensor([[1, 0, 0], [0, 1, 1]], [2.0, v, 1.0], (2, 2), check_invariants=True)
+    dense = torch.tensor([[0.0, v], [2.0, 0.0]])
+    return dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+
+
+def _poison(t: torch.Tensor) -> None:
+    """NaN where ``_sparse`` put ``3.0``, in place (as an update would)."""
+    with torch.no_grad():
+        v = t._values() if t.layout is torch.sparse_coo else t.values()
+        v[v == 3.0] = float("nan")
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr", "coo_uncoalesced"])
+def test_a_sparse_parameter_gone_nan_is_refused(layout: str, tmp_path: Any) -> None:
+    """A sparse parameter's NaN was never judged (only strided tensors were): the checkpoint was written."""
+    model = zoo.bnmlp()
+    model.emb = torch.nn.Parameter(_sparse(layout, 3.0))  # e.g. a sparse embedding table, trained elsewhere
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if n != "emb"], lr=0.1, momentum=0.9)
+    path = tmp_path / "ckpt.pt"
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+        torch.save({"model": model.state_dict()}, path)  # clean: written
+        _poison(model.emb)
+        before = _digest(path)
+        for obj, where in (({"model": model.state_dict()}, "['model']['emb']"), ({"table": model.emb}, "['table']")):
+            with pytest.raises(nanhunt.NonFiniteError) as ei:
+                torch.save(obj, path)
+            f = ei.value.finding
+            assert (f.phase, f.tensor, f.index, f.shape) == ("checkpoint", where, (0, 1), (2, 2)), where
+            assert f.counts == {"nan": 1, "+inf": 0, "-inf": 0}
+        assert _digest(path) == before
+        assert not hunt.closed
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("layout", ["coo", "csr", "coo_uncoalesced"])
+def test_a_sparse_mask_non_finite_at_watch_is_not_judged(layout: str, tmp_path: Any) -> None:
+    """A sparse ``-inf`` buffer present at watch() is an intended mask, as a dense one is; a sparse
+    parameter beside it that goes NaN is still refused."""
+    model = zoo.bnmlp()
+    model.register_buffer("mask", _sparse(layout, float("-inf")))
+    model.emb = torch.nn.Parameter(_sparse(layout, 3.0))
+    with nanhunt.watch(model, torch.optim.SGD(model.parameters(), lr=0.1)):
+        torch.save(model.state_dict(), tmp_path / "ok.pt")
+        _poison(model.emb)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save(model.state_dict(), tmp_path / "bad.pt")
+    assert ei.value.finding.tensor == "['emb']"
+    assert torch.load(tmp_path / "ok.pt", weights_only=True)["mask"].to_dense()[0, 1] == float("-inf")
+    assert not (tmp_path / "bad.pt").exists()

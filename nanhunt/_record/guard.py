@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._locate.checkpoint import Keys, all_bad, finding, walk
-from .._tensors import is_checked, stack_probes
+from .._locate.checkpoint import SPARSE, Keys, all_bad, finding, judgeable, walk
+from .._tensors import is_checked, stack_probes, strided
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -109,8 +109,10 @@ def file_name(f: Any) -> str:
 
 
 def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
+    """Where ``t``'s values live (a sparse tensor has no storage of its own: that of its values,
+    which its state dict entry and its detached copies share)."""
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = (strided(t) if t.layout in SPARSE else t).untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
         return None
     return (t.device, ptr) if ptr else None
@@ -133,11 +135,12 @@ class SaveGuard:
     def first_step(self, root: torch.nn.Module) -> None:
         """The first step begins: probe the buffers as they were at watch() (no read)."""
         self.pending = False
-        self._buffers = [(n, b) for n, b in root.named_buffers() if _judgeable(b)]
+        self._buffers = [(n, b) for n, b in root.named_buffers() if judgeable(b)]
         if self._buffers:
             with torch.no_grad():
                 # exact (not a sum, which a huge finite buffer could overflow); once per hunt
-                self._flags = ~stack_probes([torch.isfinite(b).all() for _, b in self._buffers])
+                self._flags = ~stack_probes([torch.isfinite(strided(b) if b.layout in SPARSE else b).all()
+                                             for _, b in self._buffers])
 
     def _exemptions(self, hunt: Hunt) -> None:
         if self._exempt_names is not None:
@@ -237,10 +240,6 @@ class SaveGuard:
         got = self.check(obj, file_name(f))
         if got is not None:
             raise hunt._refused(got)
-
-
-def _judgeable(t: torch.Tensor) -> bool:
-    return is_checked(t) and t.layout is torch.strided and not t.is_meta and t.numel() > 0
 
 
 def _named(keys: Keys, t: torch.Tensor, names: dict[str, tuple[int, ...]]) -> bool:
