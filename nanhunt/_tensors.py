@@ -21,7 +21,7 @@ from torch import nn
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided",
+    "strided", "same",
 ]
 
 _F32 = torch.float32
@@ -129,6 +129,15 @@ def values(t: torch.Tensor) -> torch.Tensor:
     """The strided tensor that holds ``t``'s values: a sparse or nested tensor's values (flat: an
     element's index is then its place among them), a sharded tensor's local shard, else ``t``."""
     return strided(local(t))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, also for sparse tensors (a sparse buffer: torch.equal has no sparse kernel)."""
+    if a.layout is torch.strided and b.layout is torch.strided:
+        return torch.equal(a, b)
+    if a.layout != b.layout or a.shape != b.shape:
+        return False
+    return torch.equal(a.to_dense(), b.to_dense())
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:

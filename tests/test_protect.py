@@ -496,6 +496,40 @@ def test_skip_with_a_gradscaler_and_two_optimizers_runs_on_as_if_the_batch_was_n
         _same(model, o, ref, ro)
 
 
+class _SparseMix(nn.Module):
+    """A fixed sparse mixing matrix kept as a buffer (graph models, sparse attention patterns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mix", torch.eye(4).to_sparse())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.sparse.mm(self.mix, x.t()).t()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_with_a_sparse_buffer_is_watched_and_protected(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    # the buffer checks and the restore after a skipped step had no sparse kernels (torch.equal,
+    # vector_norm): the hunt switched itself off at the first step and watched nothing after it
+    torch.manual_seed(0)
+    model = _SparseMix()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.ERROR, logger="nanhunt"), nanhunt.watch(model, opt, mode=mode, on_find="skip") as hunt:
+        for step in range(4):
+            x = torch.randn(2, 4)
+            if step == 2:
+                x[0, 0] = float("nan")
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not hunt.closed
+    assert hunt.skipped == [2]
+    assert hunt.first is not None and (hunt.first.module, hunt.first.cause) == ("lin", "input")
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert model.mix.layout is torch.sparse_coo and torch.equal(model.mix.to_dense(), torch.eye(4))
+
+
 @pytest.mark.parametrize("on_find", ["raise", "skip"])
 def test_a_validation_pass_under_inference_mode_that_begins_a_step_harms_nothing(on_find: str) -> None:
     """A loop that validates first (``model.eval()`` and ``torch.inference_mode()``, as Lightning's

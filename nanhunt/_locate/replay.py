@@ -19,7 +19,7 @@ from torch import nn
 
 from .._hooks import ReplayHooks, replaying
 from .._steplog import Top
-from .._tensors import Path, is_bad, own_tensors, probe, stack_probes, strided, tensors, values, version
+from .._tensors import Path, is_bad, own_tensors, probe, same, stack_probes, strided, tensors, values, version
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
 
@@ -163,7 +163,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
                 # only what the replay changed, through .data: a version bump would break a graph
                 # that saved the buffer (BERT's token_type_ids in its embedding's backward, which a
                 # backward replay runs after this context; the user's own pending graph)
-                if not torch.equal(b, v):
+                if not same(b, v):
                     b.data.copy_(v)
 
 

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .._tensors import same, strided
+
 __all__ = ["BufferBackup", "buffer_slots", "drop_grads"]
 
 
@@ -75,7 +77,7 @@ class BufferBackup:
                 if src is None:
                     continue
                 t = d.get(k)
-                if t is src and torch.equal(t, c) and not (t.is_floating_point() and t.isnan().any()):
+                if t is src and same(t, c) and not (t.is_floating_point() and strided(t).isnan().any()):
                     continue
                 if t is not src:  # replaced by assignment during the step: the original goes back
                     d[k] = src
