@@ -319,3 +319,120 @@ def test_run_bundle_then_replay_reproduces(tmp_path, cli):
     rc, out, err = cli("replay", str(bundle))
     assert rc == 3, out + err  # reproduced: a NaN/Inf found again
     assert cli("run", "--bundle", str(tmp_path / "b.json"), str(script))[0] == 2
+
+
+OWN_WATCH_FIRST = '''
+import torch, nanhunt
+from torch import nn
+
+class Bad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, k):
+        return torch.sqrt(self.lin(x).abs() - k)  # nan when k is large
+
+torch.manual_seed(0)
+m, aux = Bad(), Bad()
+opt = torch.optim.SGD(m.parameters(), lr=0.0)
+h = nanhunt.watch(m, optimizer=opt, on_find="record")  # the script's own hunt
+for s in range(5):
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        aux(x, torch.tensor(100.0 if s == 3 else 0.0))  # only auto-watched: nan at step 3
+    m(x, torch.tensor(100.0 if s == 1 else 0.0)).sum().backward()  # nan at step 1
+    opt.step()
+    opt.zero_grad()
+h.close()
+'''
+
+
+def test_run_orders_the_scripts_own_findings_with_the_auto_ones(tmp_path, cli):
+    script = tmp_path / "own.py"
+    script.write_text(OWN_WATCH_FIRST)
+    report = tmp_path / "r.json"
+    rc, _, err = cli("run", "--report", str(report), str(script))
+    assert rc == 3, err
+    first = next(line for line in err.splitlines() if line.startswith("First"))
+    assert "at step 1" in first, err
+    r = Report.load(report)
+    assert r.first is not None and r.first.step == 1 and r.first.phase == "forward"
+    steps = [f.step for f in r.findings]
+    assert steps == sorted(steps) and steps[-1] == 3, steps  # aux's step-3 finding comes after m's step-1 ones
+
+
+SPLIT_ROOTS = '''
+import sys
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+torch.manual_seed(0)
+model = Model()
+if sys.argv[1] == "late":
+    with torch.no_grad():  # parts called before the optimizer exists
+        model.head(model.enc(torch.randn(2, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(4):
+    for micro in range(2):  # gradient accumulation: two forwards per step
+        out = model.head(torch.relu(model.enc(torch.randn(2, 4))))  # the parts, called one by one
+        loss = out.pow(2).mean()
+        if step == 2 and micro == 1:
+            loss = loss / torch.zeros(())  # inf, born in the loop's own code
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+@pytest.mark.parametrize("when", ["early", "late"])
+def test_run_watches_a_model_whose_parts_the_loop_calls(tmp_path, cli, when):
+    script = tmp_path / "split.py"
+    script.write_text(SPLIT_ROOTS)
+    report = tmp_path / "r.json"
+    rc, _, err = cli("run", "--on-find", "record", "--report", str(report), str(script), when)
+    assert rc == 3, err
+    r = Report.load(report)
+    assert r.meta["roots"][-1] == "Model"
+    outside = [f for f in r.findings if f.module == "<outside>"]
+    assert [(f.step, f.op) for f in outside] == [(2, "aten.div.Tensor")]  # once, at the optimizer's step
+    assert r.first is outside[0]
+    assert all(f.module.startswith(("enc", "head")) for f in r.findings[1:]), [f.module for f in r.findings]
+    steps = [f.step for f in r.findings]
+    assert steps == sorted(steps) and max(steps) == 3, steps
+
+
+TWO_MODELS = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+oa = torch.optim.SGD(a.parameters(), lr=0.01)
+ob = torch.optim.SGD(b.parameters(), lr=0.01)
+for step in range(4):
+    x = torch.randn(3, 4)
+    loss = a(x).pow(2).mean() + b(x).pow(2).mean()
+    if step == 2:
+        loss = loss / torch.zeros(())  # inf, born in the loop's own code: both hunts record it
+    loss.backward()
+    oa.step(); ob.step(); oa.zero_grad(); ob.zero_grad()
+'''
+
+
+def test_run_reports_an_outside_event_once_across_hunts(tmp_path, cli):
+    script = tmp_path / "two.py"
+    script.write_text(TWO_MODELS)
+    report = tmp_path / "r.json"
+    rc, _, err = cli("run", "--on-find", "record", "--report", str(report), str(script))
+    assert rc == 3, err
+    r = Report.load(report)
+    assert r.meta["roots"] == ["Linear", "Linear"]
+    assert [f.step for f in r.findings if f.module == "<outside>"] == [2]
+    assert r.first is not None and r.first.module == "<outside>"

@@ -8,6 +8,14 @@
   (``model.encoder(x)`` was called before ``model(x)``), the inner hunt is closed (its findings are
   kept) and the outer module is watched instead. Modules added to a tree after its hunt started
   are not watched.
+- **Parts of one model.** A loop that calls a model's parts one by one (``model.enc(x)``, then
+  ``model.head(h)``; a LightningModule's ``training_step``) with one optimizer over the whole model:
+  the root watched is the smallest module holding the called part and every parameter of an
+  optimizer that holds some of the part's parameters (known from torch's module registration
+  hook: the model that the part was assigned to). One hunt then sees every part, names its findings
+  ``enc.…``/``head.…`` and counts the training step by that optimizer, not by each part's calls. An
+  optimizer built after such parts were discovered re-roots them the same way. (Not in sentinel
+  mode, which records only the root's own calls.)
 - **Optimizers.** ``torch.optim.Optimizer.__init__`` is wrapped for as long as the watch is open
   so that each optimizer is known from its construction: it is attached (``Hunt.add_optimizer``)
   to the hunt whose root owns most of its parameters as soon as that hunt exists, so ``step()``
@@ -19,6 +27,10 @@
   rest of the run (an auto hunt already on it is closed, its findings kept), and that hunt's
   findings count in ``nanhunt run``'s report and exit status, each once. Replays (any hunt's) are
   never discovered as calls.
+- **Order.** Every finding of every hunt (auto and the script's own) is stamped from one counter
+  when its hunt records it; `findings()` merges the hunts' lists by those stamps (each hunt's own
+  order kept). Hunts whose roots have returned all record the loop's own code (``<outside>``): the
+  same event found by several of them is reported once.
 
 `close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__``.
 """
@@ -26,6 +38,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -55,8 +68,7 @@ class _OnFind:
         self.breakpoint = mode == "breakpoint"  # the hunt stops in a replay of the op first
 
     def __call__(self, f: Finding) -> None:
-        first = not self.owner.order
-        self.owner.order.append((self.hunt, f))
+        first = self.owner._first_stamped(f)
         if self.mode == "warn" and (first or f.step != self.owner.warned_step):
             self.owner.warned_step = f.step  # at most one warning per step; "First" only once
             warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=2)
@@ -73,12 +85,15 @@ class AutoWatch:
         self.on_find = on_find
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
-        self.order: list[tuple[Hunt | None, Finding]] = []
+        self._stamps: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (when recorded, the finding): see _stamp
+        self._counter = itertools.count()
         self.warned_step = -1
         self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
         self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
         self._pending: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._parents: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+        self._widen_ok = options.get("mode", "full") != "sentinel"  # sentinel records only the root's own calls
         self._running: list[nn.Module] = []
         self._busy = False
         self._closed = False
@@ -90,6 +105,7 @@ class AutoWatch:
             _module_mod.register_module_forward_pre_hook(self._pre),
             _module_mod.register_module_forward_hook(self._post, always_call=True),
             _optim_mod.register_optimizer_step_pre_hook(self._pre_step),
+            _module_mod.register_module_module_registration_hook(self._on_register),
         ]
         self._orig_init: Callable[..., None] | None = torch.optim.Optimizer.__init__
         orig = self._orig_init
@@ -151,7 +167,12 @@ class AutoWatch:
         if any(m in self._aside for m in module.modules()):  # holds a tree the script watches itself
             self._aside.update(module.modules())
             return
-        inner = [m for m in module.modules() if m in self._roots]
+        hunt = self._watch(self._widen(module))
+        hunt._join(module, args)  # its hooks were registered during this call: let it see the call too
+
+    def _watch(self, root: nn.Module) -> Hunt:
+        """Watch ``root``: a hunt on a tree inside it is closed (its findings are kept)."""
+        inner = [m for m in root.modules() if m in self._roots]
         for m in inner:  # a bigger tree that holds watched roots: watch it instead
             h = self._roots.pop(m)
             for sub in m.modules():
@@ -160,17 +181,59 @@ class AutoWatch:
         cb = _OnFind(self, self.on_find)
         self._creating = True
         try:
-            hunt = watch(module, on_find=cb, **self.options)
+            hunt = watch(root, on_find=cb, **self.options)
         finally:
             self._creating = False
         cb.hunt = hunt
-        self.hunts.append((type(module).__name__, hunt))
-        self._roots[module] = hunt
-        for sub in module.modules():
-            self._owned[sub] = module
+        self._stamp(hunt)
+        self.hunts.append((type(root).__name__, hunt))
+        self._roots[root] = hunt
+        for sub in root.modules():
+            self._owned[sub] = root
         for opt in list(self._pending):
             self._attach(opt)
-        hunt._join(module, args)  # its hooks were registered during this call: let it see the call too
+        return hunt
+
+    def _on_register(self, parent: nn.Module, name: str, sub: Any) -> None:
+        """torch's global module registration hook: remember whose part each module is."""
+        if isinstance(sub, nn.Module) and sub is not parent:
+            self._parents[sub] = weakref.ref(parent)
+
+    def _cover(self, module: nn.Module, ids: set[int]) -> nn.Module:
+        """The smallest of ``module`` and its known ancestors whose tree holds every parameter in
+        ``ids`` that its outermost known ancestor holds (a parameter outside the model, a learned
+        temperature, does not stop it)."""
+        chain = [module]
+        while True:
+            ref = self._parents.get(chain[-1])
+            up = ref() if ref is not None else None
+            if up is None or up in chain:
+                break
+            chain.append(up)
+        if len(chain) == 1:
+            return module
+        want = ids & {id(p) for p in chain[-1].parameters()}
+        for m in chain:
+            if want <= {id(p) for p in m.parameters()}:
+                return m
+        return module
+
+    def _widen(self, module: nn.Module, *more: torch.optim.Optimizer) -> nn.Module:
+        """The root to watch for a top-level call of ``module``: itself, or the smallest ancestor
+        that holds every parameter (within the model) of each known optimizer that holds some of
+        its parameters: the model whose parts the loop calls one by one. Never a tree that holds
+        one the script watches itself."""
+        if not self._widen_ok:
+            return module
+        root = module
+        for opt in [*more, *self._pending, *self._attached]:
+            mine = {id(p) for p in root.parameters()}
+            ids = _param_ids(opt)
+            if mine & ids and not ids <= mine:
+                root = self._cover(root, ids)
+        if root is not module and any(m in self._aside for m in root.modules()):
+            return module
+        return root
 
     def _on_hunt(self, hunt: Hunt) -> None:
         """The script opened a hunt itself: its tree is left to it; an auto hunt overlapping that
@@ -179,6 +242,7 @@ class AutoWatch:
         if self._creating or self._closed or root is None:
             return
         self.script_hunts.append(hunt)
+        self._stamp(hunt)
         tree = set(root.modules())
         for m, h in list(self._roots.items()):
             if m in tree or root in set(m.modules()):
@@ -200,8 +264,30 @@ class AutoWatch:
 
     # ---------------------------------------------------------------- optimizers
     def _on_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self._reroot(opt)
         if not self._attach(opt):
             self._pending.add(opt)
+
+    def _reroot(self, opt: torch.optim.Optimizer) -> None:
+        """A new optimizer over a model whose parts are already watched as separate roots: watch
+        the model that holds them all instead (see `_widen`)."""
+        if not self._widen_ok or self._busy or self._running:  # (not from inside a call)
+            return
+        ids = _param_ids(opt)
+        held = [m for m in list(self._roots) if any(id(p) in ids for p in m.parameters())]
+        if not held:
+            return
+        root = self._widen(held[0], opt)
+        if root is not held[0] and root not in self._owned:
+            self._busy = True
+            try:
+                self._watch(root)
+            except NonFiniteError:
+                raise
+            except Exception as e:  # never break the user's run over discovery
+                warnings.warn(f"nanhunt could not watch {type(root).__name__}: {type(e).__name__}: {e}", stacklevel=3)
+            finally:
+                self._busy = False
 
     def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt not in self._attached and not self._busy:
@@ -215,7 +301,7 @@ class AutoWatch:
         """Attach ``opt`` to the hunt owning most of its parameters; False if none owns any."""
         if opt in self._attached:
             return True
-        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        ids = _param_ids(opt)
         best, most = None, 0
         for root, hunt in list(self._roots.items()):
             n = sum(1 for p in root.parameters() if id(p) in ids)
@@ -229,15 +315,68 @@ class AutoWatch:
         return True
 
     # ---------------------------------------------------------------- results
+    def _stamp(self, hunt: Hunt) -> None:
+        """Stamp each finding ``hunt`` records (any way: ``on_find``, a refused checkpoint) from
+        the one counter shared by every hunt: the order of occurrence across hunts."""
+        add = hunt._add_findings
+        stamps, counter = self._stamps, self._counter
+
+        def _add_findings(found: list[Finding]) -> None:
+            for f in found:
+                if id(f) not in stamps:
+                    stamps[id(f)] = (next(counter), f)
+            add(found)
+
+        hunt._add_findings = _add_findings  # type: ignore[method-assign]
+
+    def _first_stamped(self, f: Finding) -> bool:
+        """``f`` is the first finding any hunt recorded."""
+        got = self._stamps.get(id(f))
+        return got is not None and got[1] is f and got[0] == 0  # the counter's first number
+
+    def _merged(self) -> list[tuple[Hunt, Finding]]:
+        """Every hunt's findings, in order of occurrence: each hunt's own order (a late finding of
+        an earlier step goes before that hunt's later steps) merged with the others' by when they
+        were recorded; an ``<outside>`` event that several hunts recorded, once."""
+        rows: list[tuple[int, int, int, Hunt, Finding]] = []
+        for i, h in enumerate(self._all()):
+            low = None
+            keyed = []
+            for j in range(len(h.findings) - 1, -1, -1):  # a finding goes no later than any after it in its hunt
+                f = h.findings[j]
+                got = self._stamps.get(id(f))
+                s = got[0] if got is not None and got[1] is f else next(self._counter)
+                if got is None or got[1] is not f:
+                    self._stamps[id(f)] = (s, f)
+                low = s if low is None else min(low, s)
+                keyed.append((low, i, j, h, f))
+            rows.extend(reversed(keyed))
+        rows.sort(key=lambda r: r[:3])
+        out: list[tuple[Hunt, Finding]] = []
+        kept: dict[tuple[Any, int], int] = {}  # (event, its occurrence in a hunt) -> index in out
+        seen: dict[tuple[int, Any], int] = {}  # (hunt, event) -> occurrences so far
+        for _, i, _, h, f in rows:
+            if f.module == "<outside>":
+                event = (f.phase, f.tensor, f.op, f.source, f.chain, f.index, f.value, f.shape, f.dtype)
+                n = seen.get((i, event), 0)
+                seen[(i, event)] = n + 1
+                at = kept.get((event, n))
+                if at is not None:  # the same event, recorded by another hunt too
+                    if not out[at][0]._opts and h._opts:  # its step counted by an optimizer: that one
+                        out[at] = (h, f)
+                    continue
+                kept[(event, n)] = len(out)
+            out.append((h, f))
+        return out
+
     def findings(self) -> list[Finding]:
-        """Every finding of every hunt, in the order they were made."""
-        seen = {id(f) for _, f in self.order}
-        extra = [f for h in self._all() for f in h.findings if id(f) not in seen]
-        return [f for _, f in self.order] + extra
+        """Every finding of every hunt, in order of occurrence (see `_merged`)."""
+        return [f for _, f in self._merged()]
 
     def report(self) -> Report:
         """The report of the hunt that made the first finding, with every hunt's findings."""
-        hunt = self.order[0][0] if self.order else next((h for h in self._all() if h.findings), None)
+        merged = self._merged()
+        hunt = merged[0][0] if merged else None
         if hunt is None and self.hunts:
             hunt = self.hunts[0][1]
         base = hunt.report if hunt is not None else Report()
@@ -246,7 +385,7 @@ class AutoWatch:
         meta["roots"] = names
         if hunt is not None:
             meta["root"] = next((n for n, h in self.hunts if h is hunt), None)
-        return Report(self.findings(), history=base.history, warnings=base.warnings, meta=meta)
+        return Report([f for _, f in merged], history=base.history, warnings=base.warnings, meta=meta)
 
     def _all(self) -> list[Hunt]:
         return [h for _, h in self.hunts] + self.script_hunts
@@ -281,3 +420,7 @@ class AutoWatch:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _param_ids(opt: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in opt.param_groups for p in g["params"]}
