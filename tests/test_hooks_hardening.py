@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -197,6 +198,22 @@ def test_a_head_swapped_in_while_watched_is_named_and_the_old_one_is_freed() -> 
         model(torch.randn(2, 4))
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.module_type) == ("forward", "head.1", "LogHead")
+
+
+def test_torch_jit_trace_of_a_watched_model_works_and_the_hunt_goes_on() -> None:
+    # the trace records every op the model runs: the hunt's probes and reads were recorded into it,
+    # and its check ('graphs differed across invocations') failed
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), zoo.Log())
+    x = torch.rand(2, 8)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torch.jit.TracerWarning)
+            traced = torch.jit.trace(model, x)
+        assert torch.equal(traced(x), model(x))
+        assert hunt.findings == []  # the traced calls are no steps of the model's
+        model(torch.full((2, 8), 1e4))  # sigmoid underflows to 0: log gives -inf
+    assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("2", "aten.log.default")
 
 
 # ---------------------------------------------------------------------------- torch.func

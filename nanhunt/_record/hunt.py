@@ -72,6 +72,7 @@ _NO = object()
 _F32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
+_tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -472,6 +473,12 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
+        if not self._stack and _tracing_state() is not None:
+            # torch.jit.trace runs the model to record its ops: not a step, and the hunt's probes
+            # and reads would be recorded into the trace (whose check then fails). Nothing is
+            # pushed, so every call inside comes here again and stands aside too.
+            self._outside.off()
+            return
         wrapper = None
         if e is None or e[1]() is not module:
             orig = getattr(module, "_orig_mod", None)  # torch.compile(model): runs here eagerly
