@@ -216,6 +216,26 @@ def test_torch_jit_trace_of_a_watched_model_works_and_the_hunt_goes_on() -> None
     assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("2", "aten.log.default")
 
 
+def test_a_dry_run_on_the_meta_device_is_no_step_and_harms_nothing() -> None:
+    # a model built on the meta device (shapes, FLOPs, deferred init) and run there has no values:
+    # the hunt read them (.item() on meta) and raised an internal error into the user's run
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), zoo.Log())
+    with nanhunt.watch(model) as hunt:
+        assert model(torch.empty(2, 8, device="meta")).shape == (2, 8)
+        model.to_empty(device="cpu")  # materialised: watched from its first real call
+        torch.manual_seed(0)
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        model(torch.rand(2, 8))
+        with pytest.raises(nanhunt.NonFiniteError) as err:
+            model(torch.full((2, 8), 1e4))  # sigmoid underflows to 0: log gives -inf
+            model(torch.rand(2, 8))  # (no optimizer: the next call ends the step)
+    assert (err.value.finding.module, err.value.finding.step) == ("2", 1)
+    assert hunt.findings == [err.value.finding]
+
+
 # ---------------------------------------------------------------------------- torch.func
 def test_per_sample_gradients_with_torch_func_on_a_watched_model() -> None:
     torch.manual_seed(0)

@@ -473,9 +473,10 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
-        if not self._stack and _tracing_state() is not None:
+        if not self._stack and (_tracing_state() is not None or _on_meta(module, args)):
             # torch.jit.trace runs the model to record its ops: not a step, and the hunt's probes
-            # and reads would be recorded into the trace (whose check then fails). Nothing is
+            # and reads would be recorded into the trace (whose check then fails). A model run on
+            # the meta device (a dry run for shapes or FLOPs) has no values to judge. Nothing is
             # pushed, so every call inside comes here again and stands aside too.
             self._outside.off()
             return
@@ -1540,6 +1541,15 @@ def _restores(on_find: Any) -> bool:
     """Does a finding stop or drop the step (raise, skip, or a callable that raises)? Then the
     buffers it wrote are put back."""
     return on_find in ("raise", "skip") or bool(getattr(on_find, "raises", False))
+
+
+def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
+    """A top-level call on the meta device (its first tensor argument, else its first parameter)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.is_meta
+    p = next(module.parameters(), None)
+    return p is not None and p.is_meta
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
