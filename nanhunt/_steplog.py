@@ -248,6 +248,7 @@ class StepLog:
         self.meta: list[Entry] = []
         self.lazy: list[tuple[torch.Tensor, int, int, int]] = []  # (output, its version, position in sums, module id)
         self.trial: list[tuple[torch.Tensor, int, int]] = []  # probed now, kept to learn: (output, version, module id)
+        self.late: set[int] = set()  # positions in sums of deferred outputs probed after an in-place write
         self.chunks: list[tuple[list[int], torch.Tensor]] = []  # (positions in sums, one value each)
         # fused checks (grads, params, state): a vector, one value per tensor, or a `_record.probe.Fused`
         self.vectors: list[tuple[Any, Vector]] = []
@@ -308,6 +309,7 @@ class StepLog:
                 if t._version != ver:
                     changed.append(mid)
                     sums[at] = t.sum()
+                    self.late.add(at)  # (what it was at its call's return: a replay tells)
                     continue
                 g = groups.get(t.shape)
                 if g is None:

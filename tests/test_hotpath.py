@@ -153,6 +153,33 @@ def test_an_output_written_after_its_module_returned_is_still_probed_at_once():
     assert first.value == float("-inf") and first.op == "aten.log.default"
 
 
+class _ScaledInPlace(nn.Module):
+    """The root's own code scales a child's output in place on a bad batch: an overflow born in the
+    root (``mul_``), after the child returned a finite value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        if bool(x.sum() < -1e3):
+            y.mul_(1e39)  # @scaled-in-place
+        return self.b(y)
+
+
+def test_an_in_place_write_after_a_deferred_childs_return_is_the_writers_finding():
+    # the child's output was deferred (clean steps), so its probe read the value after the root's
+    # own mul_ overflowed it: the child was blamed, and its replay (finite at its return) made it a
+    # "transient: suspect the device" finding. The root's own line made it.
+    torch.manual_seed(0)
+    first, deferred = _train(_ScaledInPlace(), _positive_then(torch.full((8, 4), -1e3)))
+    assert deferred  # the child's outputs were probed at the return
+    assert first is not None and (first.phase, first.module, first.cause, first.step) == ("forward", "", "created", 3)
+    assert first.op == "aten.mul_.Tensor" and first.reproducible is True and first.verdict != "transient"
+
+
 def test_more_small_outputs_than_are_held_at_once():
     """Past the cap of held outputs they are probed early, in the middle of the call; positions stay right."""
     torch.manual_seed(0)

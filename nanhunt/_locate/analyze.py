@@ -270,6 +270,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     ref, ver = c.outs[j]
     alive = ref()
     tensor = alive if alive is not None and version(alive) == ver else None
+    written = i in log.late  # written in place since the call returned, and its deferred probe taken only after that
     if tensor is not None and not is_bad(tensor):
         return None  # a finite sum that overflowed: not a finding
     r = ctx.replay(c.top, backward=False)
@@ -281,6 +282,10 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         again = dict(rc.outputs).get(path) if rc is not None else None
         if again is not None and not is_bad(again) and not bool(torch.isfinite(probe(again))):
             return None  # finite values whose sum overflowed: not a finding
+        if again is not None and written and rc is not None and not _bad_at_return(rc, path):
+            # finite when the call returned, written in place after (the caller's own code: y.mul_(1e39)),
+            # and probed only then: not this call's finding; the entries after it tell who wrote it
+            return None
         first = _first_bad_forward(r, ctx.view.ignored)
         seen = {x.ordinal for x in log.calls if x.top == c.top}
         if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in seen
@@ -315,6 +320,11 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
     return f
+
+
+def _bad_at_return(rc: ReplayCall, path: Path) -> bool:
+    """Was the replayed call's output at ``path`` non-finite when the call returned?"""
+    return next((b for (p, _), b in zip(rc.outputs, rc.out_bad) if p == path), True)
 
 
 def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | None:
