@@ -243,6 +243,37 @@ def test_shared_module_reports_the_call_that_overflowed() -> None:
                    call=1, cause="created", expected=rec.out("shared", 1))
 
 
+class _HealedLoop(nn.Module):
+    """A recurrent loop in the root's own code: an inf written between two calls of ``l``, which
+    ``l`` is then fed; tanh makes it finite again before the root returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(3):
+            x = torch.tanh(self.l(x))
+            if i == 1:
+                x = x.clone()
+                x[0, 0] = float("inf")
+        return x
+
+
+def test_a_child_fed_an_inf_its_parent_wrote_is_fed_not_the_creator() -> None:
+    torch.manual_seed(0)
+    model = _HealedLoop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt):
+        out = model(torch.ones(2, 4))
+        assert torch.isfinite(out).all()  # healed before the root returns
+        out.sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.call, f.cause, f.op) == ("forward", "l", 2, "input", None)
+    assert "enclosing module" in (f.hint or "")
+
+
 # ---------------------------------------------------------------------------- nested outputs
 def _plant(h: torch.Tensor) -> torch.Tensor:
     """h with nan planted at [1, 2] and -inf at [2, 0]: built in the module's own code."""

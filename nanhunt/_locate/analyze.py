@@ -385,7 +385,9 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
                 return "parameter", rc, path
             if bad_out:  # the enclosing module's own code made it; report its output
                 return "created", pc, bad_out[0][0]
-            return "created", rc, path
+            # the enclosing code made it and fed it in, but returns finite values (tanh(inf) = 1):
+            # this call was fed it
+            return "input", rc, path
         p = pc.parent
     return "input", rc, path
 

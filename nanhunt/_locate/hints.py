@@ -226,6 +226,9 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.cause == "input" and f.phase == "forward":
         if f.module == "<outside>":
             return "Its input was already non-finite: it came from the data or from code nanhunt did not see."
+        if f.module:
+            return ("Its input was already non-finite: it was made before the model (check the data), by the code "
+                    "that called it (the enclosing module's own forward, between its children's calls) or outside any module.")
         return "Its input was already non-finite: it was made before the model (check the data) or outside any module."
     if f.cause == "input" and f.phase == "grad":
         return "The non-finite values earlier in this step flowed into the gradient."
