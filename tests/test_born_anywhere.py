@@ -150,6 +150,25 @@ def test_loss_function_outside_the_model() -> None:
     assert "0/0" in f.hint
 
 
+@pytest.mark.parametrize("inplace_relu", [False, True])
+def test_an_overflow_written_in_place_into_the_models_output_is_found_at_its_op(inplace_relu: bool) -> None:
+    # the outside replay started from the output as it is now (already inf): the in-place op saw a
+    # non-finite input and got no op or chain. It starts from the value the model returned (a ReLU
+    # that wrote its input in place inside the model included)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=inplace_relu), nn.Linear(4, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(net, opt):
+        out = net(torch.randn(2, 4))
+        out.mul_(1e39)  # @mul-in-place
+        out.sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause) == ("forward", "<outside>", "created")
+    assert f.op == "aten.mul_.Tensor" and same_source(f.source, line("mul-in-place"))
+    assert f.chain and f.chain[0].startswith("aten.mul_.Tensor")
+
+
 class FocalLoss(nn.Module):
     """A loss module that is not part of the watched model."""
 

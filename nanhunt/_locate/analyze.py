@@ -156,10 +156,11 @@ def analyze(view: StepView) -> list[Finding]:
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
         elif kind == "out":  # the first outside value born there (not fed a non-finite input)
             grads = _grad_ids(view)
+            returned = _returned(ctx)
             for j in range(i, len(sbad)):
                 e = log.meta[j]
                 if sbad[j] and isinstance(e, Out) and j not in checked:
-                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out, grads)
+                    f = _outside.forward_finding(log, ctx.step, e.rec, e.out, grads, returned)
                     if f is not None:
                         break
         elif kind == "chk":
@@ -320,6 +321,24 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
     return f
+
+
+def _returned(ctx: _Ctx) -> dict[int, torch.Tensor]:
+    """Watched outputs that code after the top-level call wrote in place (``out.mul_(1e39)`` in the
+    loss code): id -> the replay's tensor for it, as the replayed top-level call left it (the
+    outside code's replay starts from it)."""
+    out: dict[int, torch.Tensor] = {}
+    log = ctx.log
+    for c in log.calls:  # (any depth: the root hands its last child's output on, probed there)
+        for (ref, ver), path in zip(c.outs, c.paths):
+            t = ref()
+            if t is None or version(t) == ver:
+                continue
+            rc = _match(ctx.replay(c.top, backward=False), c.ordinal, c.module)
+            v = dict(rc.outputs).get(path) if rc is not None else None
+            if isinstance(v, torch.Tensor) and v.shape == t.shape:
+                out[id(t)] = v
+    return out
 
 
 def _bad_at_return(rc: ReplayCall, path: Path) -> bool:

@@ -69,9 +69,10 @@ class _Tag(TorchDispatchMode):
 
 
 class _Replay:
-    def __init__(self, recs: list[OutRec], grad: bool) -> None:
+    def __init__(self, recs: list[OutRec], grad: bool, returned: dict[int, torch.Tensor] | None = None) -> None:
         self.recs = recs
         self.grad = grad
+        self.returned = returned or {}  # id of a watched call's output written in place since -> its value at the return
         self.sub: dict[int, torch.Tensor] = {}
         self.keep: list[torch.Tensor] = []
         self.leaves: list[torch.Tensor] = []
@@ -85,7 +86,7 @@ class _Replay:
         if r is not None:
             return r
         with torch.no_grad():
-            c = x.detach().clone()
+            c = self.returned.get(id(x), x).detach().clone()
         if self.grad and x.requires_grad and (x.is_floating_point() or x.is_complex()):
             c.requires_grad_(True)
             self.leaves.append(c)
@@ -160,12 +161,15 @@ def producer(recs: list[OutRec], t: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def forward_origin(recs: list[OutRec], ri: int, j: int) -> tuple[OpOrigin | None, dict[str, Any]]:
+def forward_origin(recs: list[OutRec], ri: int, j: int,
+                   returned: dict[int, torch.Tensor] | None = None) -> tuple[OpOrigin | None, dict[str, Any]]:
     """Op, line and chain of the first non-finite value in output ``j`` of recorded call ``ri``;
-    and what the hints need (the reduction's input rows)."""
+    and what the hints need (the reduction's input rows). ``returned``: the values at their
+    call's return of watched outputs the code wrote in place since (``out.mul_(s)``), from the
+    root's replay: the replay starts from them, not from what they hold now."""
     facts: dict[str, Any] = {}
     try:
-        rep = _Replay(recs, grad=False)
+        rep = _Replay(recs, grad=False, returned=returned)
         rec = _Recorder()
         tag = _Tag(rec)
         with _rng(), torch.no_grad(), warnings.catch_warnings(), tag:
@@ -266,9 +270,11 @@ def _outs(r: OutRec) -> list[torch.Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: frozenset[int] = frozenset()) -> Finding | None:
+def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: frozenset[int] = frozenset(),
+                    returned: dict[int, torch.Tensor] | None = None) -> Finding | None:
     """Output ``out_i`` of the recorded outside call ``rec_i`` was the first non-finite value.
-    ``grads``: ids of the watched parameters' ``.grad`` tensors (never fed from outside)."""
+    ``grads``: ids of the watched parameters' ``.grad`` tensors (never fed from outside);
+    ``returned``: see `forward_origin`."""
     r = log.outside[rec_i]
     outs = _outs(r)
     if out_i >= len(outs) or not is_bad(outs[out_i]):
@@ -296,7 +302,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
             return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in:
         return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
-    got, fx = forward_origin(log.outside, rec_i, out_i)
+    got, fx = forward_origin(log.outside, rec_i, out_i, returned)
     index, value, counts = element(t)
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
