@@ -552,7 +552,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         return _fed_backward(ctx, top_i, r, True)
     rc, k, path, cause = got
     first_bad = next(n for n, (kk, b) in enumerate(events) if kk == k and b)
-    early = _weight_grad_first(ctx, top_i, r, events, first_bad)
+    early = _weight_grad_first(ctx, top_i, r, rc, events, first_bad)
     if early is not None:
         return early
     owner = _owning_call(ctx, top_i, r, rc, k)
@@ -572,7 +572,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     return f
 
 
-def _weight_grad_first(ctx: _Ctx, top_i: int, r: Replay, events: list[tuple[int, bool]],
+def _weight_grad_first(ctx: _Ctx, top_i: int, r: Replay, culprit: ReplayCall, events: list[tuple[int, bool]],
                        before: int) -> Finding | None:
     """A call whose backward made a non-finite gradient of one of its *own weights* from finite
     gradients, earlier than the gradient the module-level analysis blames (event ``before``): an
@@ -588,6 +588,8 @@ def _weight_grad_first(ctx: _Ctx, top_i: int, r: Replay, events: list[tuple[int,
             bad_at.setdefault(k, n)
     best: tuple[int, int, ReplayCall] | None = None
     for c in r.calls:
+        if c is culprit:
+            continue  # its own weights' gradients come from the node the culprit's finding names
         if not c.out_keys or any(k in bad_at for k, _ in c.out_keys):
             continue  # no gradient reached it, or a non-finite one did
         t = min((seen_at[k] for k, _ in c.out_keys if k in seen_at), default=None)
