@@ -120,7 +120,7 @@ def is_checked(t: torch.Tensor) -> bool:
 
 def is_bad(t: torch.Tensor | None) -> bool:
     """Does ``t`` hold a non-finite value? (Exact; reads the answer back to the host.)"""
-    if t is None or not (t.is_floating_point() or t.is_complex()):
+    if t is None or not (t.is_floating_point() or t.is_complex()) or t.is_meta:  # (meta: no values)
         return False
     return not bool(torch.isfinite(values(t)).all())
 

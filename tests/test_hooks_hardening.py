@@ -216,6 +216,51 @@ def test_torch_jit_trace_of_a_watched_model_works_and_the_hunt_goes_on() -> None
     assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("2", "aten.log.default")
 
 
+class _TracesItsPart(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.traced = torch.jit.trace(self.sub, x)  # a trace made inside a watched step
+        return self.traced(x) + self.sub(x)
+
+
+def test_a_jit_trace_made_inside_a_watched_forward_is_left_alone() -> None:
+    model = _TracesItsPart()
+    with nanhunt.watch(model) as hunt, warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        for _ in range(2):
+            model(torch.randn(2, 4))
+    assert not hunt.findings
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, temp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) / temp
+
+
+class _Softmax(nn.Module):
+    def forward(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.softmax(x, -1)
+
+
+def test_meta_dry_runs_with_a_cpu_scalar_first_or_keyword_arguments_harm_nothing() -> None:
+    model = _Scaled().to("meta")
+    with nanhunt.watch(model) as hunt:  # the first positional tensor is a CPU scalar, the input on meta
+        assert model(torch.tensor(2.0), torch.empty(2, 4, device="meta")).is_meta
+    assert hunt.findings == []
+    soft = _Softmax()
+    with nanhunt.watch(soft, on_find="record") as hunt:
+        assert soft(x=torch.empty(2, 4, device="meta")).is_meta  # keyword arguments only
+        soft(x=torch.tensor([[0.0, float("nan")]]))
+    assert [f.module for f in hunt.findings] == [""]
+
+
 def test_a_dry_run_on_the_meta_device_is_no_step_and_harms_nothing() -> None:
     # a model built on the meta device (shapes, FLOPs, deferred init) and run there has no values:
     # the hunt read them (.item() on meta) and raised an internal error into the user's run

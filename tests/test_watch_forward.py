@@ -184,18 +184,26 @@ class _Huge(nn.Module):
         return x * 3e38  # finite, but its float32 sum (the probe) is inf
 
 
+class _Same(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0  # a new tensor with the same huge values: flagged again
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_nan_after_huge_finite_outputs_is_still_found(mode: str) -> None:
-    # the first flagged probe is a finite output whose sum overflowed: no finding, but the NaN that
-    # LayerNorm then makes of it (its variance overflows: inf / inf) must still be found
-    m = nn.Sequential(_Huge(), nn.LayerNorm(16), nn.Linear(16, 2))
+@pytest.mark.parametrize("between", [0, 70])
+def test_a_nan_after_huge_finite_outputs_is_still_found(mode: str, between: int) -> None:
+    # the first flagged probes are finite outputs whose sums overflowed: no finding, but the NaN that
+    # LayerNorm then makes of them (its variance overflows: inf / inf) must still be found, however
+    # many such outputs come first
+    m = nn.Sequential(_Huge(), *[_Same() for _ in range(between)], nn.LayerNorm(16), nn.Linear(16, 2))
     x = torch.ones(1, 16)
     rec = Recorder(m)
     assert not torch.isfinite(m(x)).all()
     with nanhunt.watch(m, on_find="record", mode=mode) as hunt:
         m(x)
-    assert_finding(_first(hunt), phase="forward", module="1", module_type="LayerNorm", tensor="output", step=0,
-                   call=0, cause="created", expected=rec.out("1"))
+    ln = str(between + 1)
+    assert_finding(_first(hunt), phase="forward", module=ln, module_type="LayerNorm", tensor="output", step=0,
+                   call=0, cause="created", expected=rec.out(ln))
     assert _first(hunt).op == "aten.native_layer_norm.default"
 
 
@@ -272,6 +280,40 @@ def test_a_child_fed_an_inf_its_parent_wrote_is_fed_not_the_creator() -> None:
     f = err.value.finding
     assert (f.phase, f.module, f.call, f.cause, f.op) == ("forward", "l", 2, "input", None)
     assert "enclosing module" in (f.hint or "")
+
+
+class _CappedSqrt(nn.Module):
+    def forward(self, x: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(torch.minimum(x, cap) - 5.0)  # nan where x < 5: made here, the cap is unused
+
+
+class _NoLimit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = _CappedSqrt()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x, torch.tensor(float("inf"))).nan_to_num()  # "no limit": +inf; the NaN is cleaned
+
+
+def test_a_child_that_makes_a_nan_from_finite_values_beside_an_unused_inf_input_made_it() -> None:
+    model = _NoLimit()
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.arange(8.0).view(2, 4))
+    f = _first(hunt)
+    assert (f.module, f.cause, f.op) == ("c", "created", "aten.sqrt.default")
+
+
+def test_a_minus_inf_in_the_data_is_fed_in_with_no_op() -> None:
+    # -inf data (log of a zero feature) into a Linear: fed, not a mask that an op turned into nan
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    x[1, 2] = float("-inf")
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = _first(hunt)
+    assert (f.module, f.cause, f.op, f.chain) == ("0", "input", None, ())
 
 
 # ---------------------------------------------------------------------------- nested outputs

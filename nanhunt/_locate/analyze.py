@@ -8,7 +8,6 @@ themselves, the inputs and parameters, and whether the value is reproducible.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
 from typing import Any
 
@@ -98,9 +97,6 @@ class _Ctx:
         return r
 
 
-_FWD_TRIES = 64  # flagged forward entries judged at most (their replay is shared: one per top-level call)
-
-
 def _replayable(top: Top) -> bool:
     return top.kwargs is not None and [version(t) for _, t in tensors(top.args)] == top.versions
 
@@ -146,8 +142,7 @@ def analyze(view: StepView) -> list[Finding]:
         if kind == "fwd":
             # a probe is a sum: finite values whose sum overflowed are no finding, and a NaN after
             # them is still to be found (a 3e38 activation before a LayerNorm that makes nan of it)
-            tries = (j for j in range(i, len(sbad)) if sbad[j] and isinstance(log.meta[j], Fwd) and j not in checked)
-            for j in itertools.islice(tries, _FWD_TRIES):
+            for j in (j for j in range(i, len(sbad)) if sbad[j] and isinstance(log.meta[j], Fwd) and j not in checked):
                 f = _forward_finding(ctx, j)
                 if f is not None:
                     break
@@ -237,6 +232,11 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         else:
             grads = [ctx.log.tensors[k].grad for k in top.out_keys]
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
+        if got is not None and f.cause == "input" and phase == "forward":
+            if got.facts.get("mask_fed"):
+                got = None  # a -inf fed in that the module does not take as a mask (log(0) data): fed, no op made it
+            else:  # the op trace followed the element back to an op with finite inputs: born here
+                f = dataclasses.replace(f, cause="created")
         if got is not None:
             f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
             facts = got.facts

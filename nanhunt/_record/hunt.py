@@ -442,10 +442,11 @@ class Hunt:
             self._names = None  # rebuilt at the next call
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _is_compiling() or self._paused or (REPLAYING and get_ident() in REPLAYING):
+        if _is_compiling() or self._paused or (REPLAYING and get_ident() in REPLAYING) or _tracing_state() is not None:
             # inside a compiled graph only _post_compiled runs (tested first: a traced read of
             # _paused would guard the graph on it, and the analysis' compiled replay recompile it);
-            # a replay is no hunt's program
+            # a replay is no hunt's program; torch.jit.trace records every op run (the hunt's probes
+            # would be recorded into the trace, whose check then fails), also one made inside a step
             return
         try:
             if _get_ident() != self._owner and not self._take_step():
@@ -473,11 +474,9 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
-        if not self._stack and (_tracing_state() is not None or _on_meta(module, args)):
-            # torch.jit.trace runs the model to record its ops: not a step, and the hunt's probes
-            # and reads would be recorded into the trace (whose check then fails). A model run on
-            # the meta device (a dry run for shapes or FLOPs) has no values to judge. Nothing is
-            # pushed, so every call inside comes here again and stands aside too.
+        if not self._stack and _on_meta(module, args):
+            # a model run on the meta device (a dry run for shapes or FLOPs) has no values to judge.
+            # Nothing is pushed, so every call inside comes here again and stands aside too.
             self._outside.off()
             return
         wrapper = None
@@ -628,8 +627,8 @@ class Hunt:
                 i = c.index
                 calls = log.calls
                 dt = output.dtype
-                if i >= len(calls) or calls[i] is not c or dt not in _CHECKED:
-                    return  # the step ended inside this call (a sync from another thread); not floating
+                if i >= len(calls) or calls[i] is not c or dt not in _CHECKED or output.is_meta:
+                    return  # the step ended inside this call (a sync from another thread); not floating; no values
                 try:
                     key = (id(output), output._version)
                 except RuntimeError:  # an inference tensor: no version counter
@@ -733,7 +732,7 @@ class Hunt:
         stat = stats_on  # sampled steps: statistics of the call's first floating output
         try:
             for path, t in items:
-                if not (t.is_floating_point() or t.is_complex()):
+                if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
                     continue
                 key = (id(t), -1 if t.is_inference() else t._version)
                 if ignored:
@@ -1544,12 +1543,10 @@ def _restores(on_find: Any) -> bool:
 
 
 def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
-    """A top-level call on the meta device (its first tensor argument, else its first parameter)."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a.is_meta
-    p = next(module.parameters(), None)
-    return p is not None and p.is_meta
+    """A top-level call on the meta device: a positional tensor argument is on meta. (Not judged
+    from the parameters: a model offloaded by accelerate keeps them on meta and computes for real;
+    a call with keyword arguments only is watched.)"""
+    return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
