@@ -138,15 +138,7 @@ class AutoWatch:
         running.append(module)
         if len(running) > 1 or self._busy or module in self._owned or module in self._aside:
             return
-        self._busy = True
-        try:
-            self._start(module, args)
-        except NonFiniteError:
-            raise
-        except Exception as e:  # never break the user's run over discovery
-            warnings.warn(f"nanhunt could not watch {type(module).__name__}: {type(e).__name__}: {e}", stacklevel=2)
-        finally:
-            self._busy = False
+        self._discover(module, self._start, module, args)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -279,15 +271,20 @@ class AutoWatch:
             return
         root = self._widen(held[0], opt)
         if root is not held[0] and root not in self._owned:
-            self._busy = True
-            try:
-                self._watch(root)
-            except NonFiniteError:
-                raise
-            except Exception as e:  # never break the user's run over discovery
-                warnings.warn(f"nanhunt could not watch {type(root).__name__}: {type(e).__name__}: {e}", stacklevel=3)
-            finally:
-                self._busy = False
+            self._discover(root, self._watch, root)
+
+    def _discover(self, module: nn.Module, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` to watch ``module``, never breaking the user's run over discovery (a
+        finding still raises); no other discovery starts meanwhile."""
+        self._busy = True
+        try:
+            fn(*args)
+        except NonFiniteError:
+            raise
+        except Exception as e:
+            warnings.warn(f"nanhunt could not watch {type(module).__name__}: {type(e).__name__}: {e}", stacklevel=3)
+        finally:
+            self._busy = False
 
     def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if opt not in self._attached and not self._busy:

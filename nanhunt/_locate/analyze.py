@@ -142,10 +142,11 @@ def analyze(view: StepView) -> list[Finding]:
         if kind == "fwd":
             # a probe is a sum: finite values whose sum overflowed are no finding, and a NaN after
             # them is still to be found (a 3e38 activation before a LayerNorm that makes nan of it)
-            for j in (j for j in range(i, len(sbad)) if sbad[j] and isinstance(log.meta[j], Fwd) and j not in checked):
-                f = _forward_finding(ctx, j)
-                if f is not None:
-                    break
+            for j in range(i, len(sbad)):
+                if sbad[j] and isinstance(log.meta[j], Fwd) and j not in checked:
+                    f = _forward_finding(ctx, j)
+                    if f is not None:
+                        break
             if f is not None and op_call is not None and not f.reproducible and f.module != op_call.name:
                 # no replay to tell: the op ran in this call's own code (its output was handed on)
                 f = dataclasses.replace(f, module=op_call.name, module_type=type(op_call.module).__name__)
@@ -329,11 +330,12 @@ def _returned(ctx: _Ctx) -> dict[int, torch.Tensor]:
     outside code's replay starts from it)."""
     out: dict[int, torch.Tensor] = {}
     log = ctx.log
+    used = {id(x) for r in log.outside for _, x in tensors((r.args, r.kwargs))}
     for c in log.calls:  # (any depth: the root hands its last child's output on, probed there)
         for (ref, ver), path in zip(c.outs, c.paths):
             t = ref()
-            if t is None or version(t) == ver:
-                continue
+            if t is None or id(t) not in used or version(t) == ver:
+                continue  # (a replay only for what the outside code took)
             rc = _match(ctx.replay(c.top, backward=False), c.ordinal, c.module)
             v = dict(rc.outputs).get(path) if rc is not None else None
             if isinstance(v, torch.Tensor) and v.shape == t.shape:
