@@ -315,16 +315,14 @@ class AutoWatch:
     def _stamp(self, hunt: Hunt) -> None:
         """Stamp each finding ``hunt`` records (any way: ``on_find``, a refused checkpoint) from
         the one counter shared by every hunt: the order of occurrence across hunts."""
-        add = hunt._add_findings
         stamps, counter = self._stamps, self._counter
 
-        def _add_findings(found: list[Finding]) -> None:
+        def stamp(found: list[Finding]) -> None:
             for f in found:
                 if id(f) not in stamps:
                     stamps[id(f)] = (next(counter), f)
-            add(found)
 
-        hunt._add_findings = _add_findings  # type: ignore[method-assign]
+        hunt.on_record.append(stamp)
 
     def _first_stamped(self, f: Finding) -> bool:
         """``f`` is the first finding any hunt recorded."""

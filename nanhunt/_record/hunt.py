@@ -193,6 +193,9 @@ class Hunt:
                 self.replay = False  # an FSDP2 replay would all-gather on this rank alone: every rank or none
         self.step = 0
         self.findings: list[Finding] = []
+        # called with each batch of findings before they are added (in the order made), however
+        # they were made (on_find, a refused checkpoint): `nanhunt run` orders findings across hunts
+        self.on_record: list[Callable[[list[Finding]], None]] = []
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
         self._scaler = o.scaler
@@ -1362,6 +1365,8 @@ class Hunt:
         """Keep ``findings`` in order of occurrence: a finding of an earlier step made later (the
         optimizer's, read at the next step's sync, after a checkpoint was refused) goes before
         the later steps' findings; within a step, in the order given."""
+        for listener in self.on_record:
+            listener(found)
         findings = self.findings
         for f in found:
             at = len(findings)
