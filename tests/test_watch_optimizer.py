@@ -182,6 +182,35 @@ def test_gradscaler_skipped_steps_are_not_findings() -> None:
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_steps_the_gradscaler_skipped_count_as_in_the_users_loop(mode: str) -> None:
+    """A huge initial scale: the scaler skips the first iterations (expected, not findings), each
+    still a step as the loop counts it; then a batch in raw units overflows a Linear in float16.
+    The finding names that iteration, call 0 (before: step 2 or 'step 0, call 6')."""
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    applied: list[int] = []
+    bad = 7
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt, scaler=scaler, mode=mode) as hunt:
+            for i, (x, y) in enumerate(_data(10)):
+                if i == bad:
+                    x = torch.full_like(x, 7e4)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = m(x)
+                scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+                before = snapshot(m)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                applied.append(int(not same_state(before, snapshot(m))))
+                assert hunt.step == i + 1
+    assert applied[:2] == [0, 0] and 1 in applied, "test set-up: the scaler skips the first steps, then applies"
+    f = ei.value.finding
+    assert (f.phase, f.step, f.call, f.dtype) == ("forward", bad, 0, "float16"), f
+
+
 def test_without_the_scaler_its_overflowing_gradients_are_findings() -> None:
     hunt, _, applied = _amp_run(_classifier(), pass_scaler=False, init_scale=2.0**24)
     assert applied[0] == 0

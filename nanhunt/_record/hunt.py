@@ -1153,15 +1153,14 @@ class Hunt:
             out = orig(optimizer, *args, **kwargs)
             if h is not None and not h._closed and h._steps_applied == before:
                 # the scaler skipped the step: its scaled gradients overflowed, as expected. The
-                # iteration still ends here (its forward is checked), without counting a step.
+                # iteration ends here (its forward is checked) and counts as a step, as the user's
+                # loop (and Lightning's and the Trainer's step counters) count it
                 h._skipped_steps += 1
                 h._drop_backward()
-                skips = len(h.skipped)
                 h._end_step(advance=False, collective=True)
-                if len(h.skipped) > skips:  # on_find="skip" dropped it too: a skipped step still counts
-                    i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
-                    if i is not None:
-                        h._count_step(i)
+                i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
+                if i is not None and not h._closed:
+                    h._count_step(i)
             return out
 
         step.__nanhunt__ = True  # type: ignore[attr-defined]
