@@ -154,3 +154,27 @@ def test_sentinel_numbers_the_call_of_a_micro_batch_as_full_mode_does(bad_micro:
         return f.call
 
     assert first_call("sentinel") == first_call("full") == bad_micro
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_the_model_computes_itself_is_judged_though_its_gradients_are_finite(mode: str) -> None:
+    """Hugging Face's labels= pattern: GPT-2 computes its own loss. A batch whose labels are all
+    -100 (a prompt that fills the window) makes it a mean over zero tokens, 0/0 = nan, with zero
+    gradients: sentinel mode, which judges a training call by its gradients, found nothing."""
+    model = zoo.gpt2(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, mode=mode):
+            for i in range(3):
+                ids = torch.randint(0, 100, (2, 16), generator=g)
+                labels = ids.clone()
+                labels[:, : (16 if i == 2 else 4)] = -100
+                out = model(input_ids=ids, labels=labels)
+                out.loss.backward()
+                assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+                opt.step()
+                opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("forward", "", "output['loss']", 2, "created"), f
+    assert f.op == "aten.nll_loss_forward.default" and "zero" in f.hint, f

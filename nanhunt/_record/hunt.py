@@ -977,9 +977,11 @@ class Hunt:
                 # no optimizer (inference), or a call without gradients (a validation batch, a
                 # pseudo-label pass in training: what it returns never reaches a gradient): the
                 # outputs are what there is to judge
-                if ((not self._opts or not torch.is_grad_enabled())
-                        and c.index < len(log.calls) and log.calls[c.index] is c):
-                    self._probe_root_outputs(log, c, output)
+                if c.index < len(log.calls) and log.calls[c.index] is c:
+                    # with gradients, only a 0-dim output (a loss the model computes itself, as
+                    # Hugging Face models do from labels=): its gradient may be finite while it is
+                    # not (a mean over zero tokens: 0/0, with zero gradients)
+                    self._probe_root_outputs(log, c, output, scalars=bool(self._opts) and torch.is_grad_enabled())
                 if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
                     c.out_keys = out_keys = []
@@ -996,15 +998,16 @@ class Hunt:
         except Exception as exc:
             self._fault(exc, "the forward hook")
 
-    def _probe_root_outputs(self, log: StepLog, c: Call, output: Any) -> None:
+    def _probe_root_outputs(self, log: StepLog, c: Call, output: Any, scalars: bool = False) -> None:
         """Sentinel mode with no optimizer (inference), or a root call without gradients (a
         validation batch, a pseudo-label pass): no gradient will judge what it returned, so the
-        root's outputs are probed (one probe each), and a hit is localised by replay."""
+        root's outputs are probed (one probe each), and a hit is localised by replay.
+        ``scalars``: only its 0-dim outputs (a training call: the gradients judge the rest)."""
         paths: list[Path] = []
         outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         c.paths, c.outs = paths, outs
         for path, t in tensors(output):
-            if is_checked(t) and t.numel():
+            if is_checked(t) and t.numel() and (not scalars or not t.dim()):
                 log.sums.append(probe(t))
                 log.meta.append(Fwd(c.index, len(paths)))
                 paths.append(path)
