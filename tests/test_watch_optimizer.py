@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import nanhunt
 
@@ -465,3 +466,83 @@ def test_a_warm_up_schedule_that_divides_by_zero_is_named_in_the_hint() -> None:
     f = err.value.finding
     assert (f.phase, f.step, f.cause) == ("optimizer", 0, "created"), f
     assert "param_groups[0]['lr'] = inf" in f.hint, f.hint
+
+
+# ---------------------------------------------------------------------------- the numbers behind an update
+def _bow() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.EmbeddingBag(50, 16, mode="mean"), nn.Linear(16, 2))
+
+
+def test_adam_with_eps_0_names_eps_where_a_gradient_is_0() -> None:
+    """eps=0 (a port of TF code): embedding rows of tokens absent from the batch have 0 gradient,
+    so exp_avg / sqrt(exp_avg_sq) is 0/0 at the first step; the hint said 'an update that overflowed'."""
+    m = _bow()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=0.0)
+    x = torch.randint(0, 30, (8, 5), generator=torch.Generator().manual_seed(0))  # tokens 30..49 never appear
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt):
+            F.cross_entropy(m(x), torch.zeros(8, dtype=torch.long)).backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step) == ("optimizer", "0", "weight", 0), f
+    assert f.index[0] not in set(x.flatten().tolist()), "a row the batch never touched: 0 gradient"
+    assert "eps is 0" in f.hint and "positive eps" in f.hint, f
+
+
+def test_adam_state_overflow_from_a_huge_gradient_names_the_gradient_not_the_learning_rate() -> None:
+    """A loss term weighted 1e21 (a term in the wrong units): finite, but its gradient's square
+    passes float32's largest value, so exp_avg_sq becomes inf while the weights stay finite (the
+    update is m/inf = 0): the hint blamed the learning rate."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        (m(x) * 1e21).mean().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.tensor, f.value) == ("optimizer", "state['exp_avg_sq']", float("inf")), f
+    assert "square passes float32" in f.hint and "Clip the gradients" in f.hint, f
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+class _LARS(torch.optim.Optimizer):
+    """A hand-written LARS, as in many SimCLR/BYOL repositories: trust = eta * ||w|| / ||g||."""
+
+    def __init__(self, params: Any, lr: float = 0.1, eta: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr, "eta": eta})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    trust = group["eta"] * p.norm() / p.grad.norm()
+                    p.sub_(p.grad * trust * group["lr"])
+
+
+def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() -> None:
+    """A zero-initialised gate gives the gated Linear an all-zero gradient: LARS's trust ratio is
+    ||w|| / 0 = inf and the update 0 * inf = nan."""
+    torch.manual_seed(0)
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.gate, self.fc = nn.Linear(6, 16), nn.Linear(6, 16), nn.Linear(16, 3)
+            nn.init.zeros_(self.gate.weight)
+            nn.init.zeros_(self.gate.bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.a(x) * torch.relu(self.gate(x)))
+
+    m = Gated()
+    opt = _LARS(m.parameters())
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt):
+            F.cross_entropy(m(torch.randn(8, 6)), torch.zeros(8, dtype=torch.long)).backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor) == ("optimizer", "a", "weight"), f
+    assert "0 everywhere" in f.hint and "trust ratio" in f.hint, f

@@ -874,6 +874,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
             cause="parameter" if at_start else ("input" if fed else "created"), op=op,
             source=src if op else None, chain=(f"{op} @ {src}" if src else op,) if op else (),
-            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting),
+            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,
+                                       grads=_optim.grad_facts(opt, p) if opt is not None and not fed else None),
         )
     return None

@@ -284,7 +284,7 @@ def written_hint(what: str) -> str:
 
 
 def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False,
-                   setting: str = "") -> str:
+                   setting: str = "", grads: dict[str, Any] | None = None) -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"
     if at_start:
         return at_start_hint(what)
@@ -299,6 +299,21 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
     if fed:
         return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
                 "gradients (on_find was not 'raise').")
+    g = grads or {}
+    if state and g.get("grad_max") is not None:
+        return (f"After the optimizer step, {what} is non-finite: the gradient of {param!r} reached "
+                f"{g['grad_max']:.3g}, whose square passes {g['dtype']}'s largest value, so a running "
+                "mean of squared gradients (exp_avg_sq) overflows to inf. Clip the gradients "
+                "(torch.nn.utils.clip_grad_norm_) or find why they are this large (the loss's scale).")
+    if g.get("eps") == 0 and (g.get("zero_grad") or g.get("zero_some")):
+        return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, and where the "
+                f"gradient of {param!r} is 0 its update divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). "
+                "Use a positive eps (the default 1e-8).")
+    if g.get("zero_grad"):
+        return (f"After the optimizer step, {what} is non-finite although the step was given finite "
+                f"gradients: the gradient of {param!r} is 0 everywhere, so an update that divides by "
+                "the gradient's size (a trust ratio ||w|| / ||g||, a normalised step) divides by 0. "
+                "Guard that division (where(||g|| > 0, ..., 1)) or add an eps.")
     return (f"After the optimizer step, {what} is non-finite although the step was given finite "
-            "gradients: an update that overflowed (an exploding learning rate, or a denominator like "
-            "sqrt(exp_avg_sq) + eps at 0).")
+            "gradients: an update that overflowed or divided by 0 (an exploding learning rate, a "
+            "denominator like sqrt(exp_avg_sq) + eps at 0).")

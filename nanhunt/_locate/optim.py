@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "eps_rounds_to_zero"]
+__all__ = ["update_op", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
 
 
 class _Writes(TorchDispatchMode):
@@ -90,3 +90,34 @@ def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
                     return f"param_groups[{gi}][{key!r}] = {x}"
         return ""
     return ""
+
+
+def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """What the numbers say of ``p``'s update, for the hint (after a hit: host reads allowed):
+    ``eps`` (the group's, when it is exactly 0), ``zero_grad`` (the gradient is 0 everywhere, or
+    ``zero_rows`` somewhere), ``grad_max`` (its largest magnitude, when its square passes the
+    dtype's largest value). Empty when the gradient is gone (``zero_grad()`` ran) or non-finite."""
+    out: dict[str, Any] = {}
+    try:
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        eps = group.get("eps")
+        if isinstance(eps, (int, float)) and eps == 0:
+            out["eps"] = 0.0
+        g = p.grad
+        if g is None or g.is_sparse or not g.is_floating_point() or not g.numel():
+            return out
+        g = g.detach()
+        if not bool(torch.isfinite(g).all()):
+            return {}
+        zeros = int((g == 0).sum())
+        if zeros == g.numel():
+            out["zero_grad"] = True
+        elif zeros:
+            out["zero_some"] = True
+        gmax = float(g.abs().max())
+        if gmax * gmax > torch.finfo(g.dtype).max:
+            out["grad_max"] = gmax
+            out["dtype"] = str(g.dtype).replace("torch.", "")
+    except Exception:
+        return {}
+    return out
