@@ -3,6 +3,7 @@ GradScaler's skipped steps, and several optimizers."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -546,3 +547,8 @@ def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() ->
     f = ei.value.finding
     assert (f.phase, f.module, f.tensor) == ("optimizer", "a", "weight"), f
     assert "0 everywhere" in f.hint and "trust ratio" in f.hint, f
+    # the op and the line inside the user's own step(), found on a shadow step of the same class
+    lines, first = inspect.getsourcelines(_LARS.step)
+    trust_line = first + next(i for i, ln in enumerate(lines) if "trust = " in ln)
+    assert f.op == "aten.div.Tensor" and f.source == f"{__file__}:{trust_line}", f
+    assert f.chain[0] == f"aten.div.Tensor @ {f.source}" and f.chain[-1].startswith("aten.sub_"), f.chain

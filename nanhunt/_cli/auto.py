@@ -115,7 +115,7 @@ class AutoWatch:
         def __init__(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             orig(opt, *args, **kwargs)
             w = me()
-            if w is not None and not w._closed:
+            if w is not None and not w._closed and not replaying_here():  # (an analysis' shadow optimizer)
                 w._on_optimizer(opt)
 
         torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign,assignment]
@@ -287,7 +287,7 @@ class AutoWatch:
             self._busy = False
 
     def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if opt not in self._attached and not self._busy:
+        if opt not in self._attached and not self._busy and not replaying_here():
             self._busy = True
             try:
                 self._attach(opt)

@@ -867,13 +867,18 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
         setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""
         src = ctx.view.step_lines.get(entry.opt)
+        chain: tuple[str, ...] = (f"{op} @ {src}" if src else op,) if op else ()
+        if op is None and opt is not None and not fed and not at_start:
+            got = _optim.custom_origin(opt, p, sk, index)  # a hand-written optimizer: its own op and line
+            if got is not None:
+                op, src, chain = got[0], got[1], tuple(got[2])
         return Finding(
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
             value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
             cause="parameter" if at_start else ("input" if fed else "created"), op=op,
-            source=src if op else None, chain=(f"{op} @ {src}" if src else op,) if op else (),
+            source=src if op else None, chain=chain,
             hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,
                                        grads=_optim.grad_facts(opt, p) if opt is not None and not fed else None),
         )

@@ -3,8 +3,14 @@
 The step itself is gone (the parameters and state were overwritten), so the op is found on a
 *shadow*: a fresh optimizer of the same `torch.optim` class and hyperparameters, over a one-element
 copy of the parameter (same dtype and device), stepped twice under a dispatch mode that notes
-which aten op last wrote the parameter and each state tensor. Only `torch.optim`'s own classes
-are shadowed (a custom optimizer's step may have side effects); others give ``None``.
+which aten op last wrote the parameter and each state tensor.
+
+A hand-written optimizer (`custom_origin`): its own code is the user's, so its op *and line* are
+worth finding. A shadow of its class over a copy of the one parameter (its non-finite values set
+to 0: what it held before the step is gone), with the parameter's gradient and a copy of its
+state, is stepped once under the op-level recorder; the op that made a non-finite value from
+finite ones on the path to the reported element is the answer. Its step runs user code once more,
+as every replay does; nothing it touches is the user's (fresh tensors, a fresh instance).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
+__all__ = ["update_op", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
 
 
 class _Writes(TorchDispatchMode):
@@ -58,6 +64,52 @@ def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | No
         with w:
             shadow.step()
         return w.last.get(key)
+    except Exception:
+        return None
+
+
+def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
+                  index: tuple[int, ...] | None) -> tuple[str, str | None, list[str]] | None:
+    """``(op, source, chain)`` of the reported element of ``p`` (``key=""``) or ``state[key]`` in a
+    hand-written optimizer's update, from a shadow step (see the module docstring), else None."""
+    from .oplevel import _chain, _Mode, _Recorder  # the forward op trace's recorder
+
+    try:
+        if type(opt).__module__.split(".")[:2] == ["torch", "optim"]:
+            return None
+        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        g = p.grad
+        if g is None or g.is_sparse or not bool(torch.isfinite(g).all()):
+            return None
+        params = inspect.signature(type(opt).__init__).parameters
+        hp = {k: v for k, v in group.items() if k in params and k != "params"}
+        with torch.no_grad():
+            q = torch.nn.Parameter(torch.nan_to_num(p.detach().clone(), nan=0.0, posinf=0.0, neginf=0.0),
+                                   requires_grad=p.requires_grad)
+            q.grad = g.detach().clone()
+            state = {k: (torch.nan_to_num(v.detach().clone(), nan=0.0, posinf=0.0, neginf=0.0)
+                         if isinstance(v, torch.Tensor) and v.is_floating_point() else
+                         v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                     for k, v in opt.state.get(p, {}).items()}
+        shadow = type(opt)([q], **hp)
+        if state:
+            shadow.state[q] = state
+        rec = _Recorder()
+        mode = _Mode(rec)
+        mode.on = True
+        with mode:
+            shadow.step()
+        target = q if not key else shadow.state.get(q, {}).get(key)
+        if not isinstance(target, torch.Tensor):
+            return None
+        code, prod = rec.lookup(target)
+        if code is None or prod is None:
+            return None  # finite on the shadow: not reproduced
+        path = rec.walk(prod, index)
+        if not path:
+            return None
+        first = rec.recs[path[0]]
+        return first.op, first.src, _chain(rec, path)
     except Exception:
         return None
 
