@@ -5,8 +5,9 @@ is far too high. The query/key weights grow step after step until one attention 
 passes float16's largest value (65504): the logit becomes ``inf``, and the softmax over its row
 turns it into ``nan`` (``inf - inf``). nanhunt names the attention module, the step and the element.
 
-Everything is seeded and runs on one CPU thread, and `nanhunt demo` takes torch's portable float
-code paths (`_cli.main.DEMO_ENV`), so the blow-up happens at the same step each time, on any x86 machine.
+Everything is seeded and runs on one CPU thread, without oneDNN, and `nanhunt demo` takes torch's
+portable float code paths (`_cli.main.DEMO_ENV`), so the blow-up happens at the same step each time,
+on any x86 machine.
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ def train(steps: int = 300, *, progress: Any = None) -> Any:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # same reduction order on every machine: the same blow-up step
+    # float16 matmuls take torch's own kernels, not oneDNN's: oneDNN picks its kernels by the CPU
+    # (AVX512-FP16, AMX), and their rounding moved the blow-up by tens of steps between machines
+    mkldnn = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
     try:
         torch.manual_seed(0)
         data = torch.Generator().manual_seed(0)
@@ -166,6 +171,7 @@ def train(steps: int = 300, *, progress: Any = None) -> Any:
             return e.report
         return hunt.report
     finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
         torch.set_num_threads(threads)
 
 

@@ -170,8 +170,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                       "learning rate, gradient clipping, normalising the inputs)")
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
-        return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs, past {fx['dtype']}'s largest "
-                f"finite value {fx['limit']:g}; {remedy}.")
+        wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
+        return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
+                f"largest finite value {fx['limit']:g}; {remedy}.")
     if fx.get("masked_row"):
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
