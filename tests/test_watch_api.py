@@ -413,3 +413,65 @@ def test_a_watched_model_can_be_deep_copied_and_saved_whole(mode: str, tmp_path:
     assert hunt.findings == []
     back = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(back(x), saved_out) and _leftovers(m, opt) == []
+
+
+def _global_hooks() -> tuple[int, int, int]:
+    return (len(_module_mod._global_forward_hooks), len(_module_mod._global_forward_pre_hooks),
+            len(_module_mod._global_module_registration_hooks))
+
+
+def test_a_watch_that_fails_to_start_leaves_nothing_and_frees_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure after the first hooks went on (here: registering the optimizer's post-hook) takes
+    them off again: the global hooks stayed and kept the model alive."""
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _global_hooks()
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "register_step_post_hook", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        nanhunt.watch(model, opt)
+    monkeypatch.undo()
+    assert _global_hooks() == before
+    assert not opt._optimizer_step_pre_hooks and torch.save.__module__ == "torch.serialization"
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_optimizer_torch_never_set_up_is_refused_by_name() -> None:
+    class NoInit(torch.optim.SGD):
+        def __init__(self) -> None:  # forgets super().__init__
+            pass
+
+    before = _global_hooks()
+    with pytest.raises(TypeError, match="NoInit was never set up by torch.optim.Optimizer.__init__"):
+        nanhunt.watch(zoo.mlp(), NoInit())
+    assert _global_hooks() == before
+
+
+def test_accelerates_wrapped_optimizer_is_watched_through_the_optimizer_it_steps() -> None:
+    """accelerate's AcceleratedOptimizer never runs Optimizer.__init__: watch() failed with an
+    AttributeError. Its inner optimizer is watched; with gradient accumulation the wrapper steps
+    it every third micro-batch, which counts the step."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(gradient_accumulation_steps=3, cpu=True)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    assert "_optimizer_step_pre_hooks" not in vars(opt), "test set-up: the wrapper torch never set up"
+    data = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    data[7][2, 1] = float("nan")  # micro-batch 1 of step 2
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt):
+            for x in data:
+                with acc.accumulate(model):
+                    acc.backward(model(x).square().mean())
+                    opt.step()
+                    opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.call, f.cause) == ("forward", 2, 1, "input"), f
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -198,7 +198,8 @@ class Hunt:
         self.on_record: list[Callable[[list[Finding]], None]] = []
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
-        self._scaler = o.scaler
+        scaler = o.scaler if o.scaler is not None else _wrapper_scaler(optimizer)
+        self._scaler = scaler
         self._ignore = o.ignore
         self._names: dict[int, tuple[str, Any]] | None = None  # see _build_names
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
@@ -258,8 +259,21 @@ class Hunt:
         self._guard = SaveGuard(self) if o.guard_saves else None
         self._start = StartState()  # what was non-finite when the watch began (read on a hit)
 
-        self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         self._croot: CompiledRoot | None = None
+        self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
+        self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
+        try:
+            self._install(model, opts, scaler)
+        except BaseException:
+            self._report_path = None  # nothing was watched: no report
+            self._release()  # nothing stays behind of a watch that failed to start
+            raise
+        hunt_opened(self)
+
+    def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any) -> None:
+        """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails)."""
+        o = self.options
+        self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
             self._catch_compiled_root()
         if self._per_module:
@@ -269,16 +283,13 @@ class Hunt:
             self._handles.append(model.register_forward_hook(_OnModule(self, "_root_post"), with_kwargs=True,
                                                              always_call=True))
         self._opts = []
-        self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
-        self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         for opt in opts:
             self.add_optimizer(opt)
-        if o.scaler is not None:
-            self._wrap_scaler(o.scaler)
+        if scaler is not None:
+            self._wrap_scaler(scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
         if self._guard is not None:
             self._guard.install()
-        hunt_opened(self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -1515,12 +1526,43 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
     opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    out = []
     for o in opts:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or a list of them; got {type(o).__name__}"
             )
-    return opts
+        inner = _stepping(o)
+        if "_optimizer_step_pre_hooks" not in vars(inner):
+            raise TypeError(
+                f"optimizer {type(o).__name__} was never set up by torch.optim.Optimizer.__init__ (its "
+                "__init__ does not call super().__init__, and it wraps no optimizer that was): nanhunt "
+                "cannot hook its step(); pass the torch optimizer that steps")
+        out.append(inner)
+    return out
+
+
+def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A wrapper optimizer (accelerate's ``AcceleratedOptimizer``, which never runs
+    ``Optimizer.__init__`` and steps the optimizer it holds) -> the torch optimizer that steps."""
+    for _ in range(8):
+        if "_optimizer_step_pre_hooks" in vars(opt):
+            break  # set up by torch: its own step hooks run
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
+            break
+        opt = inner
+    return opt
+
+
+def _wrapper_scaler(optimizer: Any) -> Any:
+    """The GradScaler a wrapper optimizer steps through (accelerate's ``AcceleratedOptimizer.scaler``
+    under fp16 mixed precision), else None."""
+    for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]):
+        scaler = getattr(o, "scaler", None) if _stepping(o) is not o else None
+        if scaler is not None and hasattr(scaler, "step") and hasattr(scaler, "update"):
+            return scaler
+    return None
 
 
 
