@@ -1533,7 +1533,7 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
                 f"optimizer must be a torch.optim.Optimizer or a list of them; got {type(o).__name__}"
             )
         inner = _stepping(o)
-        if "_optimizer_step_pre_hooks" not in vars(inner):
+        if not hasattr(inner, "_optimizer_step_pre_hooks"):
             raise TypeError(
                 f"optimizer {type(o).__name__} was never set up by torch.optim.Optimizer.__init__ (its "
                 "__init__ does not call super().__init__, and it wraps no optimizer that was): nanhunt "
@@ -1546,7 +1546,7 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A wrapper optimizer (accelerate's ``AcceleratedOptimizer``, which never runs
     ``Optimizer.__init__`` and steps the optimizer it holds) -> the torch optimizer that steps."""
     for _ in range(8):
-        if "_optimizer_step_pre_hooks" in vars(opt):
+        if hasattr(opt, "_optimizer_step_pre_hooks"):
             break  # set up by torch: its own step hooks run
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
