@@ -557,3 +557,36 @@ def test_a_validation_pass_under_inference_mode_that_begins_a_step_harms_nothing
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "fc1", 2, "input"), f
     assert hunt.skipped == ([2] if on_find == "skip" else [])
     assert all(torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point())
+
+
+def test_skip_with_a_gan_drops_the_generators_step_fed_the_same_bad_batch_too() -> None:
+    """A GAN: D's step() finds the bad noise batch and skips the step; G's half of the same
+    iteration then makes non-finite G gradients, found again at G's step(): they were kept and
+    applied (the step counted as skipped already)."""
+    torch.manual_seed(0)
+
+    class GAN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.g, self.d = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    gan = GAN()
+    og, od = torch.optim.Adam(gan.g.parameters(), 1e-3), torch.optim.Adam(gan.d.parameters(), 1e-3)
+    gen = torch.Generator().manual_seed(0)
+    with nanhunt.watch(gan, [og, od], on_find="skip") as hunt:
+        for step in range(5):
+            x, z = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+            if step == 3:
+                z[0, 0] = float("nan")
+            fake = gan.g(z).detach()
+            ld = F.softplus(-gan.d(x)).mean() + F.softplus(gan.d(fake)).mean()
+            od.zero_grad()
+            ld.backward()
+            od.step()
+            lg = F.softplus(-gan.d(gan.g(z))).mean()
+            og.zero_grad()
+            lg.backward()
+            og.step()
+            assert all(torch.isfinite(p).all() for p in gan.parameters()), f"step {step}"
+    assert hunt.skipped == [3]
+    assert any(f.phase == "grad" and f.module == "g" for f in hunt.findings), hunt.findings

@@ -1351,6 +1351,9 @@ class Hunt:
                             step, found[0].summary())
             return True
         if self.skipped and self.skipped[-1] == step:
+            # the step was skipped already (at another optimizer's step(): a GAN's D, then G, fed
+            # the same bad batch): what was computed since is dropped too
+            self._drop_grads()
             return True
         run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
         if run > self._max_skips:
@@ -1358,12 +1361,15 @@ class Hunt:
             return False
         self._skip_run = run
         self.skipped.append(step)
+        self._drop_grads()
+        _logger.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
+        return True
+
+    def _drop_grads(self) -> None:
         if self._root is not None:
             drop_grads(self._root.parameters())
         for opt in self._opts:
             drop_grads(p for g in opt.param_groups for p in g["params"])
-        _logger.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
-        return True
 
     def refuse_save(self, obj: Any, name: str) -> None:
         """Raise `NonFiniteError` (phase ``"checkpoint"``) if saving ``obj`` as ``name`` would write
