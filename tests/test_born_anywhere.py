@@ -848,3 +848,53 @@ def test_a_gradient_penalty_whose_norm_is_zero_is_found_at_its_sqrt(mode: str) -
     f = err.value.finding
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "SqrtBackward0", "created"), f
     assert same_source(f.source, line("gp-sqrt")) and "sqrt at 0" in f.hint, f
+
+
+class _Counting(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _user_modes() -> list[Any]:
+    return [m for m in torch.overrides._get_current_function_mode_stack() if type(m).__module__ != "nanhunt._record.outside"]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("around", ["forward", "loss and step"])
+def test_a_users_torch_function_mode_enters_and_leaves_as_without_the_hunt(mode: str, around: str) -> None:
+    """``with torch.device(...)`` (a torch function mode) around the watched forward: the
+    recorder, pushed on top when the root call returned, was what the block's exit popped, so the
+    user's mode stayed on (``torch.device('meta')``: every later tensor on meta) and the NaN loss
+    went unseen. A mode around the loss code and step() switched the recorder off for good."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counting = _Counting()
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, mode=mode):
+            for step in range(4):
+                x = torch.randn(8, 4)
+                if around == "forward":
+                    with torch.device("meta"):
+                        out = model(x)
+                    assert _user_modes() == [] and torch.zeros(1).device.type == "cpu"
+                    with counting:
+                        loss = torch.log(out.mean() - (10.0 if step == 2 else -10.0))  # log of a negative
+                    loss.backward()
+                    opt.step()
+                else:
+                    out = model(x)
+                    with counting:
+                        loss = torch.log(out.mean() - (10.0 if step == 2 else -10.0))
+                        loss.backward()
+                        opt.step()
+                    assert _user_modes() == []
+                opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 2, "aten.log.default"), f
+    assert counting.n > 0 and _user_modes() == [] and not torch.overrides._get_current_function_mode_stack()

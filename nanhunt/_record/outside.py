@@ -240,6 +240,35 @@ _FAST_TYPES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer, to
 _FAST = _FastPath()
 
 
+def _take_out(m: Any) -> bool:
+    """Take ``m`` off this thread's torch function mode stack wherever it sits; the modes above it
+    keep their order. False when it is not on the stack (we run inside its own handler: torch
+    pushes it back when the handler returns)."""
+    above = []
+    found = False
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is m:
+            found = True
+            break
+        above.append(top)
+    for x in reversed(above):
+        torch._C._push_on_torch_function_stack(x)
+    return found
+
+
+def _put_under(m: Any) -> None:
+    """Put ``m`` at the bottom of this thread's torch function mode stack, under the user's modes:
+    a user's mode entered before (``with torch.device(...)`` around the forward) pops itself when
+    its block ends, as it would without us (a mode pushed on top was what its exit popped)."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        above.append(torch._C._pop_torch_function_stack())
+    torch._C._push_on_torch_function_stack(m)
+    for x in reversed(above):
+        torch._C._push_on_torch_function_stack(x)
+
+
 class _Switch:
     """The one mode on the stack, recording for every hunt whose outside code runs now.
 
@@ -247,38 +276,38 @@ class _Switch:
     next root call starts or its step ends. It records for the hunts whose own root call is not
     running (a child's hunt sees its parent's code as outside code) and never nanhunt's own work
     (another hunt's hooks), so two hunts of one model, or of a child and its parent, each record
-    what they would alone.
+    what they would alone. The mode sits under every mode of the user's (`_put_under`) and is
+    taken out from wherever it sits (`_take_out`): the user's modes enter and leave as they would
+    without it.
     """
 
     def __init__(self) -> None:
         self.on: Outside | None = None  # the mode on the stack (the carrier)
-        self.orphans: list[Outside] = []  # pass-through modes still on a stack (see `off`)
+        self.orphans: list[Outside] = []  # pass-through modes torch will push back (see `off`)
         self.active: list[Outside] = []  # the hunts it records for
 
     def off(self) -> None:
-        """Pop the carrier (a watched root call or nanhunt's own code runs); membership stays."""
+        """Take the carrier out (a watched root call or nanhunt's own code runs); membership stays."""
         self.sweep()
         m = self.on
         if m is None:
             return
         self.on = None
         _route_apply(False)
-        if torch._C._len_torch_function_stack() and torch.overrides._get_current_function_mode() is m:
-            torch._C._pop_torch_function_stack()
-        else:  # a mode the user pushed sits above ours (or we run inside its own handler: torch
-            # pushes it back when the handler returns): ours stays, switched to pass-through, and
-            # is popped at the next chance (`sweep`)
+        if not _take_out(m):  # we run inside its own handler: torch pushes it back when that
+            # returns. It passes everything through until taken out at the next chance (`sweep`)
             m.stale = True
             self.orphans.append(m)
 
     def sweep(self) -> None:
-        """Pop pass-through modes left on top of the stack (see `off`)."""
-        while self.orphans and torch._C._len_torch_function_stack():
-            top = torch.overrides._get_current_function_mode()
-            if top not in self.orphans or self.on is top:
-                break
-            torch._C._pop_torch_function_stack()
-            self.orphans.remove(top)
+        """Take out pass-through modes that torch pushed back (see `off`)."""
+        for m in list(self.orphans):
+            if m is self.on:
+                continue
+            if _take_out(m):
+                self.orphans.remove(m)
+                if not m.closed:
+                    m.stale = False  # off the stack: it may be put on again
 
     def leave(self, m: Outside) -> None:
         if m in self.active:
@@ -304,10 +333,11 @@ class _Switch:
         if not idle:
             return  # every listening hunt's own root call is running
         c = m if m is not None and m in idle else idle[-1]
-        if c.stale:
-            c.stale = False  # still on the stack under the user's mode
-        else:
-            torch._C._push_on_torch_function_stack(c)
+        if c in self.orphans:  # still on the stack (pushed back by torch): take it out first
+            _take_out(c)
+            self.orphans.remove(c)
+        c.stale = False
+        _put_under(c)
         self.on = c
         _route_apply(True)
 
@@ -321,7 +351,8 @@ class Outside(TorchFunctionMode):
     def __init__(self, hunt: Hunt) -> None:
         super().__init__()
         self._hunt = weakref.ref(hunt)
-        self.stale = False
+        self.stale = False  # passes everything through (see _Switch.off, close)
+        self.closed = False
         self.quiet = 0
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
         _SWITCH.sweep()
@@ -360,7 +391,8 @@ class Outside(TorchFunctionMode):
             _SWITCH.active.remove(self)
         if _SWITCH.on is self:
             _SWITCH.off()
-        self.stale = True  # left under a user's mode: it passes everything through
+        self.closed = True
+        self.stale = True  # if still on a stack (another thread's, or inside its handler): it passes everything through
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
