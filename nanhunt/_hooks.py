@@ -45,14 +45,17 @@ class ReplayHooks(GlobalHooks):
     die with the transform), so the replay counts the same calls as the record. A module with
     forward hooks of its own is seen after them, as the hunt sees it (a user's hook may replace
     the output: what the program goes on with is what is judged): ``post`` runs from a hook of its
-    own put last on that module for the replay, removed with the others."""
+    own put last on that module for the replay, removed with the others. Only the thread that
+    replays is seen: the hooks are global, and a thread that runs the model meanwhile (inference in
+    the background) is none of the replay's business."""
 
     def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
         late: dict[int, Any] = {}  # id(module) -> the handle of its per-module hook for this replay
         self._late = late
+        me = get_ident()
 
         def pre_hook(module: Any, args: Any) -> Any:
-            if _functorch_level() is not None:
+            if _functorch_level() is not None or get_ident() != me:
                 return None
             hooks = module._forward_hooks
             if hooks:
@@ -64,12 +67,12 @@ class ReplayHooks(GlobalHooks):
             return pre(module, args)
 
         def post_hook(module: Any, *args: Any) -> Any:
-            if _functorch_level() is not None or id(module) in late:
+            if _functorch_level() is not None or id(module) in late or get_ident() != me:
                 return None
             return post(module, *args)
 
         def late_hook(module: Any, *args: Any) -> Any:
-            return None if _functorch_level() is not None else post(module, *args)
+            return None if _functorch_level() is not None or get_ident() != me else post(module, *args)
 
         super().__init__(pre_hook, post_hook)
 

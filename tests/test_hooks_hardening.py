@@ -455,3 +455,46 @@ def test_a_root_call_on_a_worker_thread_leaves_no_mode_on_that_threads_stack(mod
         t.join()
     assert seen == {"stack": 0}
     assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_thread_running_the_model_during_the_analysis_is_left_alone(mode: str) -> None:
+    """Background inference on the watched model while the main thread trains: the replays after
+    the hit hook every module globally, and their hooks acted on the background thread's calls
+    (it died of the op trace's internal stop signal, or 'pop from empty mode stack', and a dispatch
+    mode stayed on the main thread)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stop, errors, calls = threading.Event(), [], [0]
+
+    def background() -> None:
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    model(torch.randn(2, 4))
+                calls[0] += 1
+            except BaseException as e:  # noqa: BLE001 - the test reports whatever killed it
+                errors.append(repr(e))
+                return
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+            for step in range(40):
+                x = torch.randn(4, 4)
+                if step in (10, 20, 30):
+                    x[1, 1] = float("nan")
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == [] and calls[0] > 0
+    f = hunt.first
+    assert f is not None and (f.phase, f.step, f.index, f.cause) == ("forward", 10, (1, 0), "input"), f
+    assert _get_current_dispatch_mode_stack() == [] and not torch.overrides._get_current_function_mode_stack()
