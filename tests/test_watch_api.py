@@ -475,3 +475,26 @@ def test_accelerates_wrapped_optimizer_is_watched_through_the_optimizer_it_steps
     f = ei.value.finding
     assert (f.phase, f.step, f.call, f.cause) == ("forward", 2, 1, "input"), f
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("when", ["open", "mid-step", "closed"])
+def test_copying_or_pickling_a_hunt_is_refused_at_once(when: str) -> None:
+    """copy.deepcopy of a trainer that holds the hunt: between the forward and step() the loss-code
+    recorder recorded deepcopy's own tensor copies into the log being copied, and it never ended;
+    before a forward it failed with "cannot pickle '_thread.lock' object"."""
+    import copy
+    import pickle
+
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hunt = nanhunt.watch(model, opt)
+    try:
+        if when == "mid-step":
+            model(torch.randn(2, 4)).sum().backward()
+        if when == "closed":
+            hunt.close()
+        for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(TypeError, match="a nanhunt Hunt cannot be copied or pickled"):
+                copier({"trainer": [hunt]} if copier is not copy.copy else hunt)
+    finally:
+        hunt.close()

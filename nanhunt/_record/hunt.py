@@ -118,6 +118,11 @@ class _OnModule:
         return _noop_factory, ()
 
 
+_NO_COPY = ("a nanhunt Hunt cannot be copied or pickled: it is the hooks on one live model and its "
+            "optimizers (copy the model, the optimizer or hunt.report instead; an object that holds the "
+            "hunt can leave it out of its copy, e.g. in __deepcopy__ or __getstate__)")
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the user's line (the first frame outside
     torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
@@ -381,6 +386,15 @@ class Hunt:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "watching"
         return f"<nanhunt.Hunt {state} step={self.step} findings={len(self.findings)}>"
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __copy__(self) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPY)
 
     # ------------------------------------------------------------------ hooks
     # The name map: id(module) -> (qualified name, weak reference), built lazily on the first call
