@@ -60,12 +60,18 @@ def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str
         return p
     target = os.path.realpath(p) if os.path.islink(p) else p  # a link is written through, never replaced
     folder = os.path.dirname(target) or os.curdir  # as the OS resolves it: "missing/.." is no folder
-    tmp = _create(folder, suffix)
+    try:
+        tmp = _create(folder, suffix)
+    except OSError as e:  # named by the user's path, not by our temporary file's
+        raise OSError(e.errno, f"{e.strerror} (folder {folder!r})", p) from None
     try:
         write(tmp)
         if st is not None:  # the replaced file's own mode, never more than a fresh file's (the umask's)
             os.chmod(tmp, stat.S_IMODE(st.st_mode) & stat.S_IMODE(os.stat(tmp).st_mode))
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as e:  # a name too long, a read-only target ...: the user's path, not ours
+            raise OSError(e.errno, e.strerror, p) from None
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -112,6 +118,12 @@ def check_writable(value: Any, suffixes: tuple[str, ...], what: str) -> str:
         raise ValueError(f"{what} {path!r}: folder {folder!r} does not exist")
     if os.path.isdir(path):
         raise ValueError(f"{what} {path!r} is a folder, not a file")
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if len(os.fsencode(os.path.basename(path))) > name_max:
+        raise ValueError(f"{what} {path!r}: the file name is longer than its file system allows ({name_max} bytes)")
     if os.path.islink(path):  # written through: the target's folder is the one that must exist
         try:
             os.stat(path)

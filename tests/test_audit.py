@@ -210,3 +210,18 @@ def test_a_sparse_tensor_is_judged_by_its_values_at_its_dense_index(layout: str,
     out = capsys.readouterr().out
     assert "['emb']" in out and "first [0, 2] = inf" in out and "['ok']" not in out
     assert nanhunt.audit(path, ignore=["emb"]) == []
+
+
+def test_audit_takes_a_bytes_path_and_refuses_what_is_no_checkpoint(tmp_path: Any) -> None:
+    """audit(b"path") said 'clean' for a file holding NaN, and audit(None) / audit(123) too."""
+    import torch
+
+    import nanhunt
+
+    path = tmp_path / "nan.pt"
+    torch.save({"w": torch.tensor([1.0, float("nan")])}, path)
+    (f,) = nanhunt.audit(os.fsencode(str(path)))
+    assert f.tensor == "['w']" and f.index == (1,)
+    for bad in (None, 123, 1.5):
+        with pytest.raises(TypeError, match="takes a checkpoint's path or the object loaded from it"):
+            nanhunt.audit(bad)

@@ -373,3 +373,22 @@ def test_show_refuses_what_is_not_a_regular_file_without_reading_it(tmp_path, ki
 
         with pytest.raises(FileFormatError, match=says):
             Report.load(path)
+
+
+def test_saving_a_report_where_it_cannot_go_names_the_users_path(tmp_path: Any) -> None:
+    """Report.save into a missing folder named our temporary file ('.nanhunt-a6923fc14b32.json');
+    a file name past the file system's limit passed watch(report=) and was never written."""
+    hunt = nanhunt.watch(zoo.mlp())
+    hunt.close()
+    report = hunt.report
+    missing = str(tmp_path / "nodir" / "x.json")
+    with pytest.raises(FileNotFoundError) as ei:
+        report.save(missing)
+    assert repr(missing) in str(ei.value) and ".nanhunt-" not in str(ei.value)
+    long = str(tmp_path / ("a" * 300 + ".json"))
+    with pytest.raises(OSError) as oi:
+        report.save(long)
+    assert ".nanhunt-" not in str(oi.value) and "too long" in str(oi.value)
+    with pytest.raises(ValueError, match="longer than its file system allows"):
+        nanhunt.watch(zoo.mlp(), report=long)
+    assert os.listdir(tmp_path) == []

@@ -37,8 +37,11 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
     ``['state_dict']['mask']``) or last keys (``mask``) matching an ``ignore`` glob.
     """
     patterns = glob_patterns(ignore, "key paths or keys")
-    if isinstance(path_or_object, (str, os.PathLike)):
-        name = os.fspath(path_or_object)
+    if path_or_object is None or isinstance(path_or_object, (bool, int, float, complex)):
+        raise TypeError("audit() takes a checkpoint's path or the object loaded from it (a dict, a list, a "
+                        f"tensor), got {type(path_or_object).__name__}: {path_or_object!r}")
+    if isinstance(path_or_object, (str, bytes, os.PathLike)):
+        name = os.fsdecode(path_or_object)
         obj = _load(name)
     else:
         name, obj = "<object>", path_or_object
