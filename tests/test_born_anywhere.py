@@ -898,3 +898,51 @@ def test_a_users_torch_function_mode_enters_and_leaves_as_without_the_hunt(mode:
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 2, "aten.log.default"), f
     assert counting.n > 0 and _user_modes() == [] and not torch.overrides._get_current_function_mode_stack()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how, op", [
+    ("where nan default, mean", "aten.where.self"),
+    ("plus full_like inf, mean", "aten.full_like.default"),
+    ("times a nan literal", "aten.mul.Tensor"),
+])
+def test_a_constant_nan_or_inf_the_loss_code_writes_into_the_loss_is_found(mode: str, how: str, op: str) -> None:
+    """A NaN/Inf the loss code wrote as a constant (a metric's nan default, an inf filler) that
+    reaches the loss: the constant was taken as intended and its consumer as 'fed', so nothing
+    was reported while every loss was nan or inf (the where: with zero gradients)."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, mode=mode):
+            for _ in range(2):
+                out = model(torch.randn(4, 4))
+                if how.startswith("where"):
+                    loss = torch.where(out > 100, out, torch.tensor(float("nan"))).mean()
+                elif how.startswith("plus"):
+                    loss = (out + torch.full_like(out, float("inf"))).mean()
+                else:
+                    loss = out.mean() * float("nan")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 0, op), f
+    assert f.source is not None and f.source.startswith(__file__)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_intended_nan_markers_that_the_loss_code_reduces_away_are_not_findings(mode: str) -> None:
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for _ in range(2):
+            out = model(torch.randn(4, 4))
+            loss = torch.where(out >= out.median(), out, torch.tensor(float("nan"))).nanmean()  # nan: no value
+            cap = torch.full_like(out, float("inf"))
+            loss = loss + torch.minimum(out, cap).mean()  # inf as 'no limit'
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == []

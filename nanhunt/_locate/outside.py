@@ -298,10 +298,21 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
                 return None  # the model's own -inf (log of 0 in it, unprobed in sentinel): its replay says where
         elif all(_foreign(log, x, grads) for x in fed):
             return _fed_finding(log, step, rec_i, out_i, t, fed[0])  # non-finite from nothing this step made
+        elif all(_constant(log, x) for x in fed):
+            # only a NaN/+inf constant this code wrote went in (torch.tensor(nan) as a default,
+            # full_like(x, inf)): as for a -inf mask, born here when this op reduced a row to it
+            # (a mean of a where(..., nan)) or turned it into a NaN, else it only carries it on
+            carried = bool(torch.isnan(t).any()) <= any(bool(torch.isnan(x).any()) for x in fed)
+            if carried and t.numel() >= max(x.numel() for x in fed):
+                return None
         else:
             return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
-    if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in:
-        return None  # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value)
+    if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in and not (
+            t.requires_grad and any(isinstance(x, float) and math.isnan(x) for x in leaves)
+            and bool(torch.isnan(t).any())):
+        # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value); not a NaN
+        # literal computed into what autograd differentiates (loss * nan)
+        return None
     got, fx = forward_origin(log.outside, rec_i, out_i, returned)
     index, value, counts = element(t)
     f = Finding(
@@ -339,6 +350,21 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
     if key in log.ignored or (ref is not None and ref() is x):
         return False
     return not any(r() is x for c in log.calls for r, _ in c.outs)
+
+
+def _constant(log: StepLog, x: torch.Tensor, depth: int = 0) -> bool:
+    """``x`` holds non-finite values only because this code wrote them on purpose: made by a
+    recorded call from a non-finite literal (``torch.tensor(nan)``, ``full_like(x, inf)``) and no
+    non-finite tensor, or carried on from such values by later recorded calls."""
+    got = producer(log.outside, x)
+    if got is None or depth >= 8:
+        return False
+    r = log.outside[got[0]]
+    leaves = tree_leaves((r.args, r.kwargs))
+    ins = [a for a in leaves if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
+    if not ins:
+        return any(isinstance(a, float) and not math.isfinite(a) for a in leaves)
+    return all(_constant(log, a, depth + 1) for a in ins)
 
 
 def _model_made(log: StepLog, x: torch.Tensor) -> bool:
