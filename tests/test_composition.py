@@ -168,3 +168,37 @@ def test_nanhunt_run_leaves_a_script_its_own_watch(tmp_path, run_cli, mode: str,
     assert rc == 3, err
     saved = Report.load(report)
     assert [[f.phase, f.module, f.step, f.op] for f in saved.findings] == own["findings"]
+
+
+def test_an_on_find_that_opens_a_hunt_on_the_stepping_optimizer_does_not_break_its_step() -> None:
+    """Two hunts; the first one's callback opens a third hunt on an optimizer finding, made while
+    torch iterates the optimizer's step post-hooks: registering the new hunt's hooks mutated that
+    dict ('OrderedDict mutated during iteration' out of the user's opt.step()). The new hunt takes
+    the optimizer at the model's next call and counts its steps from there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opened: list[nanhunt.Hunt] = []
+
+    def open_another(f: nanhunt.Finding) -> None:
+        if f.phase == "optimizer" and not opened:
+            opened.append(nanhunt.watch(model, opt, on_find="record"))
+
+    try:
+        with nanhunt.watch(model, opt, on_find=open_another), nanhunt.watch(model, opt, on_find="record"):
+            for step in range(4):
+                x = torch.randn(4, 4)
+                model(x).pow(2).mean().backward()
+                if step == 1:
+                    opt.param_groups[0]["lr"] = float("inf")  # the update makes inf/nan weights
+                opt.step()
+                opt.param_groups[0]["lr"] = 0.1
+                opt.zero_grad()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.nan_to_num_(0.0, 0.0, 0.0)
+        assert opened and opened[0].step == 2, "the new hunt counts the steps after it took the optimizer"
+    finally:
+        for h in opened:
+            h.close()
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks

@@ -267,6 +267,7 @@ class Hunt:
         self._croot: CompiledRoot | None = None
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
+        self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         try:
             self._install(model, opts, scaler)
         except BaseException:
@@ -325,7 +326,12 @@ class Hunt:
         if not self._open("hunt.add_optimizer()"):
             return
         (opt,) = _optimizers(optimizer)
-        if any(o is opt for o in self._opts):
+        if any(o is opt for o in self._opts) or any(o is opt for o in self._later):
+            return
+        if id(opt) in _IN_HOOKS:
+            # torch is running this optimizer's step hooks (an on_find that opens a hunt): a hook
+            # added now would change the dict it iterates; added at the model's next call instead
+            self._later.append(opt)
             return
         i = len(self._opts)
         self._opts.append(opt)
@@ -548,6 +554,10 @@ class Hunt:
         need, and records its `Top`. ``cap``: end a step that never ends past `_MAX_ENTRIES`.
         None when ``on_find`` closed the hunt meanwhile."""
         self._outside.off()
+        if self._later:  # optimizers added while torch ran their step hooks (see add_optimizer)
+            later, self._later = self._later, []
+            for opt in later:
+                self.add_optimizer(opt)
         log = self._log
         if module is self._root and not self._opts:
             if log.root_calls:
@@ -1055,9 +1065,11 @@ class Hunt:
                 return args, {**kwargs, "closure": wrapped}
             return (args[0], wrapped, *args[2:]), kwargs
         self._stepping = opt
+        _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
         try:
             self._check_step(i, opt)
         finally:
+            _left_hooks(opt)
             self._stepping = None
             if self._deferred:  # on_find closed the hunt: see _release
                 _after_pre_hooks(opt, self._deferred, sys.exc_info()[0] is not None)
@@ -1099,10 +1111,13 @@ class Hunt:
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._paused or self._closed:
             return
+        _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
         try:
             self._post_step_body(i, opt)
         except Exception as exc:
             self._fault(exc, "the optimizer step post-hook")
+        finally:
+            _left_hooks(opt)
 
     def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
         self._steps_applied += 1
@@ -1504,6 +1519,7 @@ class Hunt:
         self._scaler = None
         self._root = None
         self._opts = []
+        self._later = []
         self._oprobes = []
         self._gprobes = {}
         self._names = None
@@ -1584,6 +1600,18 @@ def _wrapper_scaler(optimizer: Any) -> Any:
             return scaler
     return None
 
+
+
+# id(optimizer) -> how many nanhunt step hooks of it are running (torch iterates its hook dicts)
+_IN_HOOKS: dict[int, int] = {}
+
+
+def _left_hooks(opt: torch.optim.Optimizer) -> None:
+    n = _IN_HOOKS.get(id(opt), 0) - 1
+    if n > 0:
+        _IN_HOOKS[id(opt)] = n
+    else:
+        _IN_HOOKS.pop(id(opt), None)
 
 
 def _after_pre_hooks(opt: torch.optim.Optimizer, handles: list[Any], now: bool) -> None:
