@@ -308,7 +308,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         else:
             return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in and not (
-            t.requires_grad and any(isinstance(x, float) and math.isnan(x) for x in leaves)
+            t.grad_fn is not None and any(isinstance(x, float) and math.isnan(x) for x in leaves)
             and bool(torch.isnan(t).any())):
         # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value); not a NaN
         # literal computed into what autograd differentiates (loss * nan)
@@ -360,6 +360,9 @@ def _constant(log: StepLog, x: torch.Tensor, depth: int = 0) -> bool:
     if got is None or depth >= 8:
         return False
     r = log.outside[got[0]]
+    name = getattr(r.func, "__name__", "")
+    if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")):
+        return False  # written into a tensor that was there (a weight poisoned by hand): not a constant
     leaves = tree_leaves((r.args, r.kwargs))
     ins = [a for a in leaves if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
     if not ins:
