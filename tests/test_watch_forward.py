@@ -650,3 +650,39 @@ def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: st
     f = hunt.first
     assert f is not None
     assert (f.phase, f.module, f.step, f.cause) == ("forward", "out", 1, "created") and f.value == float("inf")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_watch_without_the_optimizer_judges_the_step_before_that_optimizer_writes_the_weights(mode: str) -> None:
+    """watch(model) in a training loop, the optimizer not given: the call was judged (and
+    replayed) at the model's next call, after the optimizer had written NaN into the weights, so
+    a NaN from the data was reported at element (0, 0) with cause 'parameter'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        for step in range(4):
+            x = torch.randn(4, 8)
+            if step == 2:
+                x[2, 3] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()  # record mode: applies the NaN gradients of step 2
+            opt.zero_grad()
+        assert hunt.step == 3, "steps are still the model's calls"
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "0", 2, (2, 0), "input"), f
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, mode=mode):
+            for step in range(4):
+                x = torch.randn(4, 8)
+                if step == 2:
+                    x[2, 3] = float("nan")
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    assert ei.value.finding.step == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters()), "raised before the update"

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
+from torch.optim import optimizer as _optim_mod
 
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
@@ -268,6 +269,7 @@ class Hunt:
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
+        self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
         try:
             self._install(model, opts, scaler)
         except BaseException:
@@ -291,6 +293,8 @@ class Hunt:
         self._opts = []
         for opt in opts:
             self.add_optimizer(opt)
+        if not opts:  # an optimizer nobody gave to watch() may still step the model's weights
+            self._handles.append(_optim_mod.register_optimizer_step_pre_hook(self._unwatched_step))
         if scaler is not None:
             self._wrap_scaler(scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
@@ -1075,6 +1079,32 @@ class Hunt:
                 _after_pre_hooks(opt, self._deferred, sys.exc_info()[0] is not None)
                 self._deferred = []
         return None
+
+    def _unwatched_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """No optimizer is watched, yet one that holds the model's parameters is about to step
+        (``watch(model)`` in a training loop): the log is judged now, before the update writes the
+        weights, as a watched optimizer's would be (a replay after it would start from the written
+        weights: a NaN fed by the data blamed on the parameters), and in raise mode the update
+        never applies a non-finite gradient. The step is still counted by the model's calls."""
+        if self._opts or self._paused or self._closed or self._stack or not self._log.tops or (
+                REPLAYING and get_ident() in REPLAYING):
+            return
+        try:
+            root = self._root
+            holds = self._holds.get(id(opt))
+            if holds is None or holds[0]() is not opt:
+                mine = {id(p) for p in root.parameters()} if root is not None else set()
+                holds = self._holds[id(opt)] = (weakref.ref(opt), any(
+                    id(p) in mine for g in opt.param_groups for p in g["params"]))
+            if not holds[1]:
+                return
+            calls = self._log.root_calls
+            self._end_step(advance=False)
+            self._log.root_calls = max(self._log.root_calls, calls)  # the model's next call still ends the step
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fault(exc, "the optimizer step pre-hook")
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()
