@@ -439,3 +439,4 @@ class StepView:
     step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()
     bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began
     judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)
+    mid_step: frozenset[int] = frozenset()  # optimizers inside a step() that called its closure again: state mid-update

@@ -58,3 +58,31 @@ def test_lbfgs_runs_clean_with_its_many_closure_calls():
         for _ in range(3):
             opt.step(closure)
     assert hunt.findings == [] and hunt.step == 3
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_lbfgs_state_mid_line_search_is_not_an_optimizer_finding_of_the_last_step(mode: str) -> None:
+    """LBFGS calls the closure several times inside one step(); a NaN batch at step 3 is found at
+    each call, and from the second call on its state (prev_flat_grad) holds what this step's
+    update made of the NaN gradients: sentinel mode reported that as an 'optimizer' finding of
+    step 2, first in the list."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        for step in range(5):
+            x = torch.randn(4, 8)
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                xx = x.clone()
+                if step == 3:
+                    xx[0, 0] = float("nan")
+                loss = model(xx).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 3, "input"), hunt.findings[:3]
+    assert not any(g.phase == "optimizer" and g.step < 3 for g in hunt.findings), hunt.findings

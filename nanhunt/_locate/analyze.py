@@ -843,8 +843,9 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         return None  # no step() yet: whatever is non-finite was not made by the optimizer
     last = max(ctx.step - 1, 0)
     for i, opt in enumerate(view.optimizers):
-        if i in view.judged:
-            continue  # its update was judged when step() returned (found then, or finite)
+        if i in view.judged or i in view.mid_step:
+            continue  # its update was judged when step() returned (found then, or finite); or its
+            # state is mid-update now (a closure called again inside step(): LBFGS)
         items, tens = optimizer_tensors(opt)
         after = view.after_step.get(i, {})
         # a parameter written since its last step() (by the user) is not the optimizer's doing

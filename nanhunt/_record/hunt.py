@@ -270,6 +270,7 @@ class Hunt:
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
+        self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         try:
             self._install(model, opts, scaler)
         except BaseException:
@@ -1064,6 +1065,7 @@ class Hunt:
         if callable(closure):
             # step(closure) (LBFGS, Lightning): forward and backward run inside step(), so the
             # check runs right after the closure, still before the optimizer applies anything.
+            self._closure_calls[i] = 0
             wrapped = partial(self._closure, i, opt, closure)
             if kwargs and "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -1108,6 +1110,9 @@ class Hunt:
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()
+        # past its first call, the optimizer's state is mid-update (LBFGS's line search): a hit
+        # now does not read it as what the last step() left (see StepView.mid_step)
+        self._closure_calls[i] = self._closure_calls.get(i, 0) + 1
         self._check_step(i, opt)
         return loss
 
@@ -1139,6 +1144,7 @@ class Hunt:
         return gp
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._closure_calls.pop(i, None)  # its step() is over: its state is what it left
         if self._paused or self._closed:
             return
         _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
@@ -1488,6 +1494,7 @@ class Hunt:
             step_lines=dict(self._step_lines),
             bad_at_start=self._start.bad(),
             judged=frozenset(self._judged),
+            mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
         )
 
     def _meta(self) -> dict[str, Any]:
