@@ -73,7 +73,7 @@ def test_lbfgs_state_mid_line_search_is_not_an_optimizer_finding_of_the_last_ste
         for step in range(5):
             x = torch.randn(4, 8)
 
-            def closure() -> torch.Tensor:
+            def closure(x: torch.Tensor = x, step: int = step) -> torch.Tensor:
                 opt.zero_grad()
                 xx = x.clone()
                 if step == 3:
