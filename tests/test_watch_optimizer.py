@@ -552,3 +552,24 @@ def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() ->
     trust_line = first + next(i for i, ln in enumerate(lines) if "trust = " in ln)
     assert f.op == "aten.div.Tensor" and f.source == f"{__file__}:{trust_line}", f
     assert f.chain[0] == f"aten.div.Tensor @ {f.source}" and f.chain[-1].startswith("aten.sub_"), f.chain
+
+
+def test_a_new_parameter_assigned_mid_run_is_not_blamed_on_the_optimizer() -> None:
+    """``layer.weight = nn.Parameter(w)`` with a NaN in w: the optimizer does not even hold it, and
+    the hint said 'an earlier optimizer step poisoned it'."""
+    m = _classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(4, 4)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        F.cross_entropy(m(x), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+        opt.zero_grad()
+        layer = next(mod for mod in m.modules() if isinstance(mod, nn.Linear))
+        w = layer.weight.detach().clone()
+        w[0, 0] = float("nan")
+        layer.weight = nn.Parameter(w)
+        F.cross_entropy(m(x), torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.cause) == ("forward", "parameter")
+    assert "no watched optimizer holds" in f.hint and "poisoned" not in f.hint, f.hint

@@ -804,6 +804,7 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
     except AttributeError:
         return ""
     after = {k: v for d in ctx.view.after_step.values() for k, v in d.items()}
+    held = {id(p) for o in ctx.view.optimizers for g in o.param_groups for p in g["params"]}
     for name, t in own_tensors(module):
         if not is_bad(t):
             continue
@@ -812,6 +813,8 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             return _hints.at_start_hint(what)
         if id(t) in after and after[id(t)] != t._version:
             return _hints.written_hint(what)
+        if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
+            return _hints.unheld_hint(what)
     return ""
 
 

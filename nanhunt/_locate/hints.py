@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -282,6 +282,13 @@ def written_hint(what: str) -> str:
     """A weight non-finite after its optimizer's last step left it finite: something else wrote it."""
     return (f"{what[:1].upper()}{what[1:]} was written after its optimizer's last step (a load_state_dict, "
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
+
+
+def unheld_hint(what: str) -> str:
+    """A non-finite parameter that no watched optimizer holds: the user's code set it."""
+    return (f"{what[:1].upper()}{what[1:]} is a parameter no watched optimizer holds (a new nn.Parameter "
+            "assigned to the module, or one the optimizer was never given): no optimizer step wrote it; "
+            "look at what set it, and give the optimizer the parameter the model uses.")
 
 
 def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False,
