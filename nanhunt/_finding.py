@@ -66,7 +66,9 @@ class Finding:
         kw["value"] = float(v) if v is not None else None
         kw["counts"] = dict(d.get("counts", {}))
         kw["reference"] = {k: _from_json_float(v) for k, v in (d.get("reference") or {}).items()}
-        return cls(**kw)
+        f = cls(**kw)
+        _check_values(f)
+        return f
 
     @property
     def where(self) -> str:
@@ -81,6 +83,35 @@ class Finding:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+PHASES = ("forward", "backward", "grad", "optimizer", "check", "checkpoint")
+CAUSES = ("created", "input", "parameter", "unknown")
+VERDICTS = (None, "numerics", "precision", "compiler", "nondeterministic", "transient")
+_BIG = 2**63  # no count, index or step of a real tensor reaches it
+_DIMS = 64  # torch's own limit on a tensor's dimensions
+
+
+def _check_values(f: Finding) -> None:
+    """A finding read back (a report, a bundle, another rank's): values the fields can hold."""
+    if f.phase not in PHASES:
+        raise ValueError(f"phase {f.phase!r} is none of {', '.join(PHASES)}")
+    if f.cause not in CAUSES:
+        raise ValueError(f"cause {f.cause!r} is none of {', '.join(CAUSES)}")
+    if f.verdict not in VERDICTS:
+        raise ValueError(f"verdict {f.verdict!r} is none of {', '.join(str(v) for v in VERDICTS)}")
+    if not -1 <= f.step < _BIG or not 0 <= f.call < _BIG:
+        raise ValueError(f"step {f.step} / call {f.call} out of range")
+    if f.rank is not None and not 0 <= f.rank < _BIG:
+        raise ValueError(f"rank {f.rank} out of range")
+    for what, dims in (("index", f.index or ()), ("shape", f.shape)):
+        if len(dims) > _DIMS or any(not 0 <= int(i) < _BIG for i in dims):
+            raise ValueError(f"{what} {dims if len(dims) <= 8 else f'of {len(dims)} dimensions'} is no tensor's")
+    for k, n in f.counts.items():
+        if k not in ("nan", "+inf", "-inf") or not isinstance(n, int) or not 0 <= n < _BIG:
+            raise ValueError(f"counts[{k!r}] = {n!r}: counts are 'nan', '+inf', '-inf' with non-negative numbers")
+    if any(not 0 <= i < _BIG for i in f.samples):
+        raise ValueError("samples are dataset indices (non-negative)")
 
 
 def _json_float(v: float | None) -> float | str | None:

@@ -85,6 +85,14 @@ MALFORMED = [
     ("history not an object", lambda d: d.__setitem__("history", [1]), "report.history"),
     ("warnings", lambda d: d.__setitem__("warnings", ["w"]), "report.warnings"),
     ("meta", lambda d: d.__setitem__("meta", 3), "report.meta"),
+    # right types, values no finding can hold (show printed 'First NaN: exploded ...', exit 0)
+    ("findings.0.phase unknown", lambda d: d["findings"][0].__setitem__("phase", "exploded"), "findings[0]: ValueError: phase"),
+    ("findings.0.step negative", lambda d: d["findings"][0].__setitem__("step", -7), "findings[0]: ValueError: step -7"),
+    ("findings.0.step huge", lambda d: d["findings"][0].__setitem__("step", 10**400), "findings[0]"),
+    ("findings.0.counts negative", lambda d: d["findings"][0].__setitem__("counts", {"nan": -5}), "counts['nan'] = -5"),
+    ("findings.0.counts key", lambda d: d["findings"][0].__setitem__("counts", {"evil": 1}), "counts['evil']"),
+    ("findings.0.index long", lambda d: d["findings"][0].__setitem__("index", [0] * 100), "index of 100 dimensions"),
+    ("findings.0.cause unknown", lambda d: d["findings"][0].__setitem__("cause", "gremlins"), "cause 'gremlins'"),
 ]
 
 
