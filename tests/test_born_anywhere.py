@@ -946,3 +946,19 @@ def test_intended_nan_markers_that_the_loss_code_reduces_away_are_not_findings(m
             opt.step()
             opt.zero_grad()
     assert hunt.findings == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) -> None:
+    """Its replay is float32 eager already: the verdict is the math itself, as for a module's
+    float32 finding (it was None for every finding outside the model)."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        out = model(torch.randn(4, 4))
+        torch.log(out.mean() - 10.0).backward()  # log of a negative number
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("<outside>", "aten.log.default", "numerics"), f
+    assert f.reference["dtype"] == "float32" and f.reference["op"] == "aten.log.default" and math.isnan(f.reference["value"])

@@ -315,12 +315,20 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         return None
     got, fx = forward_origin(log.outside, rec_i, out_i, returned)
     index, value, counts = element(t)
+    tensor = "output" if len(outs) == 1 else f"output[{out_i}]"
+    dtype = dtype_name(t)
+    # float32/float64 code outside autocast, reproduced by its replay: that replay is the float32
+    # eager reference, so the verdict is the math itself (as a module's float32 finding gets)
+    numerics = got is not None and dtype in ("float32", "float64") and not r.autocast
     f = Finding(
-        phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
+        phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
-        dtype=dtype_name(t), cause="created",
+        dtype=dtype, cause="created",
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
         chain=tuple(got.chain) if got is not None else (), reproducible=True if got is not None else None,
+        verdict="numerics" if numerics else None,
+        reference={"dtype": dtype, "op": got.op if got is not None else None, "tensor": tensor, "value": value}
+        if numerics else {},
     )
     return dataclasses.replace(f, hint=_hints.hint(f, fx))
 
