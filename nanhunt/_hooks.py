@@ -11,6 +11,7 @@ behind), and the process-wide rules every nanhunt hook obeys so that hunts compo
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from threading import get_ident
 from typing import Any
@@ -23,6 +24,39 @@ _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch
 __all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened"]
 
 
+# torch.compile(module) warns on every call while any global module hook exists ("... will cause
+# the hooks to fire an extra time for the OptimizedModule"): nanhunt's hooks expect that call and
+# stand aside for it, so while they are the only global hooks, that warning is not shown
+_COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+_ours: list[GlobalHooks] = []
+_filter: Any = None
+
+
+def _global_hook_count() -> int:
+    return sum(len(d) for d in (_module_mod._global_forward_hooks, _module_mod._global_forward_pre_hooks,
+                                _module_mod._global_backward_hooks, _module_mod._global_backward_pre_hooks))
+
+
+def _quiet_compile_warning() -> None:
+    global _filter
+    own = 2 * len(_ours)
+    if _filter is None and _global_hook_count() == own:  # no global hook of the user's
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
+        _filter = warnings.filters[0]
+
+
+def _restore_compile_warning() -> None:
+    global _filter
+    if _filter is not None and not _ours:
+        try:
+            filters: list[Any] = warnings.filters  # type: ignore[assignment]
+            filters.remove(_filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+        except ValueError:  # a catch_warnings block replaced the list meanwhile
+            pass
+        _filter = None
+
+
 class GlobalHooks:
     """A forward pre-hook and a forward hook (with kwargs, always called) on every module."""
 
@@ -31,12 +65,17 @@ class GlobalHooks:
             _module_mod.register_module_forward_pre_hook(pre),
             _module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
         ]
+        _ours.append(self)
+        _quiet_compile_warning()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
             _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
+        if self in _ours:
+            _ours.remove(self)
+            _restore_compile_warning()
 
 
 class ReplayHooks(GlobalHooks):

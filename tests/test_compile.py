@@ -295,3 +295,25 @@ def test_a_finding_and_its_analysis_do_not_recompile_the_graph(how):
         assert hunt.first is not None and hunt.first.step == 2
         assert counters["stats"]["unique_graphs"] == traced, "recompiled after the finding"
     torch._dynamo.reset()
+
+
+def test_compiling_a_watched_module_shows_no_warning_about_the_hunts_hooks_and_the_users_stays() -> None:
+    """torch.compile(module) warned at every call that global hooks 'fire an extra time' (they
+    are nanhunt's, which stand aside for that call); a global hook of the user's keeps the warning."""
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        with nanhunt.watch(compiled, on_find="record"):
+            compiled(torch.randn(2, 8))
+        assert not [w for w in seen if "global hooks" in str(w.message)]
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+        try:
+            with nanhunt.watch(compiled, on_find="record"):
+                compiled(torch.randn(2, 8))
+        finally:
+            handle.remove()
+        assert [w for w in seen if "global hooks" in str(w.message)]
+    assert not [f for f in warnings.filters if f[1] is not None and "global hooks" in f[1].pattern]
+    torch._dynamo.reset()
