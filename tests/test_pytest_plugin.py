@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+import nanhunt
+
 
 class LogHead(nn.Module):
     def forward(self, x):
@@ -64,6 +66,13 @@ def test_fails_on_its_own_after_a_nan():
     assert out.isfinite().all(), "the test's own assertion"
 
 
+def test_expects_its_own_nonfinite_error():
+    model = net()  # the test watches it itself and expects the error: its own hunt's business
+    with pytest.raises(nanhunt.NonFiniteError):
+        with nanhunt.watch(model):
+            model(torch.randn(3, 4))
+
+
 def test_fixture(nanhunt_watch):
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -106,6 +115,7 @@ def test_nanhunt_option_fails_tests_with_the_finding(suite):
     assert _outcomes(r) == {
         "test_nan_in_a_module": "FAILED", "test_clean": "PASSED", "test_nan_on_purpose": "PASSED",
         "test_catches_everything": "FAILED", "test_fails_on_its_own_after_a_nan": "FAILED",
+        "test_expects_its_own_nonfinite_error": "PASSED",
         "test_fixture": "FAILED", "test_fixture_clean": "PASSED",
     }, r.stdout.str()
     text = r.stdout.str()
@@ -117,7 +127,7 @@ def test_nanhunt_option_fails_tests_with_the_finding(suite):
     assert "nanhunt/_record" not in text and "NonFiniteError" not in text
     # a test that fails on its own keeps its own failure; the finding is added as a section
     assert "the test's own assertion" in text and "Captured nanhunt call" in text
-    r.assert_outcomes(passed=3, failed=4)
+    r.assert_outcomes(passed=4, failed=4)
 
 
 def test_off_by_default_the_fixture_still_works(suite):
@@ -125,6 +135,7 @@ def test_off_by_default_the_fixture_still_works(suite):
     assert _outcomes(r) == {
         "test_nan_in_a_module": "PASSED", "test_clean": "PASSED", "test_nan_on_purpose": "PASSED",
         "test_catches_everything": "PASSED", "test_fails_on_its_own_after_a_nan": "FAILED",
+        "test_expects_its_own_nonfinite_error": "PASSED",
         "test_fixture": "FAILED", "test_fixture_clean": "PASSED",
     }, r.stdout.str()
     assert "Captured nanhunt" not in r.stdout.str()

@@ -368,6 +368,11 @@ class AutoWatch:
         """Every finding of every hunt, in order of occurrence (see `_merged`)."""
         return [f for _, f in self._merged()]
 
+    def own_findings(self) -> list[Finding]:
+        """The findings of the hunts this watch opened itself, in order of occurrence (``pytest
+        --nanhunt``: a test's own hunt, which raises or records as the test chose, is the test's)."""
+        return [f for h, f in self._merged() if not any(h is s for s in self.script_hunts)]
+
     def report(self) -> Report:
         """The report of the hunt that made the first finding, with every hunt's findings."""
         merged = self._merged()
