@@ -962,3 +962,30 @@ def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) 
     f = hunt.first
     assert f is not None and (f.module, f.op, f.verdict) == ("<outside>", "aten.log.default", "numerics"), f
     assert f.reference["dtype"] == "float32" and f.reference["op"] == "aten.log.default" and math.isnan(f.reference["value"])
+
+
+@pytest.mark.parametrize("how", ["set_default_device between steps", "DeviceContext around the forward"])
+def test_torchs_default_device_context_stays_at_the_bottom_of_the_mode_stack(how: str) -> None:
+    """torch.set_default_device's DeviceContext keeps itself at the very bottom of the mode stack
+    and asserts so when it leaves: with the recorder put under it, set_default_device and leaving a
+    DeviceContext raised 'Found nested DeviceContext on the mode stack where none expected'."""
+    from torch.utils._device import DeviceContext
+
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with nanhunt.watch(model, opt) as hunt:
+            for step in range(3):
+                if how.startswith("set_default"):
+                    out = model(torch.randn(4, 4))
+                    torch.set_default_device("cpu" if step < 2 else None)
+                else:
+                    with DeviceContext("cpu"):
+                        out = model(torch.randn(4, 4))
+                out.sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        torch.set_default_device(None)
+    assert hunt.findings == [] and not torch.overrides._get_current_function_mode_stack()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext as _DeviceContext  # set_default_device's: the stack's bottom
 
 from .._hooks import REPLAYING
 from .._steplog import Out, OutRec, StepLog
@@ -258,14 +259,22 @@ def _take_out(m: Any) -> bool:
 
 
 def _put_under(m: Any) -> None:
-    """Put ``m`` at the bottom of this thread's torch function mode stack, under the user's modes:
-    a user's mode entered before (``with torch.device(...)`` around the forward) pops itself when
-    its block ends, as it would without us (a mode pushed on top was what its exit popped)."""
+    """Put ``m`` under the user's modes on this thread's torch function mode stack: a user's mode
+    entered before (around the forward) pops itself when its block ends, as it would without us (a
+    mode pushed on top was what its exit popped: ``with torch.device(...)`` pops the top). Only
+    the ``DeviceContext`` of ``torch.set_default_device`` (entered in Python: it keeps itself at the
+    very bottom, and its exit asserts so) stays under it."""
     above = []
     while torch._C._len_torch_function_stack():
         above.append(torch._C._pop_torch_function_stack())
+    above.reverse()  # bottom first
+    n = 0
+    while n < len(above) and isinstance(above[n], _DeviceContext) and "old_device" in vars(above[n]):
+        n += 1
+    for x in above[:n]:
+        torch._C._push_on_torch_function_stack(x)
     torch._C._push_on_torch_function_stack(m)
-    for x in reversed(above):
+    for x in above[n:]:
         torch._C._push_on_torch_function_stack(x)
 
 
