@@ -931,17 +931,36 @@ def test_a_constant_nan_or_inf_the_loss_code_writes_into_the_loss_is_found(mode:
     assert f.source is not None and f.source.startswith(__file__)
 
 
+_MARKERS = {
+    "where nan tensor, nanmean": lambda out: torch.where(out >= out.median(), out, torch.tensor(float("nan"))).nanmean(),
+    "masked_fill nan, nanmean rows": lambda out: out.masked_fill(out < out.median(1, keepdim=True).values,
+                                                                 float("nan")).nanmean(1).mean(),
+    "where nan scalar, nansum": lambda out: torch.where(out > 0, out, float("nan")).nansum(),
+    "inf cap, minimum": lambda out: torch.minimum(out, torch.full_like(out, float("inf"))).mean(),
+    "where inf, amin, filtered": lambda out: _finite_mean(torch.where(out > 10, out, float("inf")).amin(1)),
+    "a nan metric beside the loss": lambda out: (out.detach().masked_fill(out.detach() > -1e9, float("nan")).nanmean(),
+                                                 out.mean())[1],
+}
+
+
+def _finite_mean(v: torch.Tensor) -> torch.Tensor:
+    ok = torch.isfinite(v)
+    return torch.where(ok, v, 0.0).sum() / ok.sum().clamp(min=1)
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_intended_nan_markers_that_the_loss_code_reduces_away_are_not_findings(mode: str) -> None:
+@pytest.mark.parametrize("pattern", list(_MARKERS))
+def test_intended_nan_markers_that_the_loss_code_reduces_away_are_not_findings(mode: str, pattern: str) -> None:
+    """NaN markers and inf caps the loss code writes and handles (nanmean, nansum, minimum, a
+    filter, a metric that never reaches the loss): the loss is finite, nothing is reported."""
     torch.manual_seed(0)
     model = zoo.mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanhunt.watch(model, opt, mode=mode) as hunt:
         for _ in range(2):
             out = model(torch.randn(4, 4))
-            loss = torch.where(out >= out.median(), out, torch.tensor(float("nan"))).nanmean()  # nan: no value
-            cap = torch.full_like(out, float("inf"))
-            loss = loss + torch.minimum(out, cap).mean()  # inf as 'no limit'
+            loss = _MARKERS[pattern](out)
+            assert torch.isfinite(loss), "test set-up: a finite loss"
             loss.backward()
             opt.step()
             opt.zero_grad()

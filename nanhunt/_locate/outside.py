@@ -300,18 +300,21 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
             return _fed_finding(log, step, rec_i, out_i, t, fed[0])  # non-finite from nothing this step made
         elif all(_constant(log, x) for x in fed):
             # only a NaN/+inf constant this code wrote went in (torch.tensor(nan) as a default,
-            # full_like(x, inf)): as for a -inf mask, born here when this op reduced a row to it
-            # (a mean of a where(..., nan)) or turned it into a NaN, else it only carries it on
+            # full_like(x, inf)): markers and caps by design, unless they reach what the step
+            # trains on (a backward() of a non-finite loss); then, as for a -inf mask, born here
+            # when this op reduced a row to it (a mean of a where(..., nan)) or turned it into a
+            # NaN, else it only carries it on
             carried = bool(torch.isnan(t).any()) <= any(bool(torch.isnan(x).any()) for x in fed)
-            if carried and t.numel() >= max(x.numel() for x in fed):
+            if not _loss_bad(log) or (carried and t.numel() >= max(x.numel() for x in fed)):
                 return None
         else:
             return None  # fed: not born here (an earlier op, a watched or ignored module's output); found where it flows
     if any(isinstance(x, float) and not math.isfinite(x) for x in leaves) and not bad_in and not (
             t.grad_fn is not None and any(isinstance(x, float) and math.isnan(x) for x in leaves)
-            and bool(torch.isnan(t).any())):
-        # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value); not a NaN
-        # literal computed into what autograd differentiates (loss * nan)
+            and bool(torch.isnan(t).all()) and _loss_bad(log)):
+        # an infinity the code wrote on purpose (max_norm=inf, a -inf mask value, nan markers);
+        # not a NaN literal that made all of a differentiated value NaN (loss * nan) on the way
+        # to a non-finite loss
         return None
     got, fx = forward_origin(log.outside, rec_i, out_i, returned)
     index, value, counts = element(t)
@@ -358,6 +361,12 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
     if key in log.ignored or (ref is not None and ref() is x):
         return False
     return not any(r() is x for c in log.calls for r, _ in c.outs)
+
+
+def _loss_bad(log: StepLog) -> bool:
+    """A ``backward()`` of this step started from a non-finite value (the loss it trains on)."""
+    return any(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and is_bad(x)
+               for args, kwargs, _ in log.seeds for x in tree_leaves((args, kwargs)))
 
 
 def _constant(log: StepLog, x: torch.Tensor, depth: int = 0) -> bool:
