@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import nanhunt
 
@@ -509,10 +510,14 @@ def test_adam_state_overflow_from_a_huge_gradient_names_the_gradient_not_the_lea
 
 
 class _LARS(torch.optim.Optimizer):
-    """A hand-written LARS, as in many SimCLR/BYOL repositories: trust = eta * ||w|| / ||g||."""
+    """A hand-written LARS, as in many SimCLR/BYOL repositories: trust = eta * ||w|| / ||g||;
+    it keeps a Python list in its state and counts its constructions."""
+
+    made = 0
 
     def __init__(self, params: Any, lr: float = 0.1, eta: float = 1e-3) -> None:
         super().__init__(params, {"lr": lr, "eta": eta})
+        _LARS.made += 1
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -520,6 +525,7 @@ class _LARS(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     trust = group["eta"] * p.norm() / p.grad.norm()
+                    self.state[p].setdefault("trusts", []).append(float(trust))
                     p.sub_(p.grad * trust * group["lr"])
 
 
@@ -540,10 +546,18 @@ def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() ->
 
     m = Gated()
     opt = _LARS(m.parameters())
-    with pytest.raises(nanhunt.NonFiniteError) as ei:
-        with nanhunt.watch(m, opt):
-            F.cross_entropy(m(torch.randn(8, 6)), torch.zeros(8, dtype=torch.long)).backward()
-            opt.step()
+    made, hooked = _LARS.made, []
+    handle = register_optimizer_step_pre_hook(lambda *a: hooked.append(1))
+    try:
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            with nanhunt.watch(m, opt):
+                F.cross_entropy(m(torch.randn(8, 6)), torch.zeros(8, dtype=torch.long)).backward()
+                opt.step()
+    finally:
+        handle.remove()
+    # the shadow step touched nothing of the user's: its state's lists, its hooks, its constructor
+    assert all(len(opt.state[p]["trusts"]) == 1 for p in m.parameters()), "one step's entries"
+    assert hooked == [1] and _LARS.made == made
     f = ei.value.finding
     assert (f.phase, f.module, f.tensor) == ("optimizer", "a", "weight"), f
     assert "0 everywhere" in f.hint and "trust ratio" in f.hint, f

@@ -872,7 +872,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""
         src = ctx.view.step_lines.get(entry.opt)
         chain: tuple[str, ...] = (f"{op} @ {src}" if src else op,) if op else ()
-        if op is None and opt is not None and not fed and not at_start:
+        if op is None and opt is not None and not fed and not at_start and ctx.view.rank is None:
             got = _optim.custom_origin(opt, p, sk, index)  # a hand-written optimizer: its own op and line
             if got is not None:
                 op, src, chain = got[0], got[1], tuple(got[2])

@@ -7,14 +7,17 @@ which aten op last wrote the parameter and each state tensor.
 
 A hand-written optimizer (`custom_origin`): its own code is the user's, so its op *and line* are
 worth finding. A shadow of its class over a copy of the one parameter (its non-finite values set
-to 0: what it held before the step is gone), with the parameter's gradient and a copy of its
-state, is stepped once under the op-level recorder; the op that made a non-finite value from
-finite ones on the path to the reported element is the answer. Its step runs user code once more,
-as every replay does; nothing it touches is the user's (fresh tensors, a fresh instance).
+to 0: what it held before the step is gone), with the parameter's gradient and a deep copy of
+its state, is stepped once under the op-level recorder (without step hooks; the RNG put back; not
+under torch.distributed, where a step may call collectives); the op that made a non-finite value
+from finite ones on the path to the reported element is the answer. Its step runs user code once
+more, as every replay does; nothing it touches is the user's (fresh tensors, a fresh instance).
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import inspect
 import math
 from typing import Any
@@ -81,24 +84,40 @@ def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
         g = p.grad
         if g is None or g.is_sparse or not bool(torch.isfinite(g).all()):
             return None
-        params = inspect.signature(type(opt).__init__).parameters
-        hp = {k: v for k, v in group.items() if k in params and k != "params"}
         with torch.no_grad():
             q = torch.nn.Parameter(torch.nan_to_num(p.detach().clone(), nan=0.0, posinf=0.0, neginf=0.0),
                                    requires_grad=p.requires_grad)
             q.grad = g.detach().clone()
-            state = {k: (torch.nan_to_num(v.detach().clone(), nan=0.0, posinf=0.0, neginf=0.0)
-                         if isinstance(v, torch.Tensor) and v.is_floating_point() else
-                         v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                     for k, v in opt.state.get(p, {}).items()}
-        shadow = type(opt)([q], **hp)
+            state = copy.deepcopy(dict(opt.state.get(p, {})))  # nothing of it shared: lists, counters
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    state[k] = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+        # the shadow: the optimizer's own attributes, its own hook dicts (empty), one group of q
+        # (its __init__ is not run again: it may log or count)
+        shadow = object.__new__(type(opt))
+        shadow.__dict__.update(opt.__dict__)
+        shadow.__dict__.update(
+            param_groups=[{**group, "params": [q]}], state=collections.defaultdict(dict),
+            _optimizer_step_pre_hooks=collections.OrderedDict(), _optimizer_step_post_hooks=collections.OrderedDict(),
+            _optimizer_state_dict_pre_hooks=collections.OrderedDict(),
+            _optimizer_state_dict_post_hooks=collections.OrderedDict(),
+            _optimizer_load_state_dict_pre_hooks=collections.OrderedDict(),
+            _optimizer_load_state_dict_post_hooks=collections.OrderedDict())
         if state:
             shadow.state[q] = state
+        step = getattr(type(opt).step, "__wrapped__", None)  # the step itself, without the global step hooks
         rec = _Recorder()
         mode = _Mode(rec)
         mode.on = True
-        with mode:
-            shadow.step()
+        rng = torch.get_rng_state()
+        try:
+            with mode:
+                if step is not None:
+                    step(shadow)
+                else:
+                    shadow.step()
+        finally:
+            torch.set_rng_state(rng)
         target = q if not key else shadow.state.get(q, {}).get(key)
         if not isinstance(target, torch.Tensor):
             return None
