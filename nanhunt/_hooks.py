@@ -30,6 +30,7 @@ __all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_he
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _ours: list[GlobalHooks] = []
 _filter: Any = None
+_filters: Any = None  # the list it went into (catch_warnings swaps in a copy for its block)
 
 
 def _global_hook_count() -> int:
@@ -38,23 +39,22 @@ def _global_hook_count() -> int:
 
 
 def _quiet_compile_warning() -> None:
-    global _filter
+    global _filter, _filters
     own = 2 * len(_ours)
     if _filter is None and _global_hook_count() == own:  # no global hook of the user's
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
-        _filter = warnings.filters[0]
+        _filter, _filters = warnings.filters[0], warnings.filters
 
 
 def _restore_compile_warning() -> None:
-    global _filter
+    global _filter, _filters
     if _filter is not None and not _ours:
-        try:
-            filters: list[Any] = warnings.filters  # type: ignore[assignment]
-            filters.remove(_filter)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
-        except ValueError:  # a catch_warnings block replaced the list meanwhile
-            pass
-        _filter = None
+        lists: list[Any] = [_filters, warnings.filters]  # where it went in, and a catch_warnings copy
+        for filters in lists:
+            if _filter in filters:
+                filters.remove(_filter)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+        _filter = _filters = None
 
 
 class GlobalHooks:

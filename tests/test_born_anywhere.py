@@ -1008,3 +1008,14 @@ def test_torchs_default_device_context_stays_at_the_bottom_of_the_mode_stack(how
     finally:
         torch.set_default_device(None)
     assert hunt.findings == [] and not torch.overrides._get_current_function_mode_stack()
+
+
+def test_checking_a_sparse_tensor_with_a_nan_is_a_finding_not_an_internal_fault() -> None:
+    model = zoo.mlp()
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.randn(2, 4))
+        s = torch.tensor([[0.0, float("nan")], [1.0, 0.0]]).to_sparse()
+        hunt.check(s, "sparse")
+        model(torch.randn(2, 4))
+    assert [(f.phase, f.module) for f in hunt.findings] == [("check", "sparse")]
+    assert not hunt._faulted

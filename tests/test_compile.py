@@ -317,3 +317,11 @@ def test_compiling_a_watched_module_shows_no_warning_about_the_hunts_hooks_and_t
         assert [w for w in seen if "global hooks" in str(w.message)]
     assert not [f for f in warnings.filters if f[1] is not None and "global hooks" in f[1].pattern]
     torch._dynamo.reset()
+
+
+def test_the_compile_warning_filter_goes_with_the_hunt_also_when_closed_inside_catch_warnings() -> None:
+    before = list(warnings.filters)
+    hunt = nanhunt.watch(_model())
+    with warnings.catch_warnings():
+        hunt.close()  # the block's copy of the list holds the filter too
+    assert [f for f in warnings.filters if f not in before] == []

@@ -686,3 +686,21 @@ def test_watch_without_the_optimizer_judges_the_step_before_that_optimizer_write
                 opt.zero_grad()
     assert ei.value.finding.step == 2
     assert all(torch.isfinite(p).all() for p in model.parameters()), "raised before the update"
+
+
+def test_poisoned_weights_without_a_watched_optimizer_get_a_hint_that_can_be_followed() -> None:
+    """The hint sent the user to 'a finding in phase optimizer', which no hunt without an
+    optimizer makes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        for step in range(4):
+            x = torch.randn(4, 8)
+            if step == 1:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            opt.step()  # applies the NaN gradients: the weights are NaN from step 2 on
+            opt.zero_grad()
+    later = next(f for f in hunt.findings if f.phase == "forward" and f.cause == "parameter")
+    assert "No optimizer is watched" in later.hint and "phase 'optimizer'" not in later.hint, later.hint

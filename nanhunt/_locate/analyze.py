@@ -815,6 +815,8 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             return _hints.written_hint(what)
         if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
             return _hints.unheld_hint(what)
+        if not ctx.view.optimizers and isinstance(t, torch.nn.Parameter):
+            return _hints.unwatched_hint(what)
     return ""
 
 

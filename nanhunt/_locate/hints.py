@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -289,6 +289,13 @@ def unheld_hint(what: str) -> str:
     return (f"{what[:1].upper()}{what[1:]} is a parameter no watched optimizer holds (a new nn.Parameter "
             "assigned to the module, or one the optimizer was never given): no optimizer step wrote it; "
             "look at what set it, and give the optimizer the parameter the model uses.")
+
+
+def unwatched_hint(what: str) -> str:
+    """A non-finite parameter while no optimizer is watched: nothing says who wrote it."""
+    return (f"{what[:1].upper()}{what[1:]} was already non-finite. No optimizer is watched, so which step "
+            "wrote it is not known here: pass the optimizer (watch(model, optimizer=opt)) to have its "
+            "updates judged, or look for an earlier finding whose gradients it applied.")
 
 
 def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False,

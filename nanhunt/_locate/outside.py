@@ -144,7 +144,11 @@ class _Replay:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``b`` is ``a`` or a detached alias of it (``hunt.check`` keeps ``tensor.detach()``)."""
-    return a is b or (a.data_ptr() == b.data_ptr() != 0 and a.shape == b.shape and a.dtype == b.dtype)
+    if a is b:
+        return True
+    if a.layout is not torch.strided or b.layout is not torch.strided or a.is_nested or b.is_nested:
+        return False  # (no data_ptr: a sparse or nested tensor is only ever itself)
+    return a.data_ptr() == b.data_ptr() != 0 and a.shape == b.shape and a.dtype == b.dtype
 
 
 def output_of(log: StepLog, e: Any) -> torch.Tensor | None:
