@@ -325,3 +325,47 @@ def test_the_compile_warning_filter_goes_with_the_hunt_also_when_closed_inside_c
     with warnings.catch_warnings():
         hunt.close()  # the block's copy of the list holds the filter too
     assert [f for f in warnings.filters if f not in before] == []
+
+
+class _SqrtBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l(x)
+        return h + torch.sqrt(h - h.detach() + 1 - (x[:, :1] > 50).float())  # sqrt(0) on flagged rows: inf grad
+
+
+class _SqrtNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), _SqrtBlock(), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(torch.relu(self.a(x)) + x))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_a_gradient_eager_makes_too_gets_the_numerics_verdict_under_compile(how: str) -> None:
+    """A gradient born in the backward that eager reproduces (sqrt at 0): under torch.compile the
+    verdict was skipped as if only the compiled backward made it (None); eager gave 'numerics'."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _SqrtNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run = zoo.compiled(model, how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            with nanhunt.watch(run, optimizer=opt):
+                for step in range(4):
+                    x = torch.randn(8, 16)
+                    if step == 2:
+                        x[5, 0] = 100.0
+                    run(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.step, f.verdict) == ("backward", "b", "SqrtBackward0", 2, "numerics"), f
+    torch._dynamo.reset()

@@ -539,7 +539,7 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
     phase, top_i, ordinal, path = where
     top = view.log.tops[top_i]
     if phase == "backward":
-        if top.compiled is not None:
+        if top.compiled is not None and f.verdict is not None:
             return f  # a gradient only the compiled backward makes has its verdict already (analyze._compiled_backward)
         grads = [view.log.tensors[k].grad for k in top.out_keys]
         e = examine_backward(top, view.names, f, ordinal, path, grads)
