@@ -369,3 +369,19 @@ def test_a_gradient_eager_makes_too_gets_the_numerics_verdict_under_compile(how:
     f = ei.value.finding
     assert (f.phase, f.module, f.op, f.step, f.verdict) == ("backward", "b", "SqrtBackward0", 2, "numerics"), f
     torch._dynamo.reset()
+
+
+def test_a_gradient_born_in_a_roots_own_code_gets_the_numerics_verdict() -> None:
+    """Found at its autograd node (no module input to name): the verdict was None."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SqrtBlock(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, optimizer=opt):
+            x = torch.randn(8, 16)
+            x[5, 0] = 100.0
+            model(x).pow(2).mean().backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.verdict) == ("backward", "0", "SqrtBackward0.grad_input[0]", "numerics"), f
+    assert f.reference["dtype"] == "float32" and f.reference["op"] == "SqrtBackward0"

@@ -677,15 +677,20 @@ def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
         return None
     module = b.module if b.module is not None else top.module
     index, value, counts = element(b.grad)
+    dtype = dtype_name(b.grad)
+    tensor = f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]"
+    # that replay ran eager; in float32/float64 without autocast it is the reference replay itself
+    numerics = dtype in ("float32", "float64") and not any(on for _, on, _ in top.autocast)
     f = Finding(
         phase="backward", module=b.name if b.module is not None else ctx.names.get(top.module, ""),
         # a node's gradient inside the module's own code (not an input of the module: those may
         # not even need a gradient), named by its node
-        module_type=type(module).__name__, tensor=f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]",
+        module_type=type(module).__name__, tensor=tensor,
         step=ctx.step,
         call=0, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
-        dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
-        reproducible=True,
+        dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        reproducible=True, verdict="numerics" if numerics else None,
+        reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
     )
     ctx.facts[id(f)] = b.facts
     return f
