@@ -1019,3 +1019,23 @@ def test_checking_a_sparse_tensor_with_a_nan_is_a_finding_not_an_internal_fault(
         model(torch.randn(2, 4))
     assert [(f.phase, f.module) for f in hunt.findings] == [("check", "sparse")]
     assert not hunt._faulted
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fully_masked_rows_logsumexp_that_the_loss_code_filters_out_is_not_a_finding(mode: str) -> None:
+    """A -inf mask reducing a row to -inf (logsumexp over no candidate) that the code then filters
+    out (l[isfinite(l)]): the loss is finite and no gradient is harmed, yet it was reported."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for _ in range(2):
+            out = model(torch.randn(5, 4))
+            keep = torch.ones_like(out, dtype=torch.bool)
+            keep[0] = False
+            lse = out.masked_fill(~keep, float("-inf")).logsumexp(1)
+            loss = lse[torch.isfinite(lse)].mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == []

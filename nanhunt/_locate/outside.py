@@ -296,8 +296,8 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
             # NaN (softmax of a fully masked row) or reduced a row to nothing but it (logsumexp,
             # max over a fully masked row), else it only carries the mask on
             nan = bool(torch.isnan(t).any())
-            if not (nan or t.numel() < max(x.numel() for x in bad_in)):
-                return None
+            if not (nan or (t.numel() < max(x.numel() for x in bad_in) and _loss_bad(log))):
+                return None  # (a row reduced to -inf that the code filters out: no loss is harmed)
             if any(_model_made(log, x) for x in bad_in):
                 return None  # the model's own -inf (log of 0 in it, unprobed in sentinel): its replay says where
         elif all(_foreign(log, x, grads) for x in fed):
