@@ -274,14 +274,22 @@ class StepLog:
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
 
-    def number_calls(self, before: dict[int, int] | None = None) -> None:
+    def number_calls(self, before: dict[tuple[bool, int], int] | None = None) -> None:
         """Each call's number among its module's calls this step (`Call.call`; after a hit only).
-        ``before``: calls per module id in the step's earlier logs (a step checked in parts)."""
-        counts: dict[int, int] = dict(before) if before else {}
+        ``before``: calls per (evaluation pass?, module id) in the step's earlier logs (a step
+        checked in parts). An evaluation pass's calls (no_grad, eval mode) are counted apart: a
+        validation loop inside the step's window does not shift the micro-batches' numbers."""
+        counts: dict[tuple[bool, int], int] = dict(before) if before else {}
         for c in self.calls:
-            n = counts.get(id(c.module), 0)
+            k = (self.evaluation(c), id(c.module))
+            n = counts.get(k, 0)
             c.call = n
-            counts[id(c.module)] = n + 1
+            counts[k] = n + 1
+
+    def evaluation(self, c: Call) -> bool:
+        """``c`` is part of an evaluation pass: its top-level call ran without gradients in eval mode."""
+        top = self.tops[c.top] if 0 <= c.top < len(self.tops) else None
+        return top is not None and not top.grad_enabled and not top.training
 
     def resolve(self) -> tuple[list[int], list[int]]:
         """Probe the deferred outputs (device-side, no host read): one reduction per shape.

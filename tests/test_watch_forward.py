@@ -704,3 +704,30 @@ def test_poisoned_weights_without_a_watched_optimizer_get_a_hint_that_can_be_fol
             opt.zero_grad()
     later = next(f for f in hunt.findings if f.phase == "forward" and f.cause == "parameter")
     assert "No optimizer is watched" in later.hint and "phase 'optimizer'" not in later.hint, later.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_pass_inside_a_steps_window_does_not_shift_the_micro_batches_call_numbers(mode: str) -> None:
+    """Lightning's val_check_interval can run validation between two micro-batches of one step:
+    its calls were counted as calls of the training step ('step 2, call 3' for micro-batch 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, mode=mode):
+            for step in range(3):
+                for micro in range(2):
+                    x = torch.randn(4, 8)
+                    if (step, micro) == (2, 1):
+                        x[1, 1] = float("nan")
+                    model(x).pow(2).mean().backward()
+                    if micro == 0:  # validation in the middle of the step's window
+                        model.eval()
+                        with torch.no_grad():
+                            for _ in range(2):
+                                model(torch.randn(4, 8))
+                        model.train()
+                opt.step()
+                opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.call, f.cause) == ("forward", 2, 1, "input"), f

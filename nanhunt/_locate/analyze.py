@@ -424,12 +424,19 @@ def _call_index(ctx: _Ctx, top: int, rc: ReplayCall) -> int:
     per_top = sum(1 for o in calls if o.module is rc.module)
     tops = ctx.log.tops
     earlier = 0
+    evaluation = _evaluation(tops[top])
     for ti in range(top):
+        if _evaluation(tops[ti]) != evaluation:
+            continue  # an evaluation pass's calls are counted apart (StepLog.number_calls)
         seen = sum(1 for c in ctx.log.calls if c.top == ti and c.module is rc.module)
         if not seen and ctx.view.mode == "sentinel" and tops[ti].module is tops[top].module:
             seen = per_top  # sentinel records the root's calls only: an earlier call of it ran the module as often
         earlier += seen
     return earlier + within
+
+
+def _evaluation(top: Top) -> bool:
+    return not top.grad_enabled and not top.training
 
 
 def _partial(ctx: _Ctx, phase: str, name: str, module: nn.Module, tensor: str, call: int,

@@ -248,7 +248,8 @@ class Hunt:
         self._state = BufferState()  # buffers as they were before each root call
         self._warned_step = -1
         self._step_lines: dict[int, str | None] = {}
-        self._calls_before: dict[int, int] = {}  # calls per module id in this step's earlier logs (checked in parts)
+        # calls per (evaluation pass?, module id) in this step's earlier logs (checked in parts)
+        self._calls_before: dict[tuple[bool, int], int] = {}
 
         # protect and recover (see protect.py, samples.py, guard.py): ready before any hook can fire
         self.skipped: list[int] = []  # steps dropped by on_find="skip"
@@ -1297,7 +1298,7 @@ class Hunt:
             # when the round's last optimizer has stepped
             self._calls_before = before = dict(prior)
             for c in log.calls:
-                k = id(c.module)
+                k = (log.evaluation(c), id(c.module))
                 before[k] = before.get(k, 0) + 1
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
@@ -1478,7 +1479,7 @@ class Hunt:
             warnings.warn(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
                           stacklevel=3)
 
-    def _view(self, log: StepLog, step: int, calls_before: dict[int, int] | None = None) -> StepView:
+    def _view(self, log: StepLog, step: int, calls_before: dict[tuple[bool, int], int] | None = None) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
         log.number_calls(calls_before)
         names = self._module_names()
