@@ -271,29 +271,33 @@ def buffer_hint(buffer: str, module_type: str) -> str:
             "finite: the module wrote it in place; whatever reads it later (evaluation, the next step) gets it.")
 
 
+def _cap(what: str) -> str:
+    return what[:1].upper() + what[1:]
+
+
 def at_start_hint(what: str) -> str:
     """A tensor that was already non-finite when the watch began (before its first step)."""
-    return (f"{what[:1].upper()}{what[1:]} was already non-finite when the watch began: it was loaded or set "
+    return (f"{_cap(what)} was already non-finite when the watch began: it was loaded or set "
             "that way before nanhunt's first step, so where it was born is not known here (run "
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
 
 
 def written_hint(what: str) -> str:
     """A weight non-finite after its optimizer's last step left it finite: something else wrote it."""
-    return (f"{what[:1].upper()}{what[1:]} was written after its optimizer's last step (a load_state_dict, "
+    return (f"{_cap(what)} was written after its optimizer's last step (a load_state_dict, "
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
 
 
 def unheld_hint(what: str) -> str:
     """A non-finite parameter that no watched optimizer holds: the user's code set it."""
-    return (f"{what[:1].upper()}{what[1:]} is a parameter no watched optimizer holds (a new nn.Parameter "
+    return (f"{_cap(what)} is a parameter no watched optimizer holds (a new nn.Parameter "
             "assigned to the module, or one the optimizer was never given): no optimizer step wrote it; "
             "look at what set it, and give the optimizer the parameter the model uses.")
 
 
 def unwatched_hint(what: str) -> str:
     """A non-finite parameter while no optimizer is watched: nothing says who wrote it."""
-    return (f"{what[:1].upper()}{what[1:]} was already non-finite. No optimizer is watched, so which step "
+    return (f"{_cap(what)} was already non-finite. No optimizer is watched, so which step "
             "wrote it is not known here: pass the optimizer (watch(model, optimizer=opt)) to have its "
             "updates judged, or look for an earlier finding whose gradients it applied.")
 

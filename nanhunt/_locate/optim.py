@@ -29,6 +29,11 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["update_op", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
 
 
+def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """The parameter group that holds ``p`` (StopIteration when none does)."""
+    return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+
+
 class _Writes(TorchDispatchMode):
     def __init__(self, targets: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -54,7 +59,7 @@ def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | No
     try:
         if type(opt).__module__.split(".")[:2] != ["torch", "optim"]:
             return None
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        group = _group_of(opt, p)
         accepted = inspect.signature(type(opt).__init__).parameters
         hp = {k: v for k, v in group.items() if k in accepted and k != "params"}
         with torch.no_grad():
@@ -80,7 +85,7 @@ def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
     try:
         if type(opt).__module__.split(".")[:2] == ["torch", "optim"]:
             return None
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        group = _group_of(opt, p)
         g = p.grad
         if g is None or g.is_sparse or not bool(torch.isfinite(g).all()):
             return None
@@ -136,7 +141,7 @@ def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
 def eps_rounds_to_zero(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
     """``repr(eps)`` when the group's ``eps`` is 0 in ``p``'s dtype (Adam's 1e-8 in float16), else ""."""
     try:
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        group = _group_of(opt, p)
         eps = group.get("eps")
         if isinstance(eps, float) and eps > 0 and p.is_floating_point() and p.dtype != torch.float32:
             if float(torch.tensor(eps, dtype=p.dtype)) == 0.0:
@@ -165,12 +170,12 @@ def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
 
 def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     """What the numbers say of ``p``'s update, for the hint (after a hit: host reads allowed):
-    ``eps`` (the group's, when it is exactly 0), ``zero_grad`` (the gradient is 0 everywhere, or
-    ``zero_rows`` somewhere), ``grad_max`` (its largest magnitude, when its square passes the
+    ``eps`` (the group's, when it is exactly 0), ``zero_grad`` (the gradient is 0 everywhere) or
+    ``zero_some`` (somewhere), ``grad_max`` (its largest magnitude, when its square passes the
     dtype's largest value). Empty when the gradient is gone (``zero_grad()`` ran) or non-finite."""
     out: dict[str, Any] = {}
     try:
-        group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+        group = _group_of(opt, p)
         eps = group.get("eps")
         if isinstance(eps, (int, float)) and eps == 0:
             out["eps"] = 0.0

@@ -286,7 +286,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     t = outs[out_i]
     leaves = tree_leaves((r.args, r.kwargs))
     name = getattr(r.func, "__name__", "")
-    if not (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))) and any(x is t for x in leaves):
+    if not _in_place(name) and any(x is t for x in leaves):
         return None  # an input handed back unchanged (.to() its own device): not born here
     bad_in = [x for x in leaves if isinstance(x, torch.Tensor) and x is not t and is_bad(x)]
     if bad_in:
@@ -367,6 +367,11 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
     return not any(r() is x for c in log.calls for r, _ in c.outs)
 
 
+def _in_place(name: str) -> bool:
+    """A torch call of this name writes into its first argument (``add_``, ``x[i] = v``)."""
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+
+
 def _loss_bad(log: StepLog) -> bool:
     """A ``backward()`` of this step started from a non-finite value (the loss it trains on)."""
     return any(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and is_bad(x)
@@ -381,8 +386,7 @@ def _constant(log: StepLog, x: torch.Tensor, depth: int = 0) -> bool:
     if got is None or depth >= 8:
         return False
     r = log.outside[got[0]]
-    name = getattr(r.func, "__name__", "")
-    if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")):
+    if _in_place(getattr(r.func, "__name__", "")):
         return False  # written into a tensor that was there (a weight poisoned by hand): not a constant
     leaves = tree_leaves((r.args, r.kwargs))
     ins = [a for a in leaves if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]

@@ -1019,14 +1019,18 @@ class Hunt:
                 # pseudo-label pass in training: what it returns never reaches a gradient): the
                 # outputs are what there is to judge
                 if c.index < len(log.calls) and log.calls[c.index] is c:
+                    items = list(tensors(output))
+                    grad = torch.is_grad_enabled()
                     # with gradients, only a 0-dim output (a loss the model computes itself, as
                     # Hugging Face models do from labels=): its gradient may be finite while it is
                     # not (a mean over zero tokens: 0/0, with zero gradients)
-                    self._probe_root_outputs(log, c, output, scalars=bool(self._opts) and torch.is_grad_enabled())
-                if torch.is_grad_enabled() and c.index < len(log.calls) and log.calls[c.index] is c:
+                    self._probe_root_outputs(log, c, items, scalars=bool(self._opts) and grad)
+                else:
+                    grad, items = False, []
+                if grad:
                     top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
                     c.out_keys = out_keys = []
-                    for path, t in tensors(output):
+                    for path, t in items:
                         if t.requires_grad and is_checked(t):
                             k = self._key(t)
                             log.tensors[k].keep_grad = True
@@ -1039,15 +1043,17 @@ class Hunt:
         except Exception as exc:
             self._fault(exc, "the forward hook")
 
-    def _probe_root_outputs(self, log: StepLog, c: Call, output: Any, scalars: bool = False) -> None:
+    def _probe_root_outputs(self, log: StepLog, c: Call, items: list[tuple[Path, torch.Tensor]],
+                            scalars: bool = False) -> None:
         """Sentinel mode with no optimizer (inference), or a root call without gradients (a
         validation batch, a pseudo-label pass): no gradient will judge what it returned, so the
         root's outputs are probed (one probe each), and a hit is localised by replay.
-        ``scalars``: only its 0-dim outputs (a training call: the gradients judge the rest)."""
+        ``items``: its output tensors (``tensors(output)``); ``scalars``: only the 0-dim ones (a
+        training call: the gradients judge the rest)."""
         paths: list[Path] = []
         outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         c.paths, c.outs = paths, outs
-        for path, t in tensors(output):
+        for path, t in items:
             if is_checked(t) and t.numel() and (not scalars or not t.dim()):
                 log.sums.append(probe(t))
                 log.meta.append(Fwd(c.index, len(paths)))
