@@ -9,6 +9,7 @@ graph), a call that fails only on its first run (transient), identical replays t
 from __future__ import annotations
 
 import json
+import math
 import socket
 import warnings
 
@@ -528,3 +529,28 @@ def test_breakpoint_for_a_backward_finding_stops_in_the_backward_op(monkeypatch)
     assert got["finding"] == err.value.finding and got["op"] is not None
     assert not bool(torch.isfinite(got["out"]).all())
     assert all(bool(torch.isfinite(a).all()) for a in got["args"] if isinstance(a, torch.Tensor) and a.dim())
+
+
+@pytest.mark.parametrize("how", ["half", "autocast"])
+def test_float16_overflow_of_a_weight_gradient_is_precision(how):
+    # a weight's gradient sums over the batch (x^T @ grad_out): it passes float16's range while every
+    # activation and every gradient between modules stays finite; no module input to replay at, the
+    # autograd node that made it is replayed in float32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    if how == "half":
+        model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.rand(4096, 16) * 30 + 200
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=how == "autocast"):
+            out = model(x.half() if how == "half" else x)
+        (out.float().sum() * 0.2).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "backward" and f.module == "2", f
+    assert f.op == "AddmmBackward0" and f.dtype == "float16" and f.value == math.inf, f
+    assert f.verdict == "precision", f
+    ref = f.reference
+    assert ref["dtype"] == "float32" and ref["op"] == "AddmmBackward0" and ref["limit"] == 65504.0, ref
+    assert 65504.0 < ref["value"] < 1e7 and ref["failing_dtype"] == "float16", ref

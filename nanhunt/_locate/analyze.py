@@ -699,6 +699,10 @@ def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
         reproducible=True, verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
     )
+    if not numerics:  # made in float16/bfloat16 (or under autocast): the same backward in float32
+        e = _differential.examine_node(top, f, b.nth, b.slot, grads)
+        if e is not None:
+            f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     ctx.facts[id(f)] = b.facts
     return f
 

@@ -43,6 +43,7 @@ from .._steplog import CompiledSlots, StepView, Top
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph, watched_name
 from .inductor import inductor_settings, locate_inductor
+from .nodes import blame_nodes, graph_nodes
 from .replay import faithful
 
 __all__ = ["Examined", "examine", "judge", "REDUCED"]
@@ -519,6 +520,53 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
         return Examined("precision", got)
     except Exception:
         return None
+
+
+def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Tensor | None]) -> Examined | None:
+    """The verdict on a gradient that an autograd node made from finite ones in float16/bfloat16
+    (a weight's gradient inside a module: no module input to replay it at): the call's forward and
+    backward again in float32, autocast off; the same node is the ``nth`` of its name to run."""
+    low = _low_dtype(top, f)
+    if low is None or f.op is None:
+        return None
+    same: list[torch.Tensor | None] = []
+    handles: list[Any] = []
+
+    def keep(gi: Any, go: Any) -> None:
+        same.append(gi[slot].detach() if slot < len(gi) and isinstance(gi[slot], torch.Tensor) else None)
+
+    try:
+        run, state = _float32(top)
+        with torch.no_grad():
+            grads = [_as32(g) for g in grads]
+        with _reference_mode(True, deterministic=True), faithful(run), torch.enable_grad():
+            out = torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
+            pairs = [(o, g) for o, g in zip([t for _, t in tensors(out) if t.requires_grad], grads) if g is not None]
+            leaves = [t for t in state.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+            leaves += [t for _, t in tensors((run.args, run.kwargs)) if t.requires_grad and t.is_leaf]
+            if not pairs or not leaves:
+                return None
+            nodes = graph_nodes([o.grad_fn for o, _ in pairs])
+            handles = [fn.register_hook(keep) for fn in nodes if fn.name() == f.op]
+
+            def backward() -> None:
+                torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+
+            bad = blame_nodes(nodes, backward) is not None
+        ref = same[nth] if nth < len(same) else None
+        value: float | None = f.value
+        if ref is not None and f.index is not None and tuple(ref.shape) == tuple(f.shape):
+            value = float(ref[f.index])
+        if bad:
+            return Examined("numerics", _numerics("float32", f, value))
+        return Examined("precision", {"dtype": "float32", "op": f.op, "value": value,
+                                      "limit": float(torch.finfo(low).max),
+                                      "failing_dtype": str(low).removeprefix("torch."), "failing": f.value})
+    except Exception:
+        return None
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:

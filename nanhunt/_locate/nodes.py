@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from .._tensors import is_bad, tensors
 from .oplevel import _SELECT, _fmt, _Mode, _Recorder
 from .replay import faithful
 
-__all__ = ["Born", "creator", "blame_nodes"]
+__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes"]
 
 
 
@@ -42,11 +42,40 @@ class Born:
     module: nn.Module | None = None  # the innermost watched module that created it (None: outside)
     name: str = ""
     facts: dict[str, Any] = field(default_factory=dict)
+    nth: int = 0  # how many nodes of the same name ran before it in that backward
 
 
-def blame_nodes(nodes: list[Any], run: Any) -> tuple[Any, int, torch.Tensor, list[Any], dict[str, Any]] | None:
-    """Hook ``nodes``, call ``run()`` (a backward), return the creator node, its bad slot and
-    gradient, the nodes the bad gradient then went through (oldest first) and hint facts."""
+class Blame(NamedTuple):
+    """What `blame_nodes` found: the creator node, its bad slot and gradient, the nodes the bad
+    gradient then went through (oldest first), hint facts, and how many nodes of the creator's
+    name ran before it (to find the same node in another run of the same graph)."""
+
+    fn: Any
+    slot: int
+    grad: torch.Tensor
+    chain: list[Any]
+    facts: dict[str, Any]
+    nth: int
+
+
+def graph_nodes(roots: list[Any]) -> list[Any]:
+    """Every autograd node reachable from the nodes ``roots``."""
+    nodes: list[Any] = []
+    seen: set[Any] = set()
+    todo = list(roots)
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        nodes.append(fn)
+        todo.extend(n for n, _ in fn.next_functions)
+    return nodes
+
+
+def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
+    """Hook ``nodes``, call ``run()`` (a backward), return the creator: the first node, in
+    execution order, that produced a non-finite gradient from finite ones."""
     order: list[tuple[Any, list[bool], list[bool], tuple[Any, ...]]] = []
     handles = []
 
@@ -66,7 +95,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> tuple[Any, int, torch.Tensor, lis
         for h in handles:
             h.remove()
     bad_out = {fn: ob for fn, _ib, ob, _gi in order}
-    for fn, ib, ob, gi in order:
+    for i, (fn, ib, ob, gi) in enumerate(order):
         if not any(ob) or any(ib):
             continue
         slot = ob.index(True)
@@ -78,7 +107,8 @@ def blame_nodes(nodes: list[Any], run: Any) -> tuple[Any, int, torch.Tensor, lis
             nxt = nxt.next_functions[s][0] if s < len(nxt.next_functions) else None
         feeders = [f for f in bad_out if any(n is fn for n, _ in f.next_functions)]
         facts = {"where_trap": any(f.name().startswith(_SELECT) for f in feeders)}
-        return fn, slot, gi[slot], chain, facts
+        nth = sum(1 for o in order[:i] if o[0].name() == fn.name())
+        return Blame(fn, slot, gi[slot], chain, facts, nth)
     return None
 
 
@@ -119,16 +149,7 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
     if not pairs:
         return None
-    nodes: list[Any] = []
-    seen: set[Any] = set()
-    todo = [o.grad_fn for o, _ in pairs]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        nodes.append(fn)
-        todo.extend(n for n, _ in fn.next_functions)
+    nodes = graph_nodes([o.grad_fn for o, _ in pairs])
     leaves = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
     leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
     if not leaves:
@@ -140,12 +161,12 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     got = blame_nodes(nodes, run)
     if got is None:
         return None
-    fn, slot, grad, chain, facts = got
+    fn, slot, grad, chain, facts, nth = got
     owner = _owner(fn, done)
     src = mode.node_src.get(fn, (None, False))[0]
     return Born(fn.name(), src, grad, slot,
                 [_fmt(n.name(), mode.node_src.get(n, (None, False))[0]) for n in chain],
-                owner, names.get(owner, "") if owner is not None else "", facts)
+                owner, names.get(owner, "") if owner is not None else "", facts, nth)
 
 
 def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> nn.Module | None:

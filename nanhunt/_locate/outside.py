@@ -246,7 +246,7 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     got = blame_nodes(list(rep.node_rec), run)
     if got is None:
         return None
-    fn, slot, grad, chain, facts = got
+    fn, slot, grad, chain, facts, _ = got
     ri = rep.node_rec[fn]
     names = [_fmt(n.name(), recs[rep.node_rec[n]].src) for n in chain if n in rep.node_rec]
     return Born(fn.name(), recs[ri].src, recs[ri].fn, ri, grad, slot, names, facts)
