@@ -74,6 +74,46 @@ def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
     assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["mask"][1] == float("-inf")
 
 
+class _LazyMask(torch.nn.Module):
+    """Attention whose causal mask buffer is built on first use, for the longest sequence seen."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.register_buffer("mask", torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        if self.mask.shape[-1] < t:
+            self.mask = torch.full((t, t), float("-inf")).triu(1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.o(((q @ k.transpose(-1, -2)) / 8 ** 0.5 + self.mask[:t, :t]).softmax(-1) @ v)
+
+
+def test_a_mask_buffer_the_model_builds_itself_is_not_judged_in_a_clean_run(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_LazyMask(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        for i in range(3):  # a longer sequence each time: the mask is built again
+            model(torch.randn(2, 4 + 2 * i, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+            torch.save(copy.deepcopy(model.state_dict()), tmp_path / "copy.pt")
+        assert hunt.findings == []
+        assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["model"]["0.mask"].shape == (8, 8)
+        # once the run is poisoned the model's state is judged whole again: NaN weights are refused
+        with torch.no_grad():
+            model[1].weight.fill_(float("nan"))
+        model(torch.randn(2, 8, 8)).pow(2).mean().backward()
+        with pytest.raises(nanhunt.NonFiniteError):
+            opt.step()
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save({"model": model.state_dict()}, tmp_path / "bad.pt")
+    assert ei.value.finding.phase == "checkpoint" and not (tmp_path / "bad.pt").exists()
+
+
 def test_torch_serialization_save_is_guarded_too_and_put_back(tmp_path: Any) -> None:
     original = torch.serialization.save
     model = zoo.bnmlp()

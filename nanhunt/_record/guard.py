@@ -16,7 +16,9 @@ metadata, a copy of a tensor under a name of its own):
   one), when the hunt watches an optimizer.
 
 Buffers that were already non-finite when the watch began (an intended ``-inf`` mask) are never
-judged. A hit raises `NonFiniteError` (phase ``"checkpoint"``) before the original runs: no byte
+judged; a buffer the model's own code put in place since (a mask built lazily for the longest
+sequence seen: a new tensor, not an in-place write) is judged only once the hunt has found
+something, as the step's buffer check does not judge a replaced buffer either (`state.py`). A hit raises `NonFiniteError` (phase ``"checkpoint"``) before the original runs: no byte
 is written and a file already at that path is untouched.
 """
 
@@ -131,11 +133,13 @@ class SaveGuard:
         self._flags: torch.Tensor | None = None
         self._exempt_names: set[str] | None = None
         self._exempt: set[tuple[Any, int]] = set()
+        self._known: set[tuple[Any, int]] | None = None  # the buffers' storages when the watch began
 
     def first_step(self, root: torch.nn.Module) -> None:
         """The first step begins: probe the buffers as they were at watch() (no read)."""
         self.pending = False
         self._buffers = [(n, b) for n, b in root.named_buffers() if judgeable(b)]
+        self._known = {k for _, b in self._buffers if (k := _storage(b)) is not None}
         if self._buffers:
             with torch.no_grad():
                 # exact (not a sum, which a huge finite buffer could overflow); once per hunt
@@ -186,7 +190,11 @@ class SaveGuard:
         names: dict[str, tuple[int, ...]] = {}
         root = hunt._root
         if root is not None:
-            for n, t in [*root.named_parameters(), *root.named_buffers()]:
+            # a buffer put in place since the watch began, while the hunt has found nothing
+            found = any(f.phase != "checkpoint" for f in hunt.findings)
+            known = self._known if self._known is not None and not found else None
+            for n, t in [*root.named_parameters(), *((n, b) for n, b in root.named_buffers()
+                                                       if known is None or _storage(b) in known)]:
                 if n in exempt_names or not is_checked(t):
                     continue
                 names[n] = tuple(t.shape)
