@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,3 +62,39 @@ def test_replay_restores_batchnorm_statistics_and_the_rng_stream():
     assert torch.equal(plain[0], watched[0]) or (plain[0].isnan() == watched[0].isnan()).all()
     assert torch.equal(plain[1], watched[1])
     assert torch.equal(plain[2], watched[2])  # the user's RNG stream goes on exactly as without us
+
+
+class _DropThenScale(nn.Module):
+    """Divides by each row's smallest magnitude: 0/0 where dropout zeroed it (training mode only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop, self.out = nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)
+        self.frozen = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        y = self.drop(self.frozen(self.lin(x)))
+        return self.out(y / y.abs().amin(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("loop", ["validation before step", "no optimizer"])
+def test_a_replay_runs_in_the_mode_of_the_call_when_the_model_was_switched_since(loop):
+    # the step ends after model.eval() (a validation pass): a replay in eval mode has no dropout,
+    # finds finite values and used to call it a hardware fault ("transient")
+    torch.manual_seed(0)
+    model = _DropThenScale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if loop != "no optimizer" else None
+    model.train()
+    model.frozen.eval()  # a frozen BatchNorm keeps its own mode
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        model(torch.randn(4, 4)).sum().backward()
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 4))
+        if opt is not None:
+            opt.step()
+    f = hunt.first
+    assert f is not None and f.phase == "forward" and f.module == "" and f.step == 0, f
+    assert f.reproducible is True and f.verdict == "numerics" and f.op == "aten.div.Tensor", f
+    assert f.source is not None and f.source.endswith(f"test_replay.py:{_DropThenScale.forward.__code__.co_firstlineno + 2}")
+    assert not any(m.training for m in model.modules())  # the user's modes, as they left them

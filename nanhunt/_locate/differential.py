@@ -243,6 +243,8 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     mode = _Trace()
     run = copy.copy(top)
     run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
+    # its mode when called: its own flag, unless the whole model was switched since (then the call's)
+    run.training = module.training if top.module.training == top.training else top.training
     run.args, run.kwargs = inputs
     try:
         with torch.no_grad():

@@ -138,8 +138,13 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
             v = top.saved.get(id(b))
             if v is not None:
                 b.data.copy_(v)  # .data: no version bump (see the restore below)
+    # the model switched to eval (or back) since the call (a validation pass before the step
+    # ended): the replay runs in the call's mode, every module's flag put back afterwards
+    modes = [(m, m.training) for m in mod.modules()] if mod.training != top.training else []
     stack = contextlib.ExitStack()
     try:
+        for m, _ in modes:
+            m.training = top.training
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
         if not compiled and getattr(mod, "_compiled_call_impl", None) is not None and "torch._dynamo" in sys.modules:
             stack.enter_context(torch.compiler.set_stance("force_eager"))
@@ -155,6 +160,8 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         yield
     finally:
         stack.close()
+        for m, t in modes:
+            m.training = t
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
