@@ -437,6 +437,34 @@ def test_the_users_own_on_find_exception_is_theirs_not_an_internal_fault(caplog:
     assert not [r for r in caplog.records if r.name == "nanhunt"]
 
 
+def test_warn_under_warnings_as_errors_reaches_the_user_and_the_hunt_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    # -W error, or pytest's filterwarnings = error: the warning is raised where it is issued (the
+    # optimizer's step pre-hook); it is the user's to see, not nanhunt's internal fault
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raised = []
+    with caplog.at_level(logging.ERROR, logger="nanhunt"), warnings.catch_warnings():
+        warnings.simplefilter("error", nanhunt.NonFiniteWarning)
+        with nanhunt.watch(model, opt, on_find="warn") as hunt:
+            for i in range(4):
+                x = torch.randn(2, 4)
+                if i in (1, 3):
+                    x[0, 0] = float("nan")
+                before = [p.detach().clone() for p in model.parameters()]
+                model(x).sum().backward()
+                try:
+                    opt.step()
+                except nanhunt.NonFiniteWarning:
+                    raised.append(i)
+                    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # not applied
+                opt.zero_grad()
+            assert not hunt.closed
+    assert raised == [1, 3]
+    assert [f.phase for f in hunt.findings] == ["forward", "grad", "forward", "grad"]
+    assert not [r for r in caplog.records if r.name == "nanhunt" and r.levelno >= logging.ERROR]
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_root_call_on_a_worker_thread_leaves_no_mode_on_that_threads_stack(mode: str) -> None:
     # the outside recorder is a torch function mode: pushed on a worker thread's own stack it

@@ -1397,7 +1397,11 @@ class Hunt:
             more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
             message = paragraph(found[0], first=first) + more
             _logger.warning("%s", message)
-            warnings.warn(message, NonFiniteWarning, stacklevel=_user_stacklevel())
+            try:
+                warnings.warn(message, NonFiniteWarning, stacklevel=_user_stacklevel())
+            except Warning as exc:  # the user's filter made it an error (-W error, pytest's filterwarnings): theirs
+                self._user_exc = exc
+                raise
         elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
             why = None
             if self._skips_exceeded and self.findings:
