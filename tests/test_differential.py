@@ -93,6 +93,26 @@ def test_float32_nan_is_numerics(case):
     assert Finding.from_dict(d).to_dict() == d and Finding.from_dict(d).verdict == "numerics"
 
 
+@pytest.mark.parametrize("cause", ["input", "parameter"])
+def test_a_nan_fed_in_or_from_poisoned_weights_gets_no_verdict_on_the_math(cause):
+    # a blank image normalised by its own std (0/0) before the model: the model's math is fine;
+    # a replay reproduces the NaN only because it is fed the same NaN
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    x = torch.randn(3, 1, 8, 8)
+    if cause == "input":
+        x[1] = (x[1] * 0 - x[1].mean() * 0) / (x[1] * 0).std()
+    else:
+        with torch.no_grad():
+            model[0].weight[2, 0, 1, 1] = float("nan")
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.cause) == ("forward", "0", cause), f
+    assert f.verdict is None and f.reference == {}, f
+    assert "numerics" not in str(nanhunt.NonFiniteError(f)) and "domain" not in f.hint, f.hint
+
+
 class Flaky(nn.Module):
     """A layer that writes an inf on its first run only: what a bit flip on a device looks like."""
 

@@ -584,8 +584,8 @@ def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
 def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> Finding:
     """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
     op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding."""
-    if where is None or not view.replay:
-        return f
+    if where is None or not view.replay or f.cause in ("input", "parameter"):
+        return f  # fed a non-finite value, or poisoned weights: any replay reproduces it, which says nothing of the math
     phase, top_i, ordinal, path = where
     top = view.log.tops[top_i]
     if phase == "backward":
