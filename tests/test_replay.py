@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -98,3 +101,70 @@ def test_a_replay_runs_in_the_mode_of_the_call_when_the_model_was_switched_since
     assert f.reproducible is True and f.verdict == "numerics" and f.op == "aten.div.Tensor", f
     assert f.source is not None and f.source.endswith(f"test_replay.py:{_DropThenScale.forward.__code__.co_firstlineno + 2}")
     assert not any(m.training for m in model.modules())  # the user's modes, as they left them
+
+
+class _UserState(nn.Module):
+    """A forward with Python state of its own: a warm-up counter, Python's and NumPy's random
+    streams (LayerDrop), a running average kept in a plain tensor attribute, a cache built on
+    first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.t = 0
+        self.avg = torch.zeros(4)
+
+    def forward(self, x):
+        import numpy as np
+
+        self.t += 1
+        y = self.lin(x) * min(1.0, self.t / 10)
+        if self.training and random.uniform(0, 1) < 0.3:
+            y = y * 0.5
+        y = y + torch.from_numpy(np.random.randn(*y.shape).astype("float32")) * 0.01
+        with torch.no_grad():
+            self.avg.mul_(0.9).add_(y.mean(0).nan_to_num() * 0.1)
+        if not hasattr(self, "cache"):
+            self.cache = torch.ones(4)
+        return self.head(y - self.avg * self.cache)
+
+
+@pytest.mark.parametrize("on_find", ["record", "warn"])
+def test_the_analysis_leaves_the_users_python_state_random_streams_and_dispatch_modes_alone(on_find):
+    import numpy as np
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def run(watch: bool):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        model = _UserState()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        hunt = nanhunt.watch(model, opt, on_find=on_find) if watch else None
+        outs, flops = [], []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(6):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+                if i == 2:
+                    x[1, 1] = float("nan")  # a hit: the analysis replays this step
+                with FlopCounterMode(display=False) as counter:
+                    y = model(x)
+                    y.nan_to_num().pow(2).mean().backward()
+                    for p in model.parameters():
+                        p.grad.nan_to_num_(0.0)  # the user's own guard
+                    opt.step()  # the step's sync: the analysis runs in here
+                opt.zero_grad()
+                outs.append(y.detach())
+                flops.append(counter.get_total_flops())
+        if hunt is not None:
+            hunt.close()
+            assert [f.step for f in hunt.findings][:1] == [2]
+        return outs, flops, model.state_dict(), model.t, sorted(vars(model)), random.random(), np.random.rand()
+
+    plain, watched = run(False), run(True)
+    for a, b in zip(plain[0], watched[0]):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    assert plain[1] == watched[1]  # FlopCounterMode counted no replay
+    assert all(torch.equal(plain[2][k], watched[2][k]) for k in plain[2])
+    assert plain[3:] == watched[3:]

@@ -141,6 +141,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
     # the model switched to eval (or back) since the call (a validation pass before the step
     # ended): the replay runs in the call's mode, every module's flag put back afterwards
     modes = [(m, m.training) for m in mod.modules()] if mod.training != top.training else []
+    kept = _Attributes(mod)
     stack = contextlib.ExitStack()
     try:
         for m, _ in modes:
@@ -160,8 +161,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         yield
     finally:
         stack.close()
-        for m, t in modes:
-            m.training = t
+        kept.restore()  # the modules' own Python state (their training flags too)
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
@@ -172,6 +172,37 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
                 # backward replay runs after this context; the user's own pending graph)
                 if not same(b, v):
                     b.data.copy_(v)
+
+
+_MAX_ATTR = 1 << 22  # a plain tensor attribute's values are kept up to this many elements
+
+
+class _Attributes:
+    """The modules' own Python state, which a replay of their forward may change: attributes
+    (a call counter, a warm-up gate, a cache built on first use), buffers replaced by
+    assignment, and plain tensor attributes written in place (a running average that is not a
+    buffer). `restore` puts back what changed, values through ``.data`` (no version bump)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.dicts = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in root.modules()]
+        with torch.no_grad():
+            self.values = [(t, t.clone()) for _, d, _, _ in self.dicts for k, t in d.items()
+                           if type(t) is torch.Tensor and not k.startswith("_") and t.numel() <= _MAX_ATTR]
+
+    def restore(self) -> None:
+        for m, d, b, p in self.dicts:
+            pairs: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                (m.__dict__, d), (m._buffers, b), (m._parameters, p))
+            for now, was in pairs:
+                for k in [k for k in now if k not in was]:  # added by the replay
+                    del now[k]
+                for k, v in was.items():
+                    if now.get(k, _NONE) is not v:
+                        now[k] = v
+        with torch.no_grad():
+            for t, v in self.values:
+                if not same(t, v):
+                    t.data.copy_(v)
 
 
 @contextlib.contextmanager
