@@ -113,22 +113,32 @@ def get_path(obj: Any, path: Path) -> Any:
 
 
 # ------------------------------------------------------------------ non-finite tests
+# packed 4-bit floats: no NaN/Inf to hold (e2m1), and no kernel to read them with
+NO_SPECIALS = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+
+
 def is_checked(t: torch.Tensor) -> bool:
     """Only floating and complex tensors can hold NaN/Inf."""
-    return t.is_floating_point() or t.is_complex()
+    return (t.is_floating_point() or t.is_complex()) and t.dtype not in NO_SPECIALS
 
 
 def is_bad(t: torch.Tensor | None) -> bool:
     """Does ``t`` hold a non-finite value? (Exact; reads the answer back to the host.)"""
-    if t is None or not (t.is_floating_point() or t.is_complex()) or t.is_meta:  # (meta: no values)
+    if t is None or not is_checked(t) or t.is_meta:  # (meta: no values)
         return False
     return not bool(torch.isfinite(values(t)).all())
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
     """The strided tensor that holds ``t``'s values: a sparse or nested tensor's values (flat: an
-    element's index is then its place among them), a sharded tensor's local shard, else ``t``."""
-    return strided(local(t))
+    element's index is then its place among them), a sharded tensor's local shard, else ``t``.
+    A float8 tensor's values come as float32 (exact): most reductions have no float8 kernel."""
+    return widen(strided(local(t)))
+
+
+def widen(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as float32 (exact: most reductions and tests have no float8 kernel)."""
+    return t.float() if t.dtype.itemsize == 1 and t.is_floating_point() else t
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -731,3 +731,33 @@ def test_a_validation_pass_inside_a_steps_window_does_not_shift_the_micro_batche
                 opt.zero_grad()
     f = ei.value.finding
     assert (f.phase, f.step, f.call, f.cause) == ("forward", 2, 1, "input"), f
+
+
+class _ToFloat8(nn.Module):
+    """Quantises its input to a float8 dtype (an fp8 training recipe's cast): past the dtype's
+    range the value becomes inf (e5m2) or NaN (the fnuz dtypes, which have no inf)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 1e6).to(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_float8_output_past_its_range_is_found_at_the_cast(dtype: str, mode: str) -> None:
+    # most reductions have no float8 kernel (isfinite, isinf, aminmax): the hunt switched itself off
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), _ToFloat8(dt))
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, mode=mode):  # history on: the sampled statistics read float8 too
+            for _ in range(2):
+                model(torch.randn(2, 3)).float().sum()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.dtype, f.cause) == ("forward", "1", 0, dtype, "created"), f
+    assert f.op == "aten._to_copy.default" and f.source is not None and f.source.endswith(
+        f"test_watch_forward.py:{_ToFloat8.forward.__code__.co_firstlineno + 1}"), f
+    assert f.value is not None and not math.isfinite(f.value) and f.index == (0, 0)

@@ -26,6 +26,7 @@ from .._tensors import (
     own_tensors,
     probe,
     tensors,
+    values,
     version,
 )
 from . import bundle as _bundle
@@ -388,7 +389,7 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
     +inf from the data turned into NaN by a matmul (inf - inf) was fed in.
     """
     out = dict(rc.outputs).get(path)
-    nan = out is not None and bool(torch.isnan(out).any()) and not bool(torch.isinf(out).any())
+    nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
 
     def fed(c: ReplayCall) -> bool:
         return any(c.in_fed) if nan else any(c.in_bad)

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._hooks import ReplayHooks
 from .._steplog import Top
-from .._tensors import Path, get_path, tensors, version
+from .._tensors import Path, get_path, tensors, version, widen
 from . import hints as _hints
 from .replay import faithful
 
@@ -127,6 +127,7 @@ def _code(t: torch.Tensor) -> torch.Tensor | None:
     """``None`` when finite, else a uint8 tensor: 0 finite, 1 nan, 2 +inf, 3 -inf."""
     if t.layout != torch.strided:
         t = t.to_dense()
+    t = widen(t)
     if t.is_complex():
         bad = ~torch.isfinite(t)
         return bad.to(torch.uint8) if bool(bad.any()) else None
@@ -606,7 +607,7 @@ def _finite(g: Any) -> torch.Tensor | None:
         return None
     if g.layout != torch.strided:
         g = g.to_dense()
-    return torch.isfinite(g).all()
+    return torch.isfinite(widen(g)).all()
 
 
 def _is_bad(g: Any) -> bool:

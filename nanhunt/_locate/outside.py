@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
 from .._steplog import OutRec, StepLog
-from .._tensors import dtype_name, element, is_bad
+from .._tensors import dtype_name, element, is_bad, values
 from . import hints as _hints
 from .nodes import blame_nodes
 from .oplevel import OpOrigin, _chain, _first, _fmt, _Recorder
@@ -342,6 +342,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
 
 def _feeds(x: torch.Tensor) -> bool:
     """Holds a NaN or +inf (a -inf alone is a mask's value by design)."""
+    x = values(x)
     return bool(torch.isnan(x).any()) or bool((x == float("inf")).any())
 
 

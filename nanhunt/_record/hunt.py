@@ -49,7 +49,7 @@ from .._locate.damage import damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
-from .._tensors import Path, is_checked, probe, tensors, version
+from .._tensors import NO_SPECIALS, Path, is_checked, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -81,7 +81,7 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _weakref = weakref.ref
 _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
-                     if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
+                     if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex) and d not in NO_SPECIALS)
 _ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
 _FWD0: list[Fwd] = []  # Fwd(i, 0) for each call index i seen so far: shared, never changed
 _FWD_CACHED = 1 << 16  # call indices past this get an entry of their own
