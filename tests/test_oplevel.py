@@ -221,6 +221,41 @@ def test_in_place_writes_are_followed(how: str) -> None:
     assert chain_ops(f.chain) == [f.op, "aten._softmax.default"]
 
 
+class PaddedVocabEntropy(nn.Module):
+    """A vocabulary padded past its real size, the padding masked with -inf written into a slice
+    (a view, not contiguous in memory), then an entropy term p * log p: 0 * -inf = nan there."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin, self.how = nn.Linear(8, 6), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.lin(x)
+        if self.how == "slice":
+            t[:, 4:] = float("-inf")  # @pad-slice
+        elif self.how == "narrow":
+            t.narrow(1, 4, 2).fill_(float("-inf"))  # @pad-narrow
+        else:
+            t[..., 4:].copy_(torch.full((t.shape[0], 2), float("-inf")))  # @pad-copy
+        lp = F.log_softmax(t, -1)  # @pad-log_softmax
+        return (lp.exp() * lp).sum(-1)  # @pad-entropy
+
+
+@pytest.mark.parametrize("how", ["slice", "narrow", "copy"])
+def test_a_mask_written_into_a_slice_is_followed_to_its_line(how: str) -> None:
+    # the element followed lies in the slice at another index than in the whole tensor: the op
+    # trace lost it (op None, chain empty) and the hint blamed 0/0 from finite inputs
+    torch.manual_seed(0)
+    f = train_step(PaddedVocabEntropy(how), torch.randn(4, 8))
+    assert (f.module, f.index, f.cause) == ("", (0,), "created"), f
+    ops = chain_ops(f.chain)
+    assert same_source(f.source, line(f"pad-{how}")), f
+    assert f.op == ops[0] and ops[0] in ("aten.fill_.Tensor", "aten.fill_.Scalar", "aten.full.default"), f
+    assert "aten._log_softmax.default" in ops and ops[-2:] == ["aten.mul.Tensor", "aten.sum.dim_IntList"], f.chain
+    assert same_source(f.chain[-1].split(" @ ")[1], line("pad-entropy"))
+    assert f.hint is not None and "-inf mask written by" in f.hint and "xlogy" in f.hint, f.hint
+
+
 class MaskThenExp(nn.Module):
     """An intended -inf mask, consumed by a softmax that stays finite; then a real overflow."""
 

@@ -65,6 +65,10 @@ def _op_key(op: str) -> str:
     return base.rstrip("_")
 
 
+# ops that write a value the code chose into a tensor: a -inf there is a mask
+_MASK_WRITERS = frozenset({"fill", "masked_fill", "index_put", "index_fill", "full", "full_like", "copy",
+                           "scatter", "masked_scatter", "where"})
+
 # ops that fold many rows into fewer values (a scalar loss, a per-sample mean): the rows hint
 _REDUCTIONS = frozenset({
     "sum", "mean", "prod", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "logsumexp", "std",
@@ -91,6 +95,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                     out["masked_row"] = True
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
+        code0 = first.outs[0][1] if first.outs else None
+        if (len(path) > 1 and _op_key(first.op) in _MASK_WRITERS and code0 is not None
+                and bool((code0[code0 != 0] == 3).all())):
+            out["mask_written"] = True  # the code wrote a -inf mask (logits[..., pad:] = -inf) that later arithmetic spoiled
         for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
             last = rec.recs[ri]
             if _op_key(last.op).split(".")[0] not in _REDUCTIONS:
@@ -176,6 +184,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("masked_row"):
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
+    if fx.get("mask_written") and f.value is not None and math.isnan(f.value):
+        return (f"A -inf mask written by {op} reached arithmetic that made nan of it (-inf * 0: p * log p at a "
+                "masked position, whose probability is 0; inf - inf; a sum over masked positions). Mask with a "
+                "large finite value (torch.finfo(dtype).min) instead of -inf, or keep masked positions out of the "
+                "computation (torch.special.xlogy(p, p) for p * log p).")
     if fx.get("mask_fed"):
         return (f"A -inf fed in from before (a mask) reached arithmetic: {op} made {f.value} of it (a sum or "
                 "mean over masked positions, label smoothing, -inf * 0, inf - inf). Mask with a large finite "

@@ -145,18 +145,30 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
-class _In:
-    __slots__ = ("pos", "shape", "code", "prod")
+_Geo = tuple[int, tuple[int, ...]]  # a strided tensor's place in its storage: (offset, strides)
 
-    def __init__(self, pos: int, shape: tuple[int, ...], code: torch.Tensor | None, prod: tuple[int, int] | None):
+
+def _geo(t: torch.Tensor) -> _Geo | None:
+    try:
+        return int(t.storage_offset()), tuple(t.stride())
+    except Exception:  # sparse, nested: no strides
+        return None
+
+
+class _In:
+    __slots__ = ("pos", "shape", "code", "prod", "geo")
+
+    def __init__(self, pos: int, shape: tuple[int, ...], code: torch.Tensor | None, prod: tuple[int, int] | None,
+                 geo: _Geo | None = None):
         self.pos = pos  # position among the op's tensor arguments
         self.shape = shape
         self.code = code  # None: finite
         self.prod = prod  # (record, output slot) that last wrote it, None: made before the call
+        self.geo = geo
 
 
 class _Rec:
-    __slots__ = ("op", "src", "pointwise", "ins", "outs", "select", "origin", "node", "moves", "call")
+    __slots__ = ("op", "src", "pointwise", "ins", "outs", "geos", "select", "origin", "node", "moves", "call")
 
     def __init__(self, op: str, src: str | None, pointwise: bool):
         self.moves = False  # a view or a copy: never creates a value, left out of the chain
@@ -165,6 +177,7 @@ class _Rec:
         self.pointwise = pointwise
         self.ins: list[_In] = []
         self.outs: list[tuple[tuple[int, ...], torch.Tensor | None]] = []  # (shape, code)
+        self.geos: list[_Geo | None] = []  # per output: where it lies in its storage
         self.select: tuple[str, Any] | None = None  # ("where", cond) / ("masked_fill", mask)
         self.origin = 0  # earliest creating record on a non-finite path into it (a tie-break)
         self.node: int = -1  # backward: the autograd node running it
@@ -226,7 +239,7 @@ class _Recorder:
             if code is not None and prod is None and t.dim() == 0 and not t.requires_grad \
                     and not isinstance(t, nn.Parameter):
                 code = None  # a literal (``h[m] = -inf``): this op is where it enters
-            rec.ins.append(_In(pos, tuple(t.shape), code, prod))
+            rec.ins.append(_In(pos, tuple(t.shape), code, prod, _geo(t) if prod is not None else None))
             if code is not None:
                 any_bad = True
         name = getattr(func, "__name__", "")
@@ -260,6 +273,7 @@ class _Recorder:
             if code is not None and t.dim() == 0 and op == "aten.lift_fresh.default":
                 code = None  # a literal: blamed where it is used
             rec.outs.append((tuple(t.shape), code))
+            rec.geos.append(_geo(t))
             try:
                 self.by_id[id(t)] = (weakref.ref(t), version(t), code, (ri, slot))
             except TypeError:
@@ -286,6 +300,7 @@ class _Recorder:
         kinds: list[int] = []  # the followed element's code in each record's output (3: -inf)
         ri, slot = start
         seen: set[tuple[int, int]] = set()
+        into: tuple[tuple[int, ...], _Geo | None] | None = None  # the followed input's shape and place
         while True:
             if (ri, slot) in seen or ri >= len(self.recs):
                 return None
@@ -294,7 +309,11 @@ class _Recorder:
             shape, code = rec.outs[slot]
             if code is None:
                 return None  # that output is finite: not on a non-finite path
-            if idx is None or len(idx) != code.dim() or int(code[idx]) == 0:
+            if into is not None and idx is not None and (into[0] != shape or into[1] != rec.geos[slot]):
+                # the op wrote a view of the tensor followed (t[:, 4:] = -inf): the same element there
+                idx = _view_index(idx, into[1], shape, rec.geos[slot])
+            if (idx is None or len(idx) != code.dim() or any(not 0 <= i < n for i, n in zip(idx, code.shape))
+                    or int(code[idx]) == 0):
                 idx = _first(code)
             path.append(ri)
             kinds.append(int(code[idx]))
@@ -319,6 +338,7 @@ class _Recorder:
                 return None  # fed from before the call: not localised here
             ri, slot = inp.prod
             idx = in_idx
+            into = (inp.shape, inp.geo)
 
     def _candidates(self, rec: _Rec, shape: tuple[int, ...], idx: tuple[int, ...]) -> list[tuple[Any, _In, Any]]:
         sel_pos: int | None = None
@@ -355,6 +375,22 @@ class _Recorder:
             # a -inf is most often an intended mask: follow anything else first
             out.append(((v == 3, inp.prod is None, origin), inp, in_idx))
         return out
+
+
+def _view_index(idx: tuple[int, ...], geo: _Geo | None, shape: tuple[int, ...],
+                view: _Geo | None) -> tuple[int, ...] | None:
+    """Element ``idx`` of a tensor at ``geo``, as an index of the tensor of ``shape`` at ``view``
+    in the same storage; None when it is not in it."""
+    if geo is None or view is None or len(idx) != len(geo[1]):
+        return None
+    rest = geo[0] + sum(i * s for i, s in zip(idx, geo[1])) - view[0]
+    out = [0] * len(shape)
+    for d in sorted(range(len(shape)), key=lambda d: -view[1][d]):
+        s = view[1][d]
+        if s > 0:
+            out[d] = min(rest // s, shape[d] - 1)
+            rest -= out[d] * s
+    return tuple(out) if rest == 0 and all(0 <= i < n for i, n in zip(out, shape)) else None
 
 
 def _first(code: torch.Tensor) -> tuple[int, ...]:
