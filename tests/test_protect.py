@@ -590,3 +590,33 @@ def test_skip_with_a_gan_drops_the_generators_step_fed_the_same_bad_batch_too() 
             assert all(torch.isfinite(p).all() for p in gan.parameters()), f"step {step}"
     assert hunt.skipped == [3]
     assert any(f.phase == "grad" and f.module == "g" for f in hunt.findings), hunt.findings
+
+
+@pytest.mark.parametrize("on_find", ["skip", "raise"])
+def test_a_running_loss_kept_by_the_loop_does_not_poison_the_steps_after_a_nan(on_find: str) -> None:
+    # the loop sums its losses into a tensor (Hugging Face's Trainer: tr_loss += tr_loss_step): after
+    # the one bad batch it holds NaN for good; every later step was a new finding "born" in that
+    # add_, so skip mode dropped clean steps until max_skips stopped the run, and raise mode could
+    # not resume
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    running = torch.zeros(())
+    raised = []
+    with nanhunt.watch(model, opt, on_find=on_find) as hunt:
+        for step in range(8):
+            x = torch.randn(2, 4)
+            if step == 2:
+                x[0, 0] = float("nan")
+            try:
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                running += loss.detach()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                raised.append(step)
+            opt.zero_grad()
+    assert bool(running.isnan())  # the loop's own tensor, left as the loop made it
+    assert {f.step for f in hunt.findings} == {2} and all(f.module != "<outside>" for f in hunt.findings)
+    assert hunt.skipped == ([2] if on_find == "skip" else []) and raised == ([] if on_find == "skip" else [2])
+    assert all(bool(p.isfinite().all()) for p in model.parameters())

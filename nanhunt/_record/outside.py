@@ -67,6 +67,20 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
     return on
 
 
+_ZERO = torch.zeros(())
+
+
+def _carried(name: str, args: Any) -> torch.Tensor | None:
+    """An in-place arithmetic write (``add_``, ``mul_``: ``running += loss``): whether its target
+    was all finite before it, on the device (no host read); None for any other call."""
+    if not (name.endswith("_") and not name.startswith("_")) or not args:
+        return None
+    t = args[0]
+    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or not t.numel():
+        return None
+    return torch.isfinite(probe(t))
+
+
 def is_lib(filename: str) -> bool:
     k = _lib.get(filename)
     if k is None:
@@ -431,8 +445,9 @@ class Outside(TorchFunctionMode):
                     h._log.grads_out.extend(refs)
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
-        out = call(func, args, kwargs)
         name = getattr(func, "__name__", "")
+        before = _carried(name, args)
+        out = call(func, args, kwargs)
         if name == "__get__" or name == "__set__":
             return out
         if type(out) is torch.Tensor or isinstance(out, torch.Tensor):
@@ -449,11 +464,12 @@ class Outside(TorchFunctionMode):
             code = frame.f_code
             src, fn = f"{code.co_filename}:{frame.f_lineno}", getattr(code, "co_qualname", code.co_name)
         for m in recs:
-            m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn)
+            m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn, before)
         return out
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any, outs: Any, name: str,
-                rng_before: torch.Tensor | None, src: str | None, fn: str) -> None:
+                rng_before: torch.Tensor | None, src: str | None, fn: str,
+                before: torch.Tensor | None = None) -> None:
         """One torch call made outside this hunt's watched calls, into its step log."""
         h = self._hunt()
         if h is None or h._paused or h._closed:
@@ -473,7 +489,12 @@ class Outside(TorchFunctionMode):
                 if not writes and any(t is a for a in args):
                     continue  # handed back as it came (.to() its own device, .contiguous()): nothing made here
                 if (t.is_floating_point() or t.is_complex()) and t.numel() and (writes or not t._is_view()):
-                    log.sums.append(probe(t))
+                    p = probe(t)
+                    if before is not None and j == 0:
+                        # an accumulator already non-finite before this step's write (running +=
+                        # loss after a NaN step): carried on, not born here; judged finite
+                        p = torch.where(before, p, _ZERO.to(p.device))
+                    log.sums.append(p)
                     log.meta.append(Out(ri, j))
         finally:
             if ops is not None:
