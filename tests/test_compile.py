@@ -385,3 +385,48 @@ def test_a_gradient_born_in_a_roots_own_code_gets_the_numerics_verdict() -> None
     f = ei.value.finding
     assert (f.phase, f.module, f.tensor, f.verdict) == ("backward", "0", "SqrtBackward0.grad_input[0]", "numerics"), f
     assert f.reference["dtype"] == "float32" and f.reference["op"] == "SqrtBackward0"
+
+
+class _LogBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.log(x[:, :1].abs())  # log(0) = -inf where x[:, 0] is 0
+
+
+class _WithCompiledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(4, 4), _LogBlock(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.block(x) + self.inp(x)))
+
+
+@pytest.mark.parametrize("when", ["before watch", "after watch", "module.compile"])
+def test_a_compiled_submodule_runs_and_its_nan_is_found_at_its_op_and_line(when: str) -> None:
+    # net.block = torch.compile(net.block): dynamo, tracing the hunt's forward hook, met the block
+    # twice (itself, and inside its wrapper in the hunt's slot map) and failed the user's forward
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _WithCompiledBlock()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    if when == "before watch":
+        net.block = torch.compile(net.block, backend="eager")  # type: ignore[assignment]
+    elif when == "module.compile":
+        net.block.compile(backend="eager")
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(net, opt):
+            if when == "after watch":
+                net.block = torch.compile(net.block, backend="eager")  # type: ignore[assignment]
+            for step in range(4):
+                x = torch.randn(4, 4)
+                if step == 2:
+                    x[1, 0] = 0.0
+                _step(net, opt, x)
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause, f.op) == ("forward", 2, "created", "aten.log.default"), f
+    assert f.module.startswith("block") and f.index == (1, 0), f
+    assert f.source is not None and f.source.endswith(f":{_LogBlock.forward.__code__.co_firstlineno + 1}"), f

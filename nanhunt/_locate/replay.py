@@ -127,8 +127,8 @@ def bad_flags(ts: list[torch.Tensor]) -> list[bool]:
 def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
     """Run inside the state ``top`` was called in; restore the user's state afterwards.
 
-    A ``model.compile()``d module runs eagerly here (``force_eager``: a replay records every
-    watched call), unless ``compiled``: the caller runs the failing configuration itself."""
+    A ``model.compile()``d module, or a compiled submodule, runs eagerly here (``force_eager``: a
+    replay records every watched call), unless ``compiled``: the caller runs the failing configuration itself."""
     mod = top.module
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
@@ -147,7 +147,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         for m, _ in modes:
             m.training = top.training
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
-        if not compiled and getattr(mod, "_compiled_call_impl", None) is not None and "torch._dynamo" in sys.modules:
+        if not compiled and "torch._dynamo" in sys.modules:  # model.compile(), a compiled submodule
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         torch.set_rng_state(top.rng)
         if top.cuda_rng is not None:

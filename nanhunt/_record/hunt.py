@@ -438,8 +438,11 @@ class Hunt:
         models that run compiled get one; it holds the modules until close() (dynamo's own caches
         hold them too). Called by `_build_names` whenever the name map is (re)built."""
         if self._compiled is not None and self._names is not None:
+            # (not a torch.compile wrapper inside the model: net.block = torch.compile(net.block). Its
+            # graph runs the module it wraps, and dynamo, tracing this dict, met that module twice)
             self._cnames = self._compiled.assign(
-                {r(): (None if i in self._ignored else n) for i, (n, r) in self._names.items() if r() is not None})
+                {m: (None if i in self._ignored else n) for i, (n, r) in self._names.items()
+                 if (m := r()) is not None and type(m).__name__ != "OptimizedModule"})
 
     def _prepare_compiled(self, device: torch.device | None) -> None:
         """The in-graph checks' buffer (on ``device``, else the model's) and its slots."""
