@@ -169,6 +169,41 @@ def test_a_mask_passed_in_as_an_additive_bias_blames_the_softmax_of_the_fully_ma
     assert "fully masked row" in (f.hint or "")
 
 
+class LogBetweenChildren(nn.Module):
+    """The root's own code makes -inf between two children: by arithmetic (log of 0), or as a
+    mask (masked_fill) over a row that a child's softmax then turns into NaN."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 1), how
+        self.soft = nn.Softmax(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).abs() * (x[:, :1] != 0)
+        if self.how == "log":
+            h = torch.log(h)  # @root-log
+            return self.b(h)
+        h = h.masked_fill(x[:, :1] == 0, float("-inf"))
+        return self.b(self.soft(h))
+
+
+@pytest.mark.parametrize("how", ["log", "mask"])
+def test_a_minus_inf_the_parent_computes_is_born_there_a_mask_it_writes_is_not(how: str) -> None:
+    # a -inf a child turns into NaN is a mask (born where the NaN is made) only when it was written
+    # as one; log(0) in the root's own code was blamed on the child Linear ("created" in addmm)
+    torch.manual_seed(0)
+    x = torch.randn(4, 4) + 5
+    x[0, 0] = 0.0
+    f = train_step(LogBetweenChildren(how), x)
+    assert f.phase == "forward" and f.cause == "created" and math.isnan(f.value), f
+    if how == "log":
+        assert (f.module, f.op) == ("", "aten.log.default") and same_source(f.source, line("root-log")), f
+        assert chain_ops(f.chain) == ["aten.log.default", "aten.addmm.default"]
+    else:
+        assert (f.module, f.op) == ("soft", "aten._softmax.default"), f  # where the mask became NaN
+        assert "fully masked row" in (f.hint or "")
+
+
 class Constrained(nn.Module):
     """Constrained decoding: disallowed classes get -inf logits (``ignore`` lets the model return them)."""
 

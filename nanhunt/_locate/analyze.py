@@ -302,6 +302,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         if reproducible and rc is not None:
             fed_to = rc
             cause, rc, path = _forward_cause(r, rc, path)
+            if cause == "created" and rc is fed_to and any(rc.in_bad):
+                rc, path = _minf_maker(ctx, c.top, r, rc, path)
             if rc is not fed_to:  # born in an enclosing module's own code (the compiled root's too)
                 name, module = rc.name, rc.module
                 call = c.call if rc.ordinal == c.ordinal else _call_index(ctx, c.top, rc)
@@ -412,6 +414,26 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
             return "input", rc, path
         p = pc.parent
     return "input", rc, path
+
+
+def _minf_maker(ctx: _Ctx, top: int, r: Replay, rc: ReplayCall, path: Path) -> tuple[ReplayCall, Path]:
+    """``rc`` made NaN of a -inf it was fed, which is where a NaN is born when the -inf is a mask
+    (softmax of a fully masked row). When the enclosing module's own code made that -inf this
+    step from finite values by arithmetic (log(0) between two children), the value was born
+    there: that call and its output, if the op trace's creator is no mask write."""
+    p = rc.parent
+    while p >= 0:
+        pc = r.calls[p]
+        if any(pc.in_bad) or pc.params_bad:
+            return rc, path  # the -inf came in from outside the call around it
+        bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
+        if bad_out:
+            got = _oplevel.locate_forward(ctx.log.tops[top], ctx.names, pc.ordinal, bad_out[0][0])
+            if got is not None and not _hints.mask_write(got.op):
+                return pc, bad_out[0][0]
+            return rc, path
+        p = pc.parent
+    return rc, path
 
 
 def _call_index(ctx: _Ctx, top: int, rc: ReplayCall) -> int:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "mask_write", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -96,7 +96,7 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
         code0 = first.outs[0][1] if first.outs else None
-        if (len(path) > 1 and _op_key(first.op) in _MASK_WRITERS and code0 is not None
+        if (len(path) > 1 and mask_write(first.op) and code0 is not None
                 and bool((code0[code0 != 0] == 3).all())):
             out["mask_written"] = True  # the code wrote a -inf mask (logits[..., pad:] = -inf) that later arithmetic spoiled
         for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
@@ -159,6 +159,11 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         if math.isfinite(v) and abs(v) > limit:
             out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
     return out
+
+
+def mask_write(op: str) -> bool:
+    """Does ``op`` write a value the code chose (a -inf there is a mask), not compute one?"""
+    return _op_key(op) in _MASK_WRITERS
 
 
 def _leaves(x: Any) -> list[Any]:
