@@ -242,6 +242,7 @@ class Hunt:
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
+        self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
         self._deferred: list[Any] = []
         self._outside = Outside(self)  # code outside every watched call: on between root calls
         self._dropped = 0  # findings past max_findings: counted, not kept
@@ -1123,7 +1124,11 @@ class Hunt:
         # past its first call, the optimizer's state is mid-update (LBFGS's line search): a hit
         # now does not read it as what the last step() left (see StepView.mid_step)
         self._closure_calls[i] = self._closure_calls.get(i, 0) + 1
-        self._check_step(i, opt)
+        self._in_closure = opt
+        try:
+            self._check_step(i, opt)
+        finally:
+            self._in_closure = None
         return loss
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
@@ -1377,7 +1382,7 @@ class Hunt:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
             going_on = self.on_find not in ("raise", "skip", "breakpoint") and found[0].step == self.step
-            self._damage_at = self._stepping if going_on else None
+            self._damage_at = (self._stepping or self._in_closure) if going_on else None
         if self._report_path is not None:
             now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
