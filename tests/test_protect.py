@@ -632,3 +632,38 @@ def test_a_running_loss_kept_by_the_loop_does_not_poison_the_steps_after_a_nan(o
     assert {f.step for f in hunt.findings} == {2} and all(f.module != "<outside>" for f in hunt.findings)
     assert hunt.skipped == ([2] if on_find == "skip" else []) and raised == ([] if on_find == "skip" else [2])
     assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
+class _CtrlCInReplay(nn.Module):
+    """Ctrl-C arrives while nanhunt replays the failing step (the analysis can take seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from nanhunt import _hooks
+
+        if _hooks.REPLAYING:
+            raise KeyboardInterrupt
+        return self.out(self.bn(self.lin(x)))
+
+
+def test_ctrl_c_during_the_analysis_still_puts_the_buffers_back(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = _CtrlCInReplay()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        model(torch.randn(4, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(4, 4)
+        x[0, 0] = float("nan")
+        model(x).sum().backward()  # BatchNorm's running statistics take the NaN
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # weights never updated, statistics back
+        torch.save(model.state_dict(), tmp_path / "interrupted.pt")  # the user's emergency save is clean
+        assert not hunt.closed

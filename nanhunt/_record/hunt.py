@@ -1347,6 +1347,11 @@ class Hunt:
                     if d is None:
                         raise
                     failed = e
+                except BaseException:  # Ctrl-C or SystemExit during the analysis: no finding, but the
+                    if self._backup is not None:  # buffers the failing step wrote still go back
+                        self._backup.restore()
+                        self._state.forget()
+                    raise
                 finally:
                     self._paused = False
             if d is not None:
