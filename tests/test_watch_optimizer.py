@@ -586,3 +586,38 @@ def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() ->
     assert f.chain[0] == f"aten.div.Tensor @ {f.source}" and f.chain[-1].startswith("aten.sub_"), f.chain
 
 
+
+
+def test_state_already_non_finite_is_carried_not_made_again_by_each_step() -> None:
+    # record mode: the user writes inf into a bias at step 2. The optimizer's steps since are given
+    # finite gradients; they did not make the inf ("created ... an update that overflowed" at every
+    # step), and step 3's forward was not poisoned by "an earlier optimizer step"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for i in range(4):
+            if i == 2:
+                with torch.no_grad():
+                    model[0].bias[0] = float("inf")
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(f.phase, f.step, f.cause) for f in hunt.findings if f.module == "0"] == [
+        ("forward", 2, "parameter"), ("forward", 3, "parameter")], hunt.findings
+    assert "written after its optimizer's last step" in hunt.findings[0].hint
+    later = next(f for f in hunt.findings if f.step == 3 and f.module == "0")
+    assert "since an earlier finding" in later.hint and "optimizer step poisoned" not in later.hint, later.hint
+
+
+def test_an_overflowed_adam_state_is_one_finding_not_one_per_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for i in range(6):
+            (model(torch.randn(2, 4)).sum() * (1e21 if i == 4 else 1.0)).backward()  # grad**2 > float32 max
+            opt.step()
+            opt.zero_grad()
+    assert [(f.phase, f.step, f.tensor, f.cause) for f in hunt.findings] == [
+        ("optimizer", 4, "state['exp_avg_sq']", "created")], hunt.findings

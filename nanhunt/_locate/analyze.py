@@ -850,6 +850,8 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
         what = f"{name!r} of `{f.module or type(root).__name__}`"
         if _at_start(ctx, t):
             return _hints.at_start_hint(what)
+        if any(x is t for x in ctx.view.known_bad):
+            return _hints.carried_hint(what)
         if id(t) in after and after[id(t)] != t._version:
             return _hints.written_hint(what)
         if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
@@ -902,8 +904,8 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
 def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Finding | None:
     step, fed = entry.step, entry.fed
     for (p, sk), t, b in zip(entry.items, entry.tensors, flags):
-        if not b or not is_bad(t):
-            continue
+        if not b or any(x is t for x in ctx.view.known_bad) or not is_bad(t):
+            continue  # (already shown non-finite by an earlier finding: carried through this step, not made by it)
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
         at_start = _at_start(ctx, t) or _at_start(ctx, p)  # loaded non-finite: no step made it

@@ -13,7 +13,7 @@ from torch import nn
 
 from .checkpoint import all_bad
 
-__all__ = ["damage", "KINDS", "empty"]
+__all__ = ["damage", "bad_state", "KINDS", "empty"]
 
 KINDS = ("grads", "parameters", "buffers", "optimizer_state")
 
@@ -47,3 +47,12 @@ def damage(root: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) 
         if items:
             out[kind] = [items[i][0] for i in all_bad([t for _, t in items])]
     return out
+
+
+def bad_state(root: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters, buffers and optimizer state tensors that hold non-finite values now."""
+    ts = [*(root.parameters() if root is not None else ()), *(root.buffers() if root is not None else ())]
+    ts += [v for o in optimizers for st in o.state.values() for v in st.values()
+           if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
+    ts = [t for t in ts if t.is_floating_point() or t.is_complex()]
+    return [ts[i] for i in all_bad(ts)]

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "mask_write", "optimizer_hint", "at_start_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "mask_write", "optimizer_hint", "at_start_hint", "carried_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -298,6 +298,12 @@ def at_start_hint(what: str) -> str:
     return (f"{_cap(what)} was already non-finite when the watch began: it was loaded or set "
             "that way before nanhunt's first step, so where it was born is not known here (run "
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
+
+
+def carried_hint(what: str) -> str:
+    """A tensor an earlier finding already showed non-finite: nothing since made it finite again."""
+    return (f"{_cap(what)} has been non-finite since an earlier finding (the hunt's first finding says where "
+            "it came from): every step since carries it; restore it from a checkpoint or re-initialise it.")
 
 
 def written_hint(what: str) -> str:

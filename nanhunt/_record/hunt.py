@@ -45,7 +45,7 @@ from torch.optim import optimizer as _optim_mod
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
 from .._locate import locate
-from .._locate.damage import damage
+from .._locate.damage import bad_state, damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
@@ -243,6 +243,9 @@ class Hunt:
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
+        # state a finding already showed non-finite (a weight the user wrote inf into, one an update
+        # overflowed): carried into later steps, not born there again (see StepView.known_bad)
+        self._known_bad: list[weakref.ref[torch.Tensor]] = []
         self._deferred: list[Any] = []
         self._outside = Outside(self)  # code outside every watched call: on between root calls
         self._dropped = 0  # findings past max_findings: counted, not kept
@@ -1383,6 +1386,9 @@ class Hunt:
             self._state.forget()
         self._skips_exceeded = False
         skipped = self.on_find == "skip" and self._skip(found, evaluation)
+        if any(f.cause == "parameter" or f.phase == "optimizer" for f in found):
+            known = {id(t) for r in self._known_bad if (t := r()) is not None}
+            self._known_bad += [weakref.ref(t) for t in bad_state(self._root, self._opts) if id(t) not in known]
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
@@ -1517,6 +1523,7 @@ class Hunt:
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
             step_lines=dict(self._step_lines),
             bad_at_start=self._start.bad(),
+            known_bad=tuple(t for r in self._known_bad if (t := r()) is not None),
             judged=frozenset(self._judged),
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
         )
