@@ -204,7 +204,8 @@ def reference_text(f: Finding) -> str:
     v, op = f.verdict, r.get("op")
     at = f" at {op}" if op else ""
     if v == "precision":
-        s = f"float32{at} = {_exact(r.get('value'))}"
+        # the op's own float32 value, or (``tensor``) the reported element's when no op passed the range
+        s = f"float32 gives {_exact(r.get('value'))} in {r['tensor']}" if r.get("tensor") else f"float32{at} = {_exact(r.get('value'))}"
         lim, val = r.get("limit"), r.get("value")
         if lim is not None:
             dt = r.get("failing_dtype", "the dtype")

@@ -574,3 +574,48 @@ def test_float16_overflow_of_a_weight_gradient_is_precision(how):
     ref = f.reference
     assert ref["dtype"] == "float32" and ref["op"] == "AddmmBackward0" and ref["limit"] == 65504.0, ref
     assert 65504.0 < ref["value"] < 1e7 and ref["failing_dtype"] == "float16", ref
+
+
+class _HandBCE(nn.Module):
+    """A hand-written BCE under bfloat16 autocast: sigmoid rounds to exactly 1.0, log(1 - p) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 1)
+
+    def forward(self, feats: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(self.fc(feats)).squeeze(-1)
+        return (-(target * torch.log(p) + (1 - target) * torch.log(1 - p))).mean()
+
+
+class _Det(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.obj = nn.Sequential(nn.Linear(8, 16), nn.ReLU()), _HandBCE()
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.obj(self.backbone(x), target)
+
+
+def test_a_precision_reference_without_an_overflow_names_the_reported_tensor_not_the_op():
+    # no op passes bfloat16's range (its rounding does the harm): the float32 number is the loss the
+    # module returns; it was printed as the value of aten.log ("float32 at aten.log.default = 3.06")
+    torch.manual_seed(0)
+    model = _Det()
+    with torch.no_grad():
+        model.obj.fc.weight.mul_(30.0)  # a confident head: |logits| up to ~10
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for _ in range(3):
+            x, target = torch.randn(32, 8), (torch.rand(32) > 0.5).float()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and f.module == "obj" and f.verdict == "precision" and f.op == "aten.log.default", f
+    ref = f.reference
+    assert ref["tensor"] == "output" and ref["failing_dtype"] == "bfloat16" and math.isfinite(ref["value"]), ref
+    text = str(nanhunt.NonFiniteError(f))
+    assert f"float32 gives {ref['value']:.7g} in output" in text and "at aten.log.default =" not in text, text

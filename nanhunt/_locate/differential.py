@@ -484,7 +484,9 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         return Examined("numerics", _numerics("float32", f, value))
     got = _overflow(fail.trace, ref32.trace, low, f, fail.casts)
     if got is None:
-        got = {"dtype": "float32", "op": f.op, "limit": float(torch.finfo(low).max),
+        # no op passed the dtype's range: the value is the reported element's, named by ``tensor``
+        # (``op`` made the first non-finite value; its own float32 value is not this one)
+        got = {"dtype": "float32", "op": f.op, "tensor": f.tensor, "limit": float(torch.finfo(low).max),
                "failing_dtype": str(low).removeprefix("torch.")}
         if ref32.output is not None:
             got["value"], _ = _value_at(ref32.output, f.index)
