@@ -526,3 +526,42 @@ def test_a_thread_running_the_model_during_the_analysis_is_left_alone(mode: str)
     f = hunt.first
     assert f is not None and (f.phase, f.step, f.index, f.cause) == ("forward", 10, (1, 0), "input"), f
     assert _get_current_dispatch_mode_stack() == [] and not torch.overrides._get_current_function_mode_stack()
+
+
+class _LoggingTensor(torch.Tensor):
+    """A tensor subclass that logs every torch call made on it (quantisation simulators and
+    tracing tools do; some implement only the ops their model needs)."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_users_tensor_subclass_never_sees_nanhunts_probes(mode: str) -> None:
+    def run(watch: bool, bad: bool = False) -> tuple[list[str], Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hunt = nanhunt.watch(model, opt, mode=mode, on_find="record") if watch else None
+        _LoggingTensor.seen = []
+        for i in range(2):
+            x = torch.randn(2, 4)
+            if bad and i == 1:
+                x[0, 0] = float("nan")
+            model(x.as_subclass(_LoggingTensor)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        seen = list(_LoggingTensor.seen)
+        if hunt is not None:
+            hunt.close()
+        return seen, hunt
+
+    plain, _ = run(False)
+    watched, hunt = run(True)
+    assert watched == plain  # is_inference, numel, aminmax, linalg_vector_norm ... were the hunt's
+    _, hunt = run(True, bad=True)
+    assert hunt.first is not None and (hunt.first.step, hunt.first.cause) == (1, "input")

@@ -80,6 +80,7 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _weakref = weakref.ref
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
                      if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex) and d not in NO_SPECIALS)
 _ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
@@ -110,7 +111,10 @@ class _OnModule:
 
     def __call__(self, *args: Any) -> Any:
         h = self._hunt()
-        return None if h is None else getattr(h, self._method)(*args)
+        if h is None:
+            return None
+        with _NO_SUBCLASS():  # nanhunt's reads never go through the user's tensor subclass
+            return getattr(h, self._method)(*args)
 
     def __deepcopy__(self, memo: Any) -> Any:
         return _noop_hook
@@ -515,7 +519,8 @@ class Hunt:
                 calls.append(c)
                 stack.append(c)
                 return
-            self._pre_other(module, args, e)
+            with _NO_SUBCLASS():  # (the common case above reads no tensor)
+                self._pre_other(module, args, e)
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
 
@@ -716,7 +721,8 @@ class Hunt:
                 c.paths = _ONE_PATH
                 c.outs = ((ref, key[1]),)
             else:
-                self._record(c, module, args, kwargs, output)
+                with _NO_SUBCLASS():  # a tensor subclass's __torch_function__ never sees nanhunt's probes
+                    self._record(c, module, args, kwargs, output)
             if not stack and not self._opts:
                 self._owner = None  # no optimizer: each root call is a step; any thread may take the next
         except Exception as exc:

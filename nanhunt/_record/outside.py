@@ -68,6 +68,7 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 _ZERO = torch.zeros(())
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 
 
 def _carried(name: str, args: Any) -> torch.Tensor | None:
@@ -446,7 +447,8 @@ class Outside(TorchFunctionMode):
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
-        before = _carried(name, args)
+        with _NO_SUBCLASS():  # nanhunt's reads never go through the user's tensor subclass
+            before = _carried(name, args)
         out = call(func, args, kwargs)
         if name == "__get__" or name == "__set__":
             return out
@@ -463,8 +465,9 @@ class Outside(TorchFunctionMode):
         else:
             code = frame.f_code
             src, fn = f"{code.co_filename}:{frame.f_lineno}", getattr(code, "co_qualname", code.co_name)
-        for m in recs:
-            m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn, before)
+        with _NO_SUBCLASS():
+            for m in recs:
+                m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn, before)
         return out
 
     def _record(self, func: Any, args: Any, kwargs: Any, out: Any, outs: Any, name: str,
