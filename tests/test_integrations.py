@@ -203,6 +203,8 @@ def test_lightning_options_are_checked_up_front() -> None:
         NanHunt(optimizer=None)
     with pytest.raises(ValueError, match="on_find"):
         NanHunt(on_find="explode")
+    with pytest.raises(TypeError, match=r"^NanHunt\(\) got an unexpected keyword argument 'on_fnd'.*on_find"):
+        NanHunt(on_fnd="warn")  # a typo is named with the class the user called, not Options.make
     assert NanHunt().report is None
 
 
@@ -302,6 +304,8 @@ def test_hf_options_are_checked_up_front() -> None:
         NanHuntCallback(model=None)
     with pytest.raises(ValueError, match="on_find"):
         NanHuntCallback(on_find=1)
+    with pytest.raises(TypeError, match=r"^NanHuntCallback\(\) got an unexpected keyword argument 'on_fnd'"):
+        NanHuntCallback(on_fnd="warn")
     assert NanHuntCallback().report is None
 
 

@@ -47,6 +47,16 @@ class Options:
     guard_saves: bool = True
 
     @classmethod
+    def check(cls, caller: str, options: dict[str, Any]) -> Options:
+        """`make` for an integration: an unknown option is named with ``caller``, not `make`."""
+        known = [k for k in inspect.signature(cls.make).parameters if k != "cls"]
+        bad = [k for k in options if k not in known]
+        if bad:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {bad[0]!r}; it takes "
+                            f"nanhunt.watch()'s options: {', '.join(known)}")
+        return cls.make(**options)
+
+    @classmethod
     def make(
         cls,
         *,

@@ -116,7 +116,7 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
         bad = [k for k in _RESERVED if k in watch_options]
         if bad:
             raise TypeError(f"NanHunt takes the model and optimizers from the Trainer; do not pass {', '.join(bad)}")
-        Options.make(**watch_options)  # a bad option fails now, not inside fit()
+        Options.check("NanHunt", watch_options)  # a bad option fails now, not inside fit()
         self.watch_options = watch_options
         self.check_loss = check_loss
         self.hunt: Hunt | None = None

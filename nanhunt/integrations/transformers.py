@@ -91,7 +91,7 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
             raise TypeError(
                 f"NanHuntCallback takes the model and optimizer from the Trainer; do not pass {', '.join(bad)}"
             )
-        Options.make(**watch_options)  # a bad option fails now, not inside train()
+        Options.check("NanHuntCallback", watch_options)  # a bad option fails now, not inside train()
         self.watch_options = watch_options
         self.hunt: Hunt | None = None
 
