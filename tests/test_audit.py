@@ -159,9 +159,20 @@ def test_audit_of_a_folder_a_device_or_a_fifo_names_what_it_is(tmp_path: Any, ca
             nanhunt.audit(f)
         assert main(["audit", str(f)]) == 2
         line = _one_line(capsys.readouterr().err)
-        assert line == f"nanhunt: {f} {what}{' (named pipe)' if f is fifo else ''}, not a checkpoint file", line
+        said = f"nanhunt: {f} {what}{' (named pipe)' if f is fifo else ''}, not a checkpoint file"
+        assert line == said if f is not folder else line.startswith(said), line
     assert main(["audit", str(tmp_path / "missing.pt")]) == 2
     assert "no such checkpoint" in _one_line(capsys.readouterr().err)
+
+
+def test_audit_of_a_checkpoint_folder_names_the_files_to_audit(tmp_path: Any, capsys: Any) -> None:
+    folder = tmp_path / "checkpoint-500"  # what Hugging Face's Trainer writes
+    folder.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "config.json", "trainer_state.json"):
+        (folder / name).write_bytes(b"")
+    assert main(["audit", str(folder)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line == f"nanhunt: {folder} is a folder, not a checkpoint file; audit the files in it (model.safetensors, optimizer.pt)"
 
 
 def test_a_tensor_nested_however_deep_is_judged_file_object_and_cli(tmp_path: Any, capsys: Any) -> None:

@@ -199,7 +199,10 @@ def test_run_script_that_crashes(tmp_path, cli):
 
 
 def test_run_usage_errors(tmp_path, cli):
-    assert cli("run", str(tmp_path / "missing.py"))[0] == 2
+    rc, _, err = cli("run", str(tmp_path / "missing.py"))
+    assert rc == 2 and "no such script" in err
+    rc, _, err = cli("run", str(tmp_path))  # it exists: a folder, not a missing script
+    assert rc == 2 and "is a folder, not a script" in err and "no such" not in err
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     rc, _, err = cli("run", "--report", str(tmp_path / "r.csv"), str(script))

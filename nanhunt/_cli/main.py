@@ -279,7 +279,8 @@ def _exit_code(code: Any) -> int:
 def _cmd_run(ns: argparse.Namespace) -> int:
     script = ns.script
     if not os.path.isfile(script):
-        _err(f"no such script: {script!r}")
+        _err(f"{script!r} is a folder, not a script (give the .py file the folder's training starts from)"
+             if os.path.isdir(script) else f"no such script: {script!r}")
         return EXIT_USAGE
     report_path = None
     if ns.report:

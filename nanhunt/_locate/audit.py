@@ -60,13 +60,20 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
     return [finding(name, items[i][0], items[i][1], step=step, hint=_HINT) for i in all_bad([t for _, t in items])]
 
 
+_CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
 def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
     path, last = key_path(keys), str(keys[-1]) if keys else ""
     return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
 
 
 def _load(path: str) -> Any:
-    check_readable(path, "checkpoint file", AuditRefused)  # a folder, /dev/zero, a FIFO: named, never read
+    if os.path.isdir(path):  # a Hugging Face or Lightning checkpoint folder: say which files to audit
+        inside = sorted(n for n in os.listdir(path) if n.endswith(_CHECKPOINT_SUFFIXES))[:6]
+        raise AuditRefused(f"{path} is a folder, not a checkpoint file; audit the files in it"
+                           + (f" ({', '.join(inside)})" if inside else ""))
+    check_readable(path, "checkpoint file", AuditRefused)  # /dev/zero, a FIFO: named, never read
     if path.endswith(".safetensors"):
         try:
             from safetensors.torch import load_file
