@@ -236,3 +236,38 @@ def test_audit_takes_a_bytes_path_and_refuses_what_is_no_checkpoint(tmp_path: An
     for bad in (None, 123, 1.5):
         with pytest.raises(TypeError, match="takes a checkpoint's path or the object loaded from it"):
             nanhunt.audit(bad)
+
+
+def test_a_tensor_held_under_many_keys_is_one_finding_and_deep_key_paths_are_cut(tmp_path: Any, capsys: Any) -> None:
+    # a 400 KB file that refers to one NaN tensor 200,000 times printed 200,000 findings in 48 s;
+    # tied weights (an embedding and the head that shares it) are one tensor too
+    bad = torch.tensor([1.0, float("nan")])
+    tied = {"embed.weight": bad, "head.weight": bad, "ok": torch.ones(2)}
+    assert [f.tensor for f in nanhunt.audit(tied)] == ["['embed.weight']"]
+    fan = tmp_path / "fan.pt"
+    torch.save([bad] * 20_000, fan)
+    assert [f.tensor for f in nanhunt.audit(fan)] == ["[0]"]
+    deep: Any = bad
+    for _ in range(500):
+        deep = [deep]
+    (f,) = nanhunt.audit(deep)
+    assert f.tensor == "[0]" * 16 + "…468 levels…" + "[0]" * 16
+
+
+def test_a_zip_bomb_is_refused_before_anything_is_loaded(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
+    import zipfile
+
+    from nanhunt._locate import audit as audit_mod
+
+    monkeypatch.setattr(audit_mod, "_MAX_FREE", 1 << 20)  # the same rule as at 256 MiB, on a small file
+    ok = tmp_path / "ok.pt"
+    torch.save({"w": torch.zeros(1 << 19)}, ok)  # 2 MB stored uncompressed, as torch.save does
+    assert nanhunt.audit(ok) == []
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z, z.open("bomb/data/0", "w") as fh:
+        for _ in range(8):
+            fh.write(bytes(1 << 20))  # 8 MB of zeros in a few KB
+    with pytest.raises(AuditRefused, match="inflate to 8,388,608 bytes from a"):
+        nanhunt.audit(bomb)
+    assert main(["audit", str(bomb)]) == 2
+    assert "nothing was loaded" in _one_line(capsys.readouterr().err)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import warnings
+import zipfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,16 +52,33 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
         if isinstance(gs, int) and not isinstance(gs, bool):
             step = gs
     items: list[tuple[Keys, Any]] = []
+    seen: set[int] = set()  # a tensor held under several keys (tied weights; a file that refers to one 200,000 times): once
     for keys, t, _ in walk(obj):
         if isinstance(obj, Mapping) and keys and keys[0] in _SKIP:
             continue
-        if patterns and _ignored(keys, patterns):
+        if id(t) in seen or (patterns and _ignored(keys, patterns)):
             continue
+        seen.add(id(t))
         items.append((keys, t))
     return [finding(name, items[i][0], items[i][1], step=step, hint=_HINT) for i in all_bad([t for _, t in items])]
 
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+_MAX_RATIO, _MAX_FREE = 64, 1 << 28  # torch.save stores its records uncompressed: a ratio of about 1
+
+
+def _unzipped_size(path: str) -> None:
+    """Refuse a zip archive whose records inflate far past the file's own size (a zip bomb: 1 MB
+    that loads as 1 GiB of zeros): torch.load would materialise every byte of them."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            total = sum(i.file_size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip (a legacy pickle checkpoint): the loader says what it is
+    size = os.path.getsize(path)
+    if total > max(_MAX_RATIO * size, _MAX_FREE):
+        raise AuditRefused(f"{path}: refused: its records inflate to {total:,} bytes from a {size:,}-byte file "
+                           f"(a torch checkpoint stores them uncompressed); nothing was loaded")
 
 
 def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
@@ -84,6 +102,7 @@ def _load(path: str) -> Any:
         except Exception as e:  # SafetensorError (a bad or lying header), OSError, ...
             said = " ".join(str(e).split()) or type(e).__name__
             raise AuditRefused(f"{path}: not a .safetensors file safetensors can read: {said}") from None
+    _unzipped_size(path)
     import torch
 
     try:

@@ -33,7 +33,13 @@ class Attr(str):
 def key_path(keys: Keys) -> str:
     """``['model']['fc.weight']``: how a person indexes the saved object (``.model['fc.weight']`` for
     a dataclass's field); a bare tensor is ``<tensor>``."""
-    return "".join(f".{k}" if isinstance(k, Attr) else f"[{k!r}]" for k in keys) or "<tensor>"
+    parts = [f".{k}" if isinstance(k, Attr) else f"[{k!r}]" for k in keys]
+    if len(parts) > 2 * _KEYS_SHOWN:  # a hostile file nests 20,000 levels: the two ends say where
+        parts = [*parts[:_KEYS_SHOWN], f"…{len(parts) - 2 * _KEYS_SHOWN} levels…", *parts[-_KEYS_SHOWN:]]
+    return "".join(parts) or "<tensor>"
+
+
+_KEYS_SHOWN = 16
 
 
 def _fields(o: Any) -> list[tuple[str, Any]] | None:
