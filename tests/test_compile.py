@@ -430,3 +430,44 @@ def test_a_compiled_submodule_runs_and_its_nan_is_found_at_its_op_and_line(when:
     assert (f.phase, f.step, f.cause, f.op) == ("forward", 2, "created", "aten.log.default"), f
     assert f.module.startswith("block") and f.index == (1, 0), f
     assert f.source is not None and f.source.endswith(f":{_LogBlock.forward.__code__.co_firstlineno + 1}"), f
+
+
+class _DivBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / x[:, :1]  # x/0 where x[:, 0] is 0
+
+
+class _Absorbs(nn.Module):
+    """The parent cleans its child's output (nan_to_num): only the child's own output shows the NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.out = _DivBlock(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nan_to_num(self.block(x), nan=0.0, posinf=0.0, neginf=0.0))
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
+def test_a_nan_the_compiled_model_absorbs_is_found_in_its_module_as_in_eager(backend: str) -> None:
+    # Inductor folded the in-graph check ((t * 0).sum(): a product with 0 is 0) and saw nothing: the
+    # first finding was a backward one; with the eager backends the verdict replay compared the
+    # model's finite output and said 'transient' (a hardware fault)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _Absorbs()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    run = torch.compile(net, backend=backend)
+    with nanhunt.watch(net, opt, on_find="record") as hunt:
+        for step in range(4):
+            x = torch.randn(4, 4) + 3
+            if step == 2:
+                x[1, 0] = 0.0
+            _step(run, opt, x)
+    f = hunt.first
+    assert f is not None and (f.step, f.phase, f.module, f.tensor) == (2, "forward", "block", "output"), f
+    assert f.op == "aten.div.Tensor" and f.verdict == "numerics" and f.reproducible is True, f

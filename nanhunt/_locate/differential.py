@@ -205,10 +205,15 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
         with (_reference_mode(eager or float32, deterministic=eager or float32),
               faithful(run, compiled=compiled is not None)):
             if compiled is not None:
+                if ordinal and keep:  # an inner module's value: what the graph's own checks see of this run
+                    with torch.no_grad():
+                        for t in keep:
+                            t.zero_()
                 out = compiled(*run.args, **(run.kwargs or {}))
                 got = dict(tensors(out)).get(tuple(path)) if ordinal == 0 else None
                 if got is None:
-                    bad = any(is_bad(t) for _, t in tensors(out))
+                    # an inner value the model absorbs before its output (nan_to_num) shows in the checks
+                    bad = any(is_bad(t) for _, t in tensors(out)) or any(is_bad(t) for t in keep if ordinal)
                     return _Run(None, bad, [])
                 return _Run(got.detach(), is_bad(got), [])
             try:

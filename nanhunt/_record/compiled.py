@@ -62,12 +62,15 @@ class CompiledChecks:
 
 
 def _flag(t: torch.Tensor) -> torch.Tensor:
-    """nan when ``t`` holds a NaN/Inf, else 0 (``inf * 0`` and ``nan * 0`` are nan): exact, where a
-    sum also overflows for finite values (3e38s), which no eager replay then reproduces; fused into
-    the graph's kernels like a sum, and no non-finite constant in the graph."""
+    """inf when ``t`` holds a NaN/Inf, else 1 (the reciprocal of "all finite?"): exact, where a sum
+    also overflows for finite values (3e38s), which no eager replay then reproduces; fused into the
+    graph's kernels like a sum, and no non-finite constant in the graph. (Not ``(t * 0).sum()``:
+    Inductor folds a product with 0 to 0, and the check saw nothing.)"""
     if t.layout != torch.strided or t.is_complex():
         return probe(t)
-    return (t * 0).sum(dtype=torch.float32)
+    if t.dtype.itemsize == 1:
+        t = t.float()  # float8: no isfinite kernel
+    return torch.isfinite(t).all().to(torch.float32).reciprocal()
 
 
 class CompiledRoot:
