@@ -1039,3 +1039,21 @@ def test_a_fully_masked_rows_logsumexp_that_the_loss_code_filters_out_is_not_a_f
             opt.step()
             opt.zero_grad()
     assert hunt.findings == []
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+def test_a_gradient_norm_that_overflows_in_clip_grad_norm_is_found_at_its_op(foreach: bool | None) -> None:
+    # finite gradients of 1e20: their norm's sum of squares passes float32's max. clip_grad_norm_
+    # then scales the gradients by max_norm / inf = 0 in place, so a replay of the norm is finite:
+    # the finding had no op, no chain
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-30)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        (model(torch.ones(2, 4)) * 1e20).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=foreach)  # @clip
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.value, f.cause) == ("forward", "<outside>", math.inf, "created"), f
+    op = "aten._foreach_norm.Scalar" if foreach is None else "aten.linalg_vector_norm.default"
+    assert f.op == op and f.chain == (f"{op} @ {f.source}",) and f.source == line("clip"), f
+    assert "norm" in f.hint and "overflows" in f.hint and f.reproducible is None, f

@@ -38,6 +38,9 @@ _OPS = {
     "bmm": "a batched matmul overflows past the dtype's largest value",
     "matmul": "a matmul overflows past the dtype's largest value",
     "mul": "inf * 0 gives nan, and a product can overflow",
+    "_foreach_norm": "a norm of large values overflows: its sum of squares passes the dtype's largest value "
+                     "(gradients near 1e19 in float32: clip_grad_norm_ then scales them to 0)",
+    "linalg_vector_norm": "a norm of large values overflows: its sum of squares passes the dtype's largest value",
     "sub": "inf - inf gives nan",
     "add": "inf + -inf gives nan, and a sum can overflow",
     "acos": "acos outside [-1, 1] gives nan",

@@ -184,6 +184,15 @@ def forward_origin(recs: list[OutRec], ri: int, j: int,
             return None, facts
         t = outs[j]
         code, prod = rec.lookup(t)
+        if code is None and prod is not None:
+            # finite in the replay: its inputs were written in place since (clip_grad_norm_ scales
+            # the gradients whose norm overflowed). The call's own op made it, if it is one op
+            name = getattr(recs[ri].func, "__name__", "")
+            ops = [x.op for x in rec.recs[: prod[0] + 1] if x.op.split(".")[1:2] == [name]]
+            if ops:
+                src = recs[ri].src
+                facts = {"unreplayed": True}
+                return OpOrigin(ops[-1], src, [f"{ops[-1]} @ {src}" if src else ops[-1]], facts), facts
         if code is None or prod is None:
             return None, facts
         got = rec.walk(prod, _first(code))
@@ -326,13 +335,14 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     dtype = dtype_name(t)
     # float32/float64 code outside autocast, reproduced by its replay: that replay is the float32
     # eager reference, so the verdict is the math itself (as a module's float32 finding gets)
-    numerics = got is not None and dtype in ("float32", "float64") and not r.autocast
+    numerics = got is not None and not fx.get("unreplayed") and dtype in ("float32", "float64") and not r.autocast
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
         dtype=dtype, cause="created",
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
-        chain=tuple(got.chain) if got is not None else (), reproducible=True if got is not None else None,
+        chain=tuple(got.chain) if got is not None else (),
+        reproducible=True if got is not None and not fx.get("unreplayed") else None,
         verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": got.op if got is not None else None, "tensor": tensor, "value": value}
         if numerics else {},
