@@ -501,3 +501,35 @@ def test_locate_never_raises_and_leaves_no_hooks() -> None:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     assert _get_current_dispatch_mode() is None
+
+
+class _PadNormalize(nn.Module):
+    """Token embeddings normalised in float16: a padding token's embedding is all zeros, and
+    F.normalize's eps (1e-12) is 0 in float16, so 0 / max(0, eps) = 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 16, padding_idx=0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.emb(ids), dim=-1)
+
+
+class _CastDown(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.half() - x.half()).float()  # inf - inf once the cast overflows
+
+
+def test_hints_name_a_float16_eps_that_rounds_to_0_and_a_cast_that_overflows() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(1, 40, (2, 6))
+    ids[1, 4:] = 0  # padding
+    f = train_step(_PadNormalize().half(), ids)
+    assert f.op == "aten.div.Tensor" and f.dtype == "float16", f
+    assert "float16" in f.hint and "eps" in f.hint and "1e-12" in f.hint and "guard the denominator" not in f.hint, f.hint
+    model = nn.Sequential(nn.Linear(4, 4), _CastDown())
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)
+    f = train_step(model, torch.ones(2, 4))
+    assert f.op == "aten._to_copy.default" and f.module == "1", f
+    assert f.hint.startswith("Overflow in a cast: 120000 is past float16's largest finite value 65504"), f.hint

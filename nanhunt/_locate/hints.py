@@ -142,6 +142,18 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         d = args[1]
         if (isinstance(d, torch.Tensor) and d.numel() and bool((d == 0).any())) or (not isinstance(d, torch.Tensor) and d == 0):
             out["div_zero"] = True
+            if isinstance(d, torch.Tensor) and d.dtype is torch.float16:
+                out["div_float16"] = True  # an eps of 1e-12 is 0 there
+    if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and r.outs and r.outs[0][1] is not None:
+        src, code = args[0], r.outs[0][1]  # a cast down past the new dtype's range (autocast's copy of a weight, .half())
+        to = kwargs.get("dtype")
+        nz = code.reshape(-1).nonzero()
+        if isinstance(to, torch.dtype) and to.is_floating_point and nz.numel() and src.numel() == code.numel():
+            v = float(src.reshape(-1)[int(nz[0, 0])])
+            limit = float(torch.finfo(to).max)
+            if math.isfinite(v) and abs(v) > limit:
+                out.update(reached=v, limit=limit, dtype=str(to).removeprefix("torch."), cast=True)
+                return out
     code = r.outs[0][1] if r.outs else None
     if code is None:
         return out
@@ -187,6 +199,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
         wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
+        if fx.get("cast"):
+            return (f"Overflow in a cast: {fx['reached']:.6g} is past {fx['dtype']}'s largest finite value "
+                    f"{fx['limit']:g}, so {op} made it inf (and the arithmetic after it, inf - inf or inf * 0, "
+                    f"nan); {remedy}.")
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
     if fx.get("masked_row"):
@@ -212,6 +228,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
                 "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
     if fx.get("div_zero"):
+        if fx.get("div_float16"):
+            return ("A division by 0 in float16: an eps that guards the denominator rounds to 0 there when it is "
+                    "below 3e-08 (F.normalize's 1e-12, a 1e-8), so x/0 gives inf and 0/0 nan; use an eps float16 "
+                    "can hold (1e-4) or compute the normalisation in float32.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count that is 0); "
                 "guard the denominator, e.g. clamp(min=1) or + eps.")
     return ""
