@@ -533,3 +533,30 @@ def test_hints_name_a_float16_eps_that_rounds_to_0_and_a_cast_that_overflows() -
     f = train_step(model, torch.ones(2, 4))
     assert f.op == "aten._to_copy.default" and f.module == "1", f
     assert f.hint.startswith("Overflow in a cast: 120000 is past float16's largest finite value 65504"), f.hint
+
+
+class _LogThenSum(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x).sum(self.dim)  # log of a negative value: nan in that row
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_the_rows_sentence_only_for_a_reduction_over_the_rows(dim: int) -> None:
+    # sum(-1) keeps one value per row: it was described as "a reduction over 8 rows ... (that sample)"
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    with torch.no_grad():
+        lin.weight.copy_(torch.eye(4))
+        lin.bias.zero_()
+    x = torch.rand(8, 4) + 0.5
+    x[2, 1] = x[5, 0] = -1.0
+    f = train_step(nn.Sequential(lin, _LogThenSum(dim)), x)
+    assert f.op == "aten.log.default" and f.module == "1", f
+    if dim == 0:
+        assert f.hint.endswith("over 8 rows: its input was non-finite at rows 2, 5 (those samples)."), f.hint
+    else:
+        assert "rows" not in f.hint and "sample" not in f.hint, f.hint

@@ -108,6 +108,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 continue  # a view or a selection keeps (or picks) values: no row was summed away
             oshape = last.outs[0][0] if last.outs else ()
             inp = next((i for i in last.ins if i.code is not None and len(i.shape) > len(oshape) and i.shape), None)
+            if inp is not None and oshape and oshape[0] == inp.shape[0]:
+                break  # it reduced within each row (sum(-1)): every row kept its own value, none was summed away
             if inp is not None and inp.code is not None:
                 rows = inp.code.reshape(inp.shape[0], -1).ne(0).any(1).nonzero().flatten().tolist()
                 if rows:
@@ -245,7 +247,7 @@ def rows_sentence(fx: dict[str, Any]) -> str:
     n = fx.get("nbad", len(rows))
     which = f"row {rows[0]}" if n == 1 else f"rows {', '.join(map(str, rows))}{'…' if n > len(rows) else ''}"
     return (f" The reported value is a reduction ({fx.get('reduction')}) over {fx.get('nrows')} rows: "
-            f"its input was non-finite at {which} (that sample).")
+            f"its input was non-finite at {which} ({'that sample' if n == 1 else 'those samples'}).")
 
 
 def hint(f: Finding, fx: dict[str, Any] | None = None) -> str:
