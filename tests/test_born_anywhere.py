@@ -216,6 +216,7 @@ def test_backward_only_nan_in_loss_code() -> None:
 
     f = run_steps(model(), dist_loss)
     assert f.module == "<outside>" and f.phase == "backward" and f.op == "SqrtBackward0"
+    assert f.tensor == "SqrtBackward0.grad_input[0]"  # the node's gradient, not the model output's
     assert same_source(f.source, line("sqrt-at-0"))
     assert f.index == (0,) and f.value == math.inf
 

@@ -446,7 +446,9 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
         return None
     index, value, counts = element(b.grad)
     f = Finding(
-        phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE, tensor=f"grad_input[{b.slot}]",
+        # the gradient its node made (as a module's node-level finding names it), not what reached the model
+        phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE,
+        tensor=f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]",
         step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
         dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True,
