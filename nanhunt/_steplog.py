@@ -62,7 +62,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "compiled", "saved", "training",
+        "out_keys", "compiled", "saved", "training", "reparam",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -79,6 +79,7 @@ class Top:
         self.compiled: Any = None  # the torch.compile wrapper that ran it (what failed), else None
         self.saved: dict[int, torch.Tensor] = {}  # id -> value before the call, of the root's floating buffers
         self.training = module.training  # its mode when called (an evaluation call: see Hunt._iteration_over)
+        self.reparam: dict[str, Any] | None = None  # torch.func.functional_call's tensors for this call
 
 
 @dataclass

@@ -565,3 +565,19 @@ def test_a_users_tensor_subclass_never_sees_nanhunts_probes(mode: str) -> None:
     assert watched == plain  # is_inference, numel, aminmax, linalg_vector_norm ... were the hunt's
     _, hunt = run(True, bad=True)
     assert hunt.first is not None and (hunt.first.step, hunt.first.cause) == (1, "input")
+
+
+def test_a_nan_in_the_tensors_given_to_functional_call_is_their_finding_not_a_hardware_fault() -> None:
+    # a meta-learning inner step runs the model on adapted weights through functional_call; the
+    # replays ran it with the module's own (finite) weights and said 'transient' (a hardware fault)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    fast = {k: v.detach().clone() for k, v in model.named_parameters()}
+    fast["0.weight"][0, 0] = float("nan")
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model):
+        functional_call(model, fast, (torch.randn(2, 3),))
+        model(torch.randn(2, 3))  # the step ends at the model's next call
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.reproducible) == ("forward", "0", "parameter", True), f
+    assert f.verdict is None and "'0.weight', given to torch.func.functional_call" in f.hint, f
+    assert all(bool(p.isfinite().all()) for p in model.parameters())  # the module's own, untouched

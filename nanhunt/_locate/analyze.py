@@ -838,6 +838,14 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
     root = ctx.view.root
     if f.cause != "parameter" or root is None or f.phase == "checkpoint":
         return ""
+    where = ctx.where.get(id(f))
+    given = ctx.log.tops[where[1]].reparam if where is not None else None
+    if given:  # the call ran through torch.func.functional_call: the tensors it was given, not the module's
+        prefix = f"{f.module}." if f.module else ""
+        bad = [k for k, t in given.items() if k.startswith(prefix) and "." not in k[len(prefix):]
+               and isinstance(t, torch.Tensor) and is_bad(t)]
+        if bad:
+            return _hints.given_hint(bad[0])
     try:
         module = root.get_submodule(f.module)
     except AttributeError:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 from .._finding import Finding
 from .._tensors import dtype_max
 
-__all__ = ["hint", "mask_write", "optimizer_hint", "at_start_hint", "carried_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
+__all__ = ["hint", "mask_write", "optimizer_hint", "at_start_hint", "carried_hint", "given_hint", "buffer_hint", "written_hint", "unheld_hint", "unwatched_hint", "facts", "DOUBLE_WHERE"]
 
 DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a zero gradient, and "
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
@@ -323,6 +323,12 @@ def at_start_hint(what: str) -> str:
     return (f"{_cap(what)} was already non-finite when the watch began: it was loaded or set "
             "that way before nanhunt's first step, so where it was born is not known here (run "
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
+
+
+def given_hint(name: str) -> str:
+    """A non-finite tensor handed to ``torch.func.functional_call`` in place of the module's own."""
+    return (f"{name!r}, given to torch.func.functional_call in place of the module's own, is non-finite: "
+            "look at the code that built that dict of parameters (a meta-learning inner step, an EMA copy).")
 
 
 def carried_hint(what: str) -> str:

@@ -155,6 +155,10 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         for dev, enabled, dtype in top.autocast:
             if enabled:
                 stack.enter_context(torch.autocast(dev, dtype=dtype))
+        if top.reparam:  # called through torch.func.functional_call: with the tensors it was given
+            from torch.nn.utils.stateless import _reparametrize_module
+
+            stack.enter_context(_reparametrize_module(mod, top.reparam))
         stack.enter_context(torch.set_grad_enabled(top.grad_enabled))
         if not compiled:
             stack.enter_context(_checkpoint_inline())
@@ -301,6 +305,8 @@ def _replay_top(
         c = ReplayCall(module, name, len(calls), len(stack), parent)
         if before:
             c.before = before
+        if top.reparam:
+            _ = c.params_bad  # judged now: functional_call's tensors are the module's only during the call
         calls.append(c)
         stack.append(c.ordinal)
 

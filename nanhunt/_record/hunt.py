@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import sys
 import threading
 import time
@@ -1729,4 +1730,24 @@ def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
     )
     top = Top(module, args, torch.get_rng_state(), cuda_rng, autocast, torch.is_grad_enabled())
     top.versions = [version(t) for _, t in tensors(args)]
+    top.reparam = _functional_params(module)
     return top
+
+
+def _functional_params(module: nn.Module) -> dict[str, Any] | None:
+    """The tensors ``torch.func.functional_call(module, params, ...)`` put in place of the module's
+    own for this call (a replay runs with them too), else None. A few frames up, once per
+    top-level call."""
+    f: Any = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return None
+        code = f.f_code
+        if code.co_name == "_functional_call" and code.co_filename.endswith(_STATELESS):
+            got = f.f_locals.get("parameters_and_buffers")
+            return dict(got) if isinstance(got, dict) and f.f_locals.get("module") is module else None
+        f = f.f_back
+    return None
+
+
+_STATELESS = os.path.join("nn", "utils", "stateless.py")
