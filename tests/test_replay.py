@@ -168,3 +168,25 @@ def test_the_analysis_leaves_the_users_python_state_random_streams_and_dispatch_
     assert plain[1] == watched[1]  # FlopCounterMode counted no replay
     assert all(torch.equal(plain[2][k], watched[2][k]) for k in plain[2])
     assert plain[3:] == watched[3:]
+
+
+def test_an_input_buffer_refilled_in_place_says_why_the_origin_is_unknown():
+    # a static input buffer refilled for every micro-batch (CUDA-graph style): the failing call's
+    # input holds another batch by the step's end, so no replay can run it as it ran
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    buf = torch.empty(3, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for step in range(3):
+            for micro in range(3):
+                data = torch.randn(3, 4)
+                if (step, micro) == (1, 0):
+                    data[2, 3] = float("inf")
+                buf.copy_(data)
+                (model(buf).pow(2).mean() / 3).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.call, f.cause, f.reproducible) == ("forward", "0", 1, 0, "unknown", None), f
+    assert "written in place after the call" in f.hint and "clone()" in f.hint, f.hint

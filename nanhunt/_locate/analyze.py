@@ -314,6 +314,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         f = _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
         if rc is not None:  # for the verdict's replays (differential.judge)
             ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
+        elif r is None and log.tops[c.top].kwargs is not None and not _replayable(log.tops[c.top]):
+            ctx.facts[id(f)] = {"overwritten": True}  # no replay: its inputs were written in place since
         return f
     index, value, counts = element(tensor)
     f = Finding(

@@ -192,6 +192,10 @@ def _leaves(x: Any) -> list[Any]:
 def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     """The sentence the numbers support, or "" when they support none."""
     op = f.op or "this op"
+    if fx.get("overwritten"):
+        return ("Its call's inputs were written in place after the call (a reused input buffer: "
+                "buf.copy_(batch)), so no replay could see the values it had: pass the model a fresh tensor "
+                "(or buf.clone()) to have the op, line and element.")
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
     if "reached" in fx:
