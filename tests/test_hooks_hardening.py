@@ -259,6 +259,11 @@ def test_meta_dry_runs_with_a_cpu_scalar_first_or_keyword_arguments_harm_nothing
         assert soft(x=torch.empty(2, 4, device="meta")).is_meta  # keyword arguments only
         soft(x=torch.tensor([[0.0, float("nan")]]))
     assert [f.module for f in hunt.findings] == [""]
+    # meta tensors made between calls (the loop's own code, recorded as the loss code is): no values to read
+    with nanhunt.watch(soft, on_find="raise") as hunt:
+        for _ in range(2):
+            assert soft(x=torch.randn(2, 4, device="meta")).is_meta
+    assert hunt.findings == [] and not hunt._faulted
 
 
 def test_a_dry_run_on_the_meta_device_is_no_step_and_harms_nothing() -> None:

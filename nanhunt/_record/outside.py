@@ -77,7 +77,7 @@ def _carried(name: str, args: Any) -> torch.Tensor | None:
     if not (name.endswith("_") and not name.startswith("_")) or not args:
         return None
     t = args[0]
-    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or not t.numel():
+    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or not t.numel() or t.is_meta:
         return None
     return torch.isfinite(probe(t))
 
@@ -491,7 +491,7 @@ class Outside(TorchFunctionMode):
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):
                     continue  # handed back as it came (.to() its own device, .contiguous()): nothing made here
-                if (t.is_floating_point() or t.is_complex()) and t.numel() and (writes or not t._is_view()):
+                if (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta and (writes or not t._is_view()):
                     p = probe(t)
                     if before is not None and j == 0:
                         # an accumulator already non-finite before this step's write (running +=
