@@ -7,6 +7,7 @@ each is compared bit for bit with a reference loop that drops that batch by hand
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 from collections.abc import Iterable
 from typing import Any
@@ -602,6 +603,28 @@ def test_skip_with_a_gan_drops_the_generators_step_fed_the_same_bad_batch_too() 
             assert all(torch.isfinite(p).all() for p in gan.parameters()), f"step {step}"
     assert hunt.skipped == [3]
     assert any(f.phase == "grad" and f.module == "g" for f in hunt.findings), hunt.findings
+
+
+def test_an_in_place_write_that_makes_nan_of_a_minus_inf_mask_is_still_found() -> None:
+    # the carried-accumulator rule (below) must not hide a NaN an in-place op makes this step of a
+    # tensor holding only a -inf mask before it: s.sub_(max) on a fully masked row is -inf - -inf
+    torch.manual_seed(0)
+    model = nn.Linear(4, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for i in range(3):
+            mask = torch.zeros(3, 5, dtype=torch.bool)
+            mask[0] = i == 1  # a fully masked row at step 1
+            s = model(torch.randn(3, 4)).masked_fill(mask, float("-inf"))
+            with torch.no_grad():
+                top = s.amax(-1, keepdim=True)
+            s.sub_(top)
+            s.exp().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.step, f.module, f.cause) == (1, "<outside>", "created") and math.isnan(f.value), f
+    assert [c.split(" @ ")[0] for c in f.chain] == ["aten.masked_fill.Scalar", "aten.sub_.Tensor"], f.chain
 
 
 @pytest.mark.parametrize("on_find", ["skip", "raise"])

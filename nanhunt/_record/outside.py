@@ -22,6 +22,7 @@ root call has returned (each into its own log), and none while any watched root 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -38,7 +39,7 @@ from torch.utils._device import DeviceContext as _DeviceContext  # set_default_d
 
 from .._hooks import REPLAYING
 from .._steplog import Out, OutRec, StepLog
-from .._tensors import probe
+from .._tensors import is_checked, probe
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -67,19 +68,21 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
     return on
 
 
-_ZERO = torch.zeros(())
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 
 
 def _carried(name: str, args: Any) -> torch.Tensor | None:
     """An in-place arithmetic write (``add_``, ``mul_``: ``running += loss``): whether its target
-    was all finite before it, on the device (no host read); None for any other call."""
+    held no NaN and no +inf before it (a -inf mask may; a NaN the write makes of it is born here), on
+    the device (no host read); None for any other call."""
     if not (name.endswith("_") and not name.startswith("_")) or not args:
         return None
     t = args[0]
-    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or not t.numel() or t.is_meta:
+    if not isinstance(t, torch.Tensor) or not is_checked(t) or not t.numel() or t.is_meta:
         return None
-    return torch.isfinite(probe(t))
+    with _NO_SUBCLASS():
+        s = probe(t)  # nan with a NaN (or both infinities), +inf with +inf, -inf with -inf alone
+        return ~(torch.isnan(s) | (s == math.inf))
 
 
 def is_lib(filename: str) -> bool:
@@ -447,8 +450,7 @@ class Outside(TorchFunctionMode):
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
-        with _NO_SUBCLASS():  # nanhunt's reads never go through the user's tensor subclass
-            before = _carried(name, args)
+        before = _carried(name, args)
         out = call(func, args, kwargs)
         if name == "__get__" or name == "__set__":
             return out
@@ -465,8 +467,8 @@ class Outside(TorchFunctionMode):
         else:
             code = frame.f_code
             src, fn = f"{code.co_filename}:{frame.f_lineno}", getattr(code, "co_qualname", code.co_name)
-        with _NO_SUBCLASS():
-            for m in recs:
+        with _NO_SUBCLASS() if any(type(t) is not torch.Tensor for t in outs) else contextlib.nullcontext():
+            for m in recs:  # (nanhunt's reads never go through the user's tensor subclass)
                 m._record(func, args, kwargs, out, outs, name, _rng_before, src, fn, before)
         return out
 
@@ -491,12 +493,12 @@ class Outside(TorchFunctionMode):
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):
                     continue  # handed back as it came (.to() its own device, .contiguous()): nothing made here
-                if (t.is_floating_point() or t.is_complex()) and t.numel() and not t.is_meta and (writes or not t._is_view()):
+                if is_checked(t) and t.numel() and not t.is_meta and (writes or not t._is_view()):
                     p = probe(t)
                     if before is not None and j == 0:
                         # an accumulator already non-finite before this step's write (running +=
                         # loss after a NaN step): carried on, not born here; judged finite
-                        p = torch.where(before, p, _ZERO.to(p.device))
+                        p = torch.where(before, p, 0.0)
                     log.sums.append(p)
                     log.meta.append(Out(ri, j))
         finally:
