@@ -621,3 +621,28 @@ def test_an_overflowed_adam_state_is_one_finding_not_one_per_step() -> None:
             opt.zero_grad()
     assert [(f.phase, f.step, f.tensor, f.cause) for f in hunt.findings] == [
         ("optimizer", 4, "state['exp_avg_sq']", "created")], hunt.findings
+
+
+def test_state_rolled_back_after_a_finding_is_judged_again() -> None:
+    # the user restores the weights in place (load_state_dict) after the optimizer's overflow and goes
+    # on; the same overflow later is a new finding (it was taken for the old value carried on)
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    good = copy.deepcopy(model.state_dict())
+    raised = []
+    with nanhunt.watch(model, opt) as hunt:
+        for i in range(8):
+            for g in opt.param_groups:
+                g["lr"] = 1e38 if i in (2, 5) else 0.1  # the update overflows at steps 2 and 5
+            model(torch.randn(2, 4)).sum().mul(10).backward()
+            try:
+                opt.step()
+            except nanhunt.NonFiniteError as e:
+                raised.append(e.finding.step)
+                model.load_state_dict(good)
+            opt.zero_grad()
+    assert raised == [2, 5]
+    assert [(f.phase, f.step, f.cause) for f in hunt.findings] == [("optimizer", 2, "created"), ("optimizer", 5, "created")]

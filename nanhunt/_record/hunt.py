@@ -50,7 +50,7 @@ from .._locate.damage import bad_state, damage
 from .._profile import span
 from .._report import Report
 from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
-from .._tensors import NO_SPECIALS, Path, is_checked, probe, tensors, version
+from .._tensors import NO_SPECIALS, Path, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -1220,7 +1220,16 @@ class Hunt:
             return False
         if not bool(torch.isfinite(summary).all()):
             self._end_step(advance=False)  # judges it (and whatever else the log holds) now
+        elif self._known_bad:
+            self._forget_known()
         return True
+
+    def _forget_known(self) -> None:
+        """The optimizers' parameters and state were all judged finite after a step: nothing an
+        earlier finding showed non-finite is still carried (the user rolled it back), so a new
+        overflow of it is a new finding."""
+        mine = {id(t) for o in self._opts for t in optimizer_tensors(o)[1]}
+        self._known_bad = [r for r in self._known_bad if (t := r()) is not None and id(t) not in mine]
 
     def _count_step(self, i: int) -> None:
         """Watched optimizer ``i`` stepped: one training step is a round in which each watched
@@ -1344,6 +1353,8 @@ class Hunt:
                 with span("nanhunt::sync", cuda):
                     bad = flag is not None and bool(flag)  # the step's one host read
                 if not bad:
+                    if self._known_bad and any(isinstance(e, OptimState) for _, e in log.vectors):
+                        self._forget_known()  # (the parameters and state it read were finite)
                     return
             failed: Exception | None = None
             if bad:
@@ -1394,8 +1405,7 @@ class Hunt:
         self._skips_exceeded = False
         skipped = self.on_find == "skip" and self._skip(found, evaluation)
         if any(f.cause == "parameter" or f.phase == "optimizer" for f in found):
-            known = {id(t) for r in self._known_bad if (t := r()) is not None}
-            self._known_bad += [weakref.ref(t) for t in bad_state(self._root, self._opts) if id(t) not in known]
+            self._known_bad = [weakref.ref(t) for t in bad_state(self._root, self._opts)]  # (what is non-finite now)
         if self._damage is None and self._root is not None:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
