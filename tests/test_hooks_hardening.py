@@ -586,3 +586,32 @@ def test_a_nan_in_the_tensors_given_to_functional_call_is_their_finding_not_a_ha
     assert (f.phase, f.module, f.cause, f.reproducible) == ("forward", "0", "parameter", True), f
     assert f.verdict is None and "'0.weight', given to torch.func.functional_call" in f.hint, f
     assert all(bool(p.isfinite().all()) for p in model.parameters())  # the module's own, untouched
+
+
+class _Amplified(torch.Tensor):
+    """A subclass whose linear is 1e30 times larger (a scaled tensor type): its semantics matter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 1e30 if func is torch.nn.functional.linear else out
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_analysis_and_on_find_run_with_the_users_tensor_subclass(mode: str) -> None:
+    # without an optimizer the step ends in the next root call's pre-hook: the replays and on_find ran
+    # with subclass dispatch switched off there (a replay of other semantics: a wrong verdict)
+    seen: list[float] = []
+
+    def on_find(f: nanhunt.Finding) -> None:
+        x = torch.ones(2).as_subclass(_Amplified)
+        seen.append(float(torch.nn.functional.linear(x, torch.ones(1, 2)).sum()))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Softmax(-1))
+    with nanhunt.watch(model, mode=mode, on_find=on_find) as hunt:
+        for i in range(3):
+            model((torch.randn(3, 2) * (1e10 if i == 1 else 1)).as_subclass(_Amplified))  # 1e40: inf
+    f = hunt.first
+    assert f is not None and (f.step, f.module, f.cause, f.reproducible) == (1, "0", "created", True), f
+    assert seen and seen[0] == pytest.approx(2e30)

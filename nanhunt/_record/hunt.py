@@ -112,10 +112,7 @@ class _OnModule:
 
     def __call__(self, *args: Any) -> Any:
         h = self._hunt()
-        if h is None:
-            return None
-        with _NO_SUBCLASS():  # nanhunt's reads never go through the user's tensor subclass
-            return getattr(h, self._method)(*args)
+        return None if h is None else getattr(h, self._method)(*args)
 
     def __deepcopy__(self, memo: Any) -> Any:
         return _noop_hook
@@ -520,8 +517,7 @@ class Hunt:
                 calls.append(c)
                 stack.append(c)
                 return
-            with _NO_SUBCLASS():  # (the common case above reads no tensor)
-                self._pre_other(module, args, e)
+            self._pre_other(module, args, e)
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
 
@@ -722,8 +718,7 @@ class Hunt:
                 c.paths = _ONE_PATH
                 c.outs = ((ref, key[1]),)
             else:
-                with _NO_SUBCLASS():  # a tensor subclass's __torch_function__ never sees nanhunt's probes
-                    self._record(c, module, args, kwargs, output)
+                self._record(c, module, args, kwargs, output)
             if not stack and not self._opts:
                 self._owner = None  # no optimizer: each root call is a step; any thread may take the next
         except Exception as exc:
@@ -766,7 +761,15 @@ class Hunt:
             self._fault(exc, "the forward hook")
 
     def _record(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
-        """Probe the outputs of the watched call ``c`` (the hot path's main cost)."""
+        """Probe the outputs of the watched call ``c`` (the hot path's main cost). A tensor
+        subclass's ``__torch_function__`` never sees these reads (they never end a step)."""
+        if type(output) is torch.Tensor:
+            self._record_body(c, module, args, kwargs, output)
+        else:
+            with _NO_SUBCLASS():
+                self._record_body(c, module, args, kwargs, output)
+
+    def _record_body(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
         log = self._log
         if c.index >= len(log.calls) or log.calls[c.index] is not c:
             return  # the step ended inside this call (a sync from another thread)
@@ -1032,24 +1035,25 @@ class Hunt:
                 # no optimizer (inference), or a call without gradients (a validation batch, a
                 # pseudo-label pass in training: what it returns never reaches a gradient): the
                 # outputs are what there is to judge
-                if c.index < len(log.calls) and log.calls[c.index] is c:
-                    items = list(tensors(output))
-                    grad = torch.is_grad_enabled()
-                    # with gradients, only a 0-dim output (a loss the model computes itself, as
-                    # Hugging Face models do from labels=): its gradient may be finite while it is
-                    # not (a mean over zero tokens: 0/0, with zero gradients)
-                    self._probe_root_outputs(log, c, items, scalars=bool(self._opts) and grad)
-                else:
-                    grad, items = False, []
-                if grad:
-                    top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
-                    c.out_keys = out_keys = []
-                    for path, t in items:
-                        if t.requires_grad and is_checked(t):
-                            k = self._key(t)
-                            log.tensors[k].keep_grad = True
-                            top.out_keys.append(k)
-                            out_keys.append((k, path))
+                with _NO_SUBCLASS():  # nanhunt's reads: never through the user's tensor subclass
+                    if c.index < len(log.calls) and log.calls[c.index] is c:
+                        items = list(tensors(output))
+                        grad = torch.is_grad_enabled()
+                        # with gradients, only a 0-dim output (a loss the model computes itself, as
+                        # Hugging Face models do from labels=): its gradient may be finite while it is
+                        # not (a mean over zero tokens: 0/0, with zero gradients)
+                        self._probe_root_outputs(log, c, items, scalars=bool(self._opts) and grad)
+                    else:
+                        grad, items = False, []
+                    if grad:
+                        top = log.tops[c.top]  # for a backward replay: the gradients arriving at the output
+                        c.out_keys = out_keys = []
+                        for path, t in items:
+                            if t.requires_grad and is_checked(t):
+                                k = self._key(t)
+                                log.tensors[k].keep_grad = True
+                                top.out_keys.append(k)
+                                out_keys.append((k, path))
                 if not self._stack and not self._opts:
                     self._owner = None
                 if not self._paused:
@@ -1728,7 +1732,8 @@ def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
     """A top-level call on the meta device: a positional tensor argument is on meta. (Not judged
     from the parameters: a model offloaded by accelerate keeps them on meta and computes for real;
     a call with keyword arguments only is watched.)"""
-    return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+    with _NO_SUBCLASS():
+        return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
@@ -1739,7 +1744,8 @@ def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:
         (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
     )
     top = Top(module, args, torch.get_rng_state(), cuda_rng, autocast, torch.is_grad_enabled())
-    top.versions = [version(t) for _, t in tensors(args)]
+    with _NO_SUBCLASS():  # a tensor subclass's __torch_function__ never sees nanhunt's reads
+        top.versions = [version(t) for _, t in tensors(args)]
     top.reparam = _functional_params(module)
     return top
 
