@@ -62,7 +62,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "compiled", "saved", "training", "reparam",
+        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -80,6 +80,7 @@ class Top:
         self.saved: dict[int, torch.Tensor] = {}  # id -> value before the call, of the root's floating buffers
         self.training = module.training  # its mode when called (an evaluation call: see Hunt._iteration_over)
         self.reparam: dict[str, Any] | None = None  # torch.func.functional_call's tensors for this call
+        self.odd_modes: tuple[nn.Module, ...] = ()  # submodules whose train/eval mode was not the module's (a frozen BatchNorm)
 
 
 @dataclass

@@ -89,6 +89,8 @@ def test_a_replay_runs_in_the_mode_of_the_call_when_the_model_was_switched_since
     opt = torch.optim.SGD(model.parameters(), lr=0.1) if loop != "no optimizer" else None
     model.train()
     model.frozen.eval()  # a frozen BatchNorm keeps its own mode
+    modes: list[tuple[bool, bool]] = []  # (dropout's, the frozen BatchNorm's) at each run of the block
+    model.frozen.register_forward_pre_hook(lambda m, a: modes.append((model.drop.training, m.training)))
     with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
         model(torch.randn(4, 4)).sum().backward()
         model.eval()
@@ -96,6 +98,10 @@ def test_a_replay_runs_in_the_mode_of_the_call_when_the_model_was_switched_since
             model(torch.randn(4, 4))
         if opt is not None:
             opt.step()
+    # the two calls, (True, False) then (False, False), and every replay as the first: dropout
+    # trains, the BatchNorm stays frozen
+    assert modes[0] == (True, False) and modes.count((False, False)) == 1 and len(modes) > 2, modes
+    assert set(modes) == {(True, False), (False, False)}, modes
     f = hunt.first
     assert f is not None and f.phase == "forward" and f.module == "" and f.step == 0, f
     assert f.reproducible is True and f.verdict == "numerics" and f.op == "aten.div.Tensor", f

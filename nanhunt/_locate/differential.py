@@ -248,8 +248,13 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     mode = _Trace()
     run = copy.copy(top)
     run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
-    # its mode when called: its own flag, unless the whole model was switched since (then the call's)
-    run.training = module.training if top.module.training == top.training else top.training
+    # its mode when called: its own flag, unless the whole model was switched since (then the call's,
+    # or the other one for a module that was not in the model's mode: a frozen BatchNorm)
+    if top.module.training == top.training:
+        run.training = module.training
+    else:
+        run.training = (not top.training) if any(m is module for m in top.odd_modes) else top.training
+    run.odd_modes = ()
     run.args, run.kwargs = inputs
     try:
         with torch.no_grad():

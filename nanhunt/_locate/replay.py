@@ -146,6 +146,9 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
     try:
         for m, _ in modes:
             m.training = top.training
+        if modes:
+            for m in top.odd_modes:  # a frozen BatchNorm stays in eval while the model trained
+                m.training = not top.training
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
         if not compiled and "torch._dynamo" in sys.modules:  # model.compile(), a compiled submodule
             stack.enter_context(torch.compiler.set_stance("force_eager"))

@@ -608,6 +608,9 @@ class Hunt:
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
+        if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)
+            on = module.training
+            t.odd_modes = tuple(m for _, r in self._names.values() if (m := r()) is not None and m.training is not on)
         self._state.capture(t, taken)
         log.tops.append(t)
         return log, t
