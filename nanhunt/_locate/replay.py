@@ -168,20 +168,22 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         yield
     finally:
         stack.close()
-        kept.restore()  # the modules' own Python state (their training flags too)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        with torch.no_grad():
-            for b, v in bufs:
-                # only what the replay changed, through .data: a version bump would break a graph
-                # that saved the buffer (BERT's token_type_ids in its embedding's backward, which a
-                # backward replay runs after this context; the user's own pending graph)
-                if not same(b, v):
-                    b.data.copy_(v)
+        try:
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            with torch.no_grad():
+                for b, v in bufs:
+                    # only what the replay changed, through .data: a version bump would break a graph
+                    # that saved the buffer (BERT's token_type_ids in its embedding's backward, which a
+                    # backward replay runs after this context; the user's own pending graph)
+                    if not same(b, v):
+                        b.data.copy_(v)
+        finally:
+            kept.restore()  # the modules' own Python state (their training flags too)
 
 
-_MAX_ATTR = 1 << 22  # a plain tensor attribute's values are kept up to this many elements
+_MAX_ATTR = 1 << 20  # a plain tensor attribute's values are kept up to this many elements
 
 
 class _Attributes:
@@ -192,9 +194,10 @@ class _Attributes:
 
     def __init__(self, root: nn.Module) -> None:
         self.dicts = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in root.modules()]
-        with torch.no_grad():
+        with torch.no_grad():  # (values only: a meta or sparse attribute keeps its reference alone)
             self.values = [(t, t.clone()) for _, d, _, _ in self.dicts for k, t in d.items()
-                           if type(t) is torch.Tensor and not k.startswith("_") and t.numel() <= _MAX_ATTR]
+                           if type(t) is torch.Tensor and not k.startswith("_") and not t.is_meta
+                           and t.layout is torch.strided and t.numel() <= _MAX_ATTR]
 
     def restore(self) -> None:
         for m, d, b, p in self.dicts:
@@ -208,8 +211,11 @@ class _Attributes:
                         now[k] = v
         with torch.no_grad():
             for t, v in self.values:
-                if not same(t, v):
-                    t.data.copy_(v)
+                try:
+                    if not same(t, v):
+                        t.data.copy_(v)
+                except RuntimeError:  # (resized or moved by the replay: its reference went back above)
+                    pass
 
 
 @contextlib.contextmanager
