@@ -119,7 +119,6 @@ class _UserState(nn.Module):
         self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
         self.t = 0
         self.avg = torch.zeros(4)
-        self.template = torch.empty(4, device="meta")  # a shape template: no values to compare or keep
 
     def forward(self, x):
         import numpy as np
@@ -197,3 +196,36 @@ def test_an_input_buffer_refilled_in_place_says_why_the_origin_is_unknown():
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.call, f.cause, f.reproducible) == ("forward", "0", 1, 0, "unknown", None), f
     assert "written in place after the call" in f.hint and "clone()" in f.hint, f.hint
+
+
+class _WithTemplate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.template = torch.empty(4, device="meta")  # a shape template: no values to compare or keep
+
+    def forward(self, x):
+        return torch.log(self.lin(x))  # nan for negative values
+
+
+def test_a_meta_tensor_attribute_does_not_break_the_replay_or_its_restores():
+    def run(watch: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _WithTemplate())
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        hunt = nanhunt.watch(model, opt, on_find="record") if watch else None
+        draws = []
+        for _ in range(2):
+            model(torch.randn(3, 4)).nan_to_num(0.0).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            draws.append(float(torch.rand(())))  # the user's RNG stream after the step
+        if hunt is not None:
+            hunt.close()
+        return draws, hunt
+
+    plain, _ = run(False)
+    watched, hunt = run(True)
+    assert watched == plain
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.cause, f.verdict) == ("1", "aten.log.default", "created", "numerics"), f
