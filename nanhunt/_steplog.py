@@ -57,6 +57,17 @@ class Call:
         self.out_keys: Sequence[tuple[int, Path]] = ()
 
 
+TIE_KEY = "\0tie_weights"  # in Top.reparam: functional_call's tie_weights (no tensor name holds a NUL)
+
+
+def given(top: Top, prefix: str = "") -> tuple[dict[str, Any], bool]:
+    """The tensors ``torch.func.functional_call`` gave ``top``'s call, keyed relative to its
+    submodule ``prefix`` (``""``: the module itself), and whether tied weights follow them."""
+    r = top.reparam or {}
+    p = f"{prefix}." if prefix else ""
+    return {k[len(p):]: v for k, v in r.items() if k != TIE_KEY and k.startswith(p)}, bool(r.get(TIE_KEY, True))
+
+
 class Top:
     """A top-level call of a watched module: enough to replay it faithfully."""
 

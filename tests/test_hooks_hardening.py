@@ -615,3 +615,39 @@ def test_the_analysis_and_on_find_run_with_the_users_tensor_subclass(mode: str) 
     f = hunt.first
     assert f is not None and (f.step, f.module, f.cause, f.reproducible) == (1, "0", "created", True), f
     assert seen and seen[0] == pytest.approx(2e30)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def test_functional_call_tied_weights_and_the_verdicts_replay_with_the_given_tensors() -> None:
+    # functional_call ties weights by default: the given embedding is the head's weight too. The
+    # replays re-applied the tensors untied (the head ran its own finite weight: 'transient')
+    torch.manual_seed(0)
+    model = _TiedLM()
+    fast = {"embed.weight": model.embed.weight.detach().clone()}
+    fast["embed.weight"][9, 0] = float("nan")  # a row never looked up: the NaN shows first in the head
+    ids = torch.tensor([[1, 2, 3]])
+    with nanhunt.watch(model, on_find="record") as hunt:
+        functional_call(model, fast, (ids,))
+        model(ids)
+    f = hunt.first
+    assert f is not None and (f.module, f.cause, f.reproducible) == ("head", "parameter", True), f
+    assert "'embed.weight', given to torch.func.functional_call" in f.hint, f.hint
+    # float16: the verdict's float32 replays run the given tensors too
+    half = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)).half()
+    big = {k: v.detach().clone() for k, v in half.named_parameters()}
+    big["0.weight"].fill_(3e4)
+    with nanhunt.watch(half, on_find="record") as hunt:
+        functional_call(half, big, (torch.ones(2, 4, dtype=torch.float16),))
+        half(torch.ones(2, 4, dtype=torch.float16))
+    f = hunt.first
+    assert f is not None and f.module == "0" and f.verdict == "precision" and f.reference["value"] > 65504, f

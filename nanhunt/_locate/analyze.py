@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Buffers, Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top
+from .._steplog import Buffers, Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top, given
 from .._tensors import (
     Path,
     dtype_name,
@@ -841,11 +841,13 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
     if f.cause != "parameter" or root is None or f.phase == "checkpoint":
         return ""
     where = ctx.where.get(id(f))
-    given = ctx.log.tops[where[1]].reparam if where is not None else None
-    if given:  # the call ran through torch.func.functional_call: the tensors it was given, not the module's
-        prefix = f"{f.module}." if f.module else ""
-        bad = [k for k, t in given.items() if k.startswith(prefix) and "." not in k[len(prefix):]
-               and isinstance(t, torch.Tensor) and is_bad(t)]
+    if where is not None and ctx.log.tops[where[1]].reparam:
+        # the call ran through torch.func.functional_call: the tensors it was given, not the module's
+        top = ctx.log.tops[where[1]]
+        own = given(top, f.module)[0]
+        bad = [f"{f.module}.{k}" if f.module else k for k, t in own.items()
+               if "." not in k and isinstance(t, torch.Tensor) and is_bad(t)]
+        bad += [k for k, t in given(top)[0].items() if isinstance(t, torch.Tensor) and is_bad(t)]  # (a tied weight)
         if bad:
             return _hints.given_hint(bad[0])
     try:

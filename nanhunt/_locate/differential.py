@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
 from .._hooks import ReplayHooks
-from .._steplog import CompiledSlots, StepView, Top
+from .._steplog import CompiledSlots, StepView, Top, given
 from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph, watched_name
 from .inductor import inductor_settings, locate_inductor
@@ -189,7 +189,8 @@ def _float32(top: Top) -> tuple[Top, dict[str, Any]]:
         run.autocast = ()
         run.args = _as32(top.args)
         run.kwargs = _as32(top.kwargs or {})
-        return run, {k: _as32(v) for k, v in own_tensors(top.module)}
+        run.reparam = None  # functional_call's tensors go into the float32 state instead
+        return run, {k: _as32(v) for k, v in {**dict(own_tensors(top.module)), **given(top)[0]}.items()}
 
 
 def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
@@ -248,6 +249,9 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     mode = _Trace()
     run = copy.copy(top)
     run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
+    prefix = next((n for n, m in top.module.named_modules() if m is module), "")
+    own = {**dict(own_tensors(module)), **given(top, prefix)[0]}  # functional_call's tensors, for the module alone
+    run.reparam = None
     # its mode when called: its own flag, unless the whole model was switched since (then the call's,
     # or the other one for a module that was not in the model's mode: a frozen BatchNorm)
     if top.module.training == top.training:
@@ -261,10 +265,12 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
             if float32:
                 run.autocast = ()
                 run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
-                state = {k: _as32(v) for k, v in own_tensors(module)}
+                state = {k: _as32(v) for k, v in own.items()}
             with _reference_mode(float32, deterministic=float32), faithful(run), mode:
                 if float32:
                     out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
+                elif given(top, prefix)[0]:
+                    out = torch.func.functional_call(module, own, run.args, run.kwargs or {}, strict=False)
                 else:
                     out = module(*run.args, **(run.kwargs or {}))
         got = dict(tensors(out)).get(tuple(path))

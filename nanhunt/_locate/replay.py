@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._hooks import ReplayHooks, replaying
-from .._steplog import Top
+from .._steplog import Top, given
 from .._tensors import Path, is_bad, own_tensors, probe, same, stack_probes, strided, tensors, values, version
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
@@ -161,7 +161,8 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         if top.reparam:  # called through torch.func.functional_call: with the tensors it was given
             from torch.nn.utils.stateless import _reparametrize_module
 
-            stack.enter_context(_reparametrize_module(mod, top.reparam))
+            tensors_given, tie = given(top)
+            stack.enter_context(_reparametrize_module(mod, tensors_given, tie_weights=tie))
         stack.enter_context(torch.set_grad_enabled(top.grad_enabled))
         if not compiled:
             stack.enter_context(_checkpoint_inline())

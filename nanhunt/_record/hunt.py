@@ -49,7 +49,7 @@ from .._locate import locate
 from .._locate.damage import bad_state, damage
 from .._profile import span
 from .._report import Report
-from .._steplog import Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
+from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
 from .._tensors import NO_SPECIALS, Path, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
@@ -1763,10 +1763,13 @@ def _functional_params(module: nn.Module) -> dict[str, Any] | None:
             return None
         code = f.f_code
         if code.co_name == "_functional_call" and code.co_filename.endswith(_STATELESS):
-            got = f.f_locals.get("parameters_and_buffers")
-            return dict(got) if isinstance(got, dict) and f.f_locals.get("module") is module else None
+            got, loc = f.f_locals.get("parameters_and_buffers"), f.f_locals
+            if not isinstance(got, dict) or loc.get("module") is not module:
+                return None
+            return {**got, _TIE: bool(loc.get("tie_weights", True))}  # (tied weights follow, as functional_call ties them)
         f = f.f_back
     return None
 
 
 _STATELESS = os.path.join("nn", "utils", "stateless.py")
+_TIE = TIE_KEY
