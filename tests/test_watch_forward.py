@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -761,3 +762,37 @@ def test_a_float8_output_past_its_range_is_found_at_the_cast(dtype: str, mode: s
     assert f.op == "aten._to_copy.default" and f.source is not None and f.source.endswith(
         f"test_watch_forward.py:{_ToFloat8.forward.__code__.co_firstlineno + 1}"), f
     assert f.value is not None and not math.isfinite(f.value) and f.index == (0, 0)
+
+
+class _Float8Cache(nn.Module):
+    """A module that keeps a float8 copy of a weight as a buffer (an fp8 inference cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("w8", torch.randn(4, 4).to(torch.float8_e4m3fn))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x @ self.w8.float()
+
+
+@pytest.mark.parametrize("on_find", ["raise", "skip"])
+def test_a_float8_buffer_is_judged_with_the_rest(on_find: str, tmp_path: Any) -> None:
+    # the step's buffer check, the start-of-watch flags and the save guard read the buffer with
+    # kernels float8 lacks: InternalError at the first step
+    torch.manual_seed(0)
+    model = nn.Sequential(_Float8Cache(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find=on_find) as hunt:
+        for i in range(3):
+            x = torch.randn(2, 4)
+            if i == 2:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                pass
+            opt.zero_grad()
+            torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    assert not hunt._faulted and [(f.step, f.cause) for f in hunt.findings][:1] == [(2, "input")], hunt.findings

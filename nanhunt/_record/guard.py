@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._locate.checkpoint import SPARSE, Keys, all_bad, finding, judgeable, walk
-from .._tensors import is_checked, stack_probes, strided
+from .._tensors import is_checked, stack_probes, strided, widen
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -143,7 +143,7 @@ class SaveGuard:
         if self._buffers:
             with torch.no_grad():
                 # exact (not a sum, which a huge finite buffer could overflow); once per hunt
-                self._flags = ~stack_probes([torch.isfinite(strided(b) if b.layout in SPARSE else b).all()
+                self._flags = ~stack_probes([torch.isfinite(widen(strided(b) if b.layout in SPARSE else b)).all()
                                              for _, b in self._buffers])
 
     def _exemptions(self, hunt: Hunt) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_probes
+from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_probes, widen
 
 __all__ = ["StartState"]
 
@@ -54,7 +54,7 @@ class StartState:
         with torch.no_grad():
             # exact (a sum could overflow for a huge finite tensor: the largest magnitude cannot, and
             # is NaN/inf exactly when an element is) and with no tensor-sized temporary; once per hunt
-            self._flags = ~torch.isfinite(stack_probes([torch.linalg.vector_norm(lt, _INF) for lt in mine]))
+            self._flags = ~torch.isfinite(stack_probes([torch.linalg.vector_norm(widen(lt), _INF) for lt in mine]))
         self._refs = [weakref.ref(t) for t in tens]
 
     def bad(self) -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._steplog import Buffers, Top
-from .._tensors import stack_probes, strided
+from .._tensors import stack_probes, strided, widen
 from .protect import buffer_slots
 
 __all__ = ["BufferState"]
@@ -103,7 +103,7 @@ def _bad(ts: list[torch.Tensor]) -> torch.Tensor:
     reduction per (device, dtype) on CUDA (a loop in C++ on CPU). A sum of magnitudes: NaN and
     Inf propagate; a finite tensor whose magnitudes sum past the dtype's range is flagged too
     (the analysis judges exactly, and the next step starts from it)."""
-    ts = [strided(t) for t in ts]  # a sparse buffer (a fixed sparse mask): its stored values
+    ts = [widen(strided(t)) for t in ts]  # a sparse buffer (a fixed sparse mask): its stored values; float8 as float32
     try:
         return ~torch.isfinite(torch.stack(torch._foreach_norm(ts, 1)))
     except RuntimeError:  # several devices or dtypes
