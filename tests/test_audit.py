@@ -244,6 +244,8 @@ def test_a_tensor_held_under_many_keys_is_one_finding_and_deep_key_paths_are_cut
     bad = torch.tensor([1.0, float("nan")])
     tied = {"embed.weight": bad, "head.weight": bad, "ok": torch.ones(2)}
     assert [f.tensor for f in nanhunt.audit(tied)] == ["['embed.weight']"]
+    torch.save(tied, tmp_path / "tied.pt")  # loaded back: one tensor object per key, over one storage
+    assert [f.tensor for f in nanhunt.audit(tmp_path / "tied.pt")] == ["['embed.weight']"]
     fan = tmp_path / "fan.pt"
     torch.save([bad] * 20_000, fan)
     assert [f.tensor for f in nanhunt.audit(fan)] == ["[0]"]

@@ -52,13 +52,14 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
         if isinstance(gs, int) and not isinstance(gs, bool):
             step = gs
     items: list[tuple[Keys, Any]] = []
-    seen: set[int] = set()  # a tensor held under several keys (tied weights; a file that refers to one 200,000 times): once
+    seen: set[Any] = set()  # a tensor held under several keys (tied weights; a file that refers to one 200,000 times): once
     for keys, t, _ in walk(obj):
         if isinstance(obj, Mapping) and keys and keys[0] in _SKIP:
             continue
-        if id(t) in seen or (patterns and _ignored(keys, patterns)):
+        k = _same_values(t)
+        if k in seen or (patterns and _ignored(keys, patterns)):
             continue
-        seen.add(id(t))
+        seen.add(k)
         items.append((keys, t))
     return [finding(name, items[i][0], items[i][1], step=step, hint=_HINT) for i in all_bad([t for _, t in items])]
 
@@ -79,6 +80,15 @@ def _unzipped_size(path: str) -> None:
     if total > max(_MAX_RATIO * size, _MAX_FREE):
         raise AuditRefused(f"{path}: refused: its records inflate to {total:,} bytes from a {size:,}-byte file "
                            f"(a torch checkpoint stores them uncompressed); nothing was loaded")
+
+
+def _same_values(t: Any) -> Any:
+    """What tells a tensor's values apart: its place in its storage (torch.load gives each key of
+    tied weights a tensor object of its own over one storage), else the object."""
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested: the object
+        return id(t)
 
 
 def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
