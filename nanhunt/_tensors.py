@@ -257,12 +257,13 @@ def own_tensors(module: nn.Module, recurse: bool = True) -> list[tuple[str, torc
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
-    """Every floating parameter and state tensor of ``opt``: ``(param, state key or "")``, tensor."""
+    """Every floating parameter and state tensor of ``opt``: ``(param, state key or "")``, tensor.
+    Not a frozen parameter (``requires_grad=False``: no gradient, no update; a mask kept as one)."""
     items: list[tuple[torch.Tensor, str]] = []
     tens: list[torch.Tensor] = []
     for g in opt.param_groups:
         for p in g["params"]:
-            if is_checked(p) and p.numel():
+            if is_checked(p) and p.numel() and p.requires_grad:
                 tens.append(p)
                 items.append((p, ""))
             for sk, sv in opt.state.get(p, {}).items():

@@ -65,6 +65,8 @@ def test_copies_are_judged_too(tmp_path: Any) -> None:
 def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
     model = zoo.bnmlp()
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended, already there at watch()
+    # a mask kept as a frozen parameter (never trained: a constant, as a buffer is)
+    model.pmask = torch.nn.Parameter(torch.tensor([float("-inf"), 0.0]), requires_grad=False)
     opt = torch.optim.AdamW(model.parameters())
     with nanhunt.watch(model, opt):
         F.cross_entropy(model(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0])).backward()
@@ -72,6 +74,7 @@ def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
         torch.save({"state_dict": model.state_dict(), "callbacks": {"kth_value": torch.tensor(float("inf"))},
                     "user": torch.full((2,), float("nan"))}, tmp_path / "ok.pt")
     assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["mask"][1] == float("-inf")
+    assert torch.load(tmp_path / "ok.pt", weights_only=True)["state_dict"]["pmask"][0] == float("-inf")
 
 
 class _LazyMask(torch.nn.Module):

@@ -15,8 +15,8 @@ metadata, a copy of a tensor under a name of its own):
 * every tensor in the ``state`` of something shaped like an optimizer ``state_dict()`` (a copy of
   one), when the hunt watches an optimizer.
 
-Buffers that were already non-finite when the watch began (an intended ``-inf`` mask) are never
-judged; a buffer the model's own code put in place since (a mask built lazily for the longest
+Buffers and frozen parameters that were already non-finite when the watch began (an intended
+``-inf`` mask) are never judged; a buffer the model's own code put in place since (a mask built lazily for the longest
 sequence seen: a new tensor, not an in-place write) is judged only once the hunt has found
 something, as the step's buffer check does not judge a replaced buffer either (`state.py`). A hit raises `NonFiniteError` (phase ``"checkpoint"``) before the original runs: no byte
 is written and a file already at that path is untouched.
@@ -138,7 +138,9 @@ class SaveGuard:
     def first_step(self, root: torch.nn.Module) -> None:
         """The first step begins: probe the buffers as they were at watch() (no read)."""
         self.pending = False
+        # buffers, and frozen parameters (a -inf mask kept as nn.Parameter(requires_grad=False)): constants
         self._buffers = [(n, b) for n, b in root.named_buffers() if judgeable(b)]
+        self._buffers += [(n, p) for n, p in root.named_parameters() if not p.requires_grad and judgeable(p)]
         self._known = {k for _, b in self._buffers if (k := _storage(b)) is not None}
         if self._buffers:
             with torch.no_grad():
