@@ -229,3 +229,57 @@ def test_a_meta_tensor_attribute_does_not_break_the_replay_or_its_restores():
     assert watched == plain
     f = hunt.first
     assert f is not None and (f.module, f.op, f.cause, f.verdict) == ("1", "aten.log.default", "created", "numerics"), f
+
+
+class _LogBlock64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.inner(x).log()  # log of negatives: NaN
+
+
+class _HighPrecision(nn.Module):
+    """A forward that switches the default dtype around a section, without try/finally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.hp, self.head = nn.Linear(4, 4), _LogBlock64(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        x = self.pre(x)
+        torch.set_default_dtype(torch.float64)
+        h = self.hp(x.double()).nan_to_num(0.0)
+        torch.set_default_dtype(torch.float32)
+        return self.head(h.float())
+
+
+def test_a_replay_runs_the_users_forward_to_its_end():
+    # the replays stopped the forward right after the failing call by raising from a hook: the
+    # user's code after it (switching the default dtype back) never ran, and the next step's
+    # torch.randn was float64 (a crash in record mode)
+    def run(watch: bool):
+        torch.manual_seed(0)
+        model = _HighPrecision()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        hunt = nanhunt.watch(model, opt, on_find="record") if watch else None
+        outs = []
+        try:
+            for _ in range(3):
+                y = model(torch.randn(2, 4))
+                outs.append(y.detach())
+                y.sum().backward()
+                opt.step()
+                opt.zero_grad()
+                assert torch.get_default_dtype() is torch.float32
+        finally:
+            torch.set_default_dtype(torch.float32)
+            if hunt is not None:
+                hunt.close()
+        return outs, hunt
+
+    plain, _ = run(False)
+    watched, hunt = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))
+    assert hunt.first is not None and hunt.first.module == "hp" and hunt.first.op == "aten.log.default", hunt.first

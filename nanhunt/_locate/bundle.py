@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .._files import FileFormatError, atomic_write, check_depth, check_type, checked_fields, need, not_a_file
 from .._finding import Finding
@@ -204,8 +205,12 @@ def _json_plain(v: Any) -> Any:
     return v
 
 
-class _Captured(Exception):
-    """Stops the re-run once the failing call's inputs are in hand."""
+def _copy(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch.no_grad():
+        c = x.detach().clone()
+    return c.requires_grad_(x.requires_grad) if c.is_floating_point() or c.is_complex() else c
 
 
 def save_from_top(
@@ -230,18 +235,21 @@ def save_from_top(
     def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if seen[0] == ordinal:
             cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
+            # copies: the forward runs on to its end (an exception here would skip the user's code
+            # after the call: a context it undoes), and may write these inputs in place meanwhile
+            args, kwargs = tree_map(_copy, (args, kwargs))
             got.update(module=module, args=args, kwargs=kwargs, rng=torch.get_rng_state(), cuda=cuda,
                        grad=torch.is_grad_enabled(),
                        autocast=[(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])
-            raise _Captured
         seen[0] += 1
 
     handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in names]
     try:
         with faithful(top):
             top.module(*top.args, **(top.kwargs or {}))
-    except _Captured:
-        pass
+    except Exception:
+        if not got:
+            raise
     finally:
         for h in handles:
             h.remove()

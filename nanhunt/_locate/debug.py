@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from .._finding import Finding
 from .._steplog import StepView, Top
 from .._tensors import Path
-from .differential import _Done, _run_backward, _Scope
+from .differential import _run_backward, _Scope
 from .graph import node_of_frame
 from .replay import faithful
 
@@ -92,11 +92,8 @@ def stop_at(finding: Finding, top: Top | None = None, names: dict[nn.Module, str
                     with mode:
                         compiled(*top.args, **(top.kwargs or {}))
                 else:
-                    try:
-                        with _Scope(names, ordinal, mode):
-                            top.module(*top.args, **(top.kwargs or {}))
-                    except _Done:
-                        pass
+                    with _Scope(names, ordinal, mode):
+                        top.module(*top.args, **(top.kwargs or {}))
         except Exception:
             pass
         finally:

@@ -62,10 +62,6 @@ class Examined:
 
 
 # ---------------------------------------------------------------- replays
-class _Done(Exception):
-    """The target call has returned: the rest of the replay cannot matter."""
-
-
 class _Scope:
     """Global module hooks during one replay: catches the output of the ``ordinal``-th watched
     call and runs ``mode`` only inside it."""
@@ -118,11 +114,12 @@ class _Scope:
         if module not in self.names or self.done or not self.depth:
             return
         if self.depth.pop():
+            # (the forward runs on to its end: an exception here would skip the user's own code after
+            # the call, a torch.set_default_dtype or a context it undoes, and leave it set)
             self.leave()
             self.done = True
             self.output = output
             self.inputs = (args, kwargs if isinstance(kwargs, dict) else {})
-            raise _Done
 
 
 class _Trace(TorchDispatchMode):
@@ -223,8 +220,9 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
                         torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
                     else:
                         top.module(*run.args, **(run.kwargs or {}))
-            except _Done:
-                pass
+            except Exception:
+                if not scope.done:
+                    raise  # (past the target call, the rest of the forward cannot change what was seen)
         if not scope.done:
             return _Run(None, None, [])
         got = dict(tensors(scope.output)).get(tuple(path))

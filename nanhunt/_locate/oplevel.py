@@ -532,9 +532,8 @@ class _Calls:
             self.output = output
             if self.in_path is not None and self.in_path[:1] != (0,):
                 self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
-            if self.scoped:
+            if self.scoped:  # the mode is off from here; the forward runs on to its end (see differential._Scope)
                 self.leave()
-                raise _Done
 
     def leave(self) -> None:
         if self.entered:
@@ -550,10 +549,6 @@ class _Calls:
             return
         if isinstance(t, torch.Tensor) and t.requires_grad:
             self.edge = (t, torch.autograd.graph.get_gradient_edge(t))
-
-
-class _Done(Exception):
-    """Raised from the target call's forward hook: the replay has what it needs."""
 
 
 def _call(top: Top) -> Any:
@@ -578,8 +573,9 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
     try:
         with faithful(top), calls:
             _call(top)
-    except _Done:
-        pass
+    except Exception:
+        if not calls.done:
+            raise
     finally:
         calls.leave()
     if not calls.done:
