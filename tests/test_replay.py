@@ -119,11 +119,13 @@ class _UserState(nn.Module):
         self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
         self.t = 0
         self.avg = torch.zeros(4)
+        self.gen = torch.Generator().manual_seed(1)  # a noise stream of its own
 
     def forward(self, x):
         import numpy as np
 
         self.t += 1
+        x = x + torch.randn(x.shape, generator=self.gen) * 0.01
         y = self.lin(x) * min(1.0, self.t / 10)
         if self.training and random.uniform(0, 1) < 0.3:
             y = y * 0.5

@@ -199,6 +199,8 @@ class _Attributes:
             self.values = [(t, t.clone()) for _, d, _, _ in self.dicts for k, t in d.items()
                            if type(t) is torch.Tensor and not k.startswith("_") and not t.is_meta
                            and t.layout is torch.strided and t.numel() <= _MAX_ATTR]
+        # a generator of the module's own (torch.randn(..., generator=self.gen)): its stream too
+        self.gens = [(g, g.get_state()) for _, d, _, _ in self.dicts for g in d.values() if isinstance(g, torch.Generator)]
 
     def restore(self) -> None:
         for m, d, b, p in self.dicts:
@@ -210,6 +212,8 @@ class _Attributes:
                 for k, v in was.items():
                     if now.get(k, _NONE) is not v:
                         now[k] = v
+        for g, state in self.gens:
+            g.set_state(state)
         with torch.no_grad():
             for t, v in self.values:
                 try:
