@@ -651,3 +651,37 @@ def test_functional_call_tied_weights_and_the_verdicts_replay_with_the_given_ten
         half(torch.ones(2, 4, dtype=torch.float16))
     f = hunt.first
     assert f is not None and f.module == "0" and f.verdict == "precision" and f.reference["value"] > 65504, f
+
+
+class _MetaPlaceholder(nn.Module):
+    """A CPU model holding a meta buffer (a shape placeholder for a dry run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("shape_probe", torch.empty(3, 4, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.a(x))
+
+
+@pytest.mark.parametrize("on_find", ["raise", "skip", "record"])
+def test_a_meta_buffer_in_a_real_model_is_left_alone(on_find: str) -> None:
+    # the step's buffer check and the raise/skip backup read it: InternalError at the first clean step
+    # (record mode: the hunt switched itself off and missed the NaN)
+    torch.manual_seed(0)
+    model = _MetaPlaceholder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, on_find=on_find) as hunt:
+        for i in range(3):
+            x = torch.randn(4, 4)
+            if i == 2:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                pass
+            opt.zero_grad()
+    assert not hunt._faulted and hunt.first is not None, hunt.findings
+    assert (hunt.first.step, hunt.first.module, hunt.first.cause) == (2, "a", "input"), hunt.first

@@ -133,7 +133,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
     with torch.no_grad():
-        bufs = [(b, b.clone()) for b in mod.buffers()]
+        bufs = [(b, b.clone()) for b in mod.buffers() if not b.is_meta]  # (a meta placeholder: no values)
         for b, _ in bufs:  # start from the buffers as they were before the call (BatchNorm statistics)
             v = top.saved.get(id(b))
             if v is not None:

@@ -103,7 +103,7 @@ def buffer_slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], 
     seen: set[int] = set()
     for mname, m in root.named_modules():
         for bname, b in m._buffers.items():
-            if b is None or id(b) in seen:
+            if b is None or id(b) in seen or b.is_meta:  # (a meta placeholder: no values to put back)
                 continue
             seen.add(id(b))
             out.append((m._buffers, bname, f"{mname}.{bname}" if mname else bname))

@@ -68,8 +68,8 @@ class BufferState:
         for d, k, n in slots:
             b = d.get(k)
             c = top.saved.get(id(b)) if b is not None else None
-            if c is None or b is None or not b.numel() or c.shape != b.shape:
-                continue
+            if c is None or b is None or not b.numel() or c.shape != b.shape or b.is_meta:
+                continue  # (a meta placeholder: no values)
             if ignore and any(fnmatchcase(n.rpartition(".")[0], p) for p in ignore):
                 continue
             names.append(n)
