@@ -555,3 +555,23 @@ def test_bert_backward_nan_is_localized_despite_its_integer_buffers(mode: str) -
     f = err.value.finding
     assert (f.phase, f.module, f.op, f.cause) == (
         "backward", "encoder.layer.1.intermediate.intermediate_act_fn", "SqrtBackward0", "created"), f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_left_from_before_are_not_judged_by_an_inference_loop(mode: str) -> None:
+    # a model whose .grad still holds NaN from an earlier, diverged run, watched while it only
+    # predicts: every root call was a 'grad' finding "created ... while being accumulated", and raise
+    # mode stopped the inference loop
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model[0].weight.grad = torch.full_like(model[0].weight, float("nan"))
+    model.eval()
+    with torch.no_grad(), nanhunt.watch(model, mode=mode) as hunt:
+        for _ in range(4):
+            model(torch.randn(4, 4))
+    assert hunt.findings == []
+    with nanhunt.watch(model, mode=mode, on_find="record") as hunt:  # a backward in the step: judged
+        model.train()
+        model(torch.randn(4, 4)).sum().backward()
+        model(torch.randn(4, 4))
+    assert [f.phase for f in hunt.findings] == ["grad"]

@@ -1314,7 +1314,8 @@ class Hunt:
         # no optimizer: the gradients are checked here; with one, also when its step() never came
         # after a backward (the loop left with an exception, clip_grad_norm_'s error_if_nonfinite)
         unstepped = log.backward and self._opts and not any(isinstance(v, Grads) for _, v in log.vectors)
-        if self._root is not None and (not self._opts or unstepped):
+        # (only after a backward in the step: an inference loop never judges gradients left from before)
+        if self._root is not None and ((not self._opts and (log.backward or log.seeds)) or unstepped):
             every = self._root.parameters() if not self._opts else self._opt_params()
             params = [p for p in every if p.grad is not None]
             if params:
