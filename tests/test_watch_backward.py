@@ -575,3 +575,36 @@ def test_gradients_left_from_before_are_not_judged_by_an_inference_loop(mode: st
         model(torch.randn(4, 4)).sum().backward()
         model(torch.randn(4, 4))
     assert [f.phase for f in hunt.findings] == ["grad"]
+
+
+class _RMSE(nn.Module):
+    """Returns (loss, preds) as Hugging Face models do with labels=: the loss made from the
+    predictions inside the forward. A batch with no labelled rows: sqrt(0), whose gradient is inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        preds = self.body(x).squeeze(-1)
+        mse = ((preds - labels) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+        return torch.sqrt(mse), preds
+
+
+def test_a_gradient_born_in_the_loss_a_model_computes_itself_is_the_models() -> None:
+    # the predictions are an output and are used inside the forward: their gradient comes from the
+    # model's own sqrt. It was "fed in by the loss code after the model" (cause input, no op, and a
+    # hint to hunt.check the loss) though no code ran after the model
+    torch.manual_seed(0)
+    model = _RMSE()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for step in range(3):
+            mask = torch.zeros(16) if step == 1 else (torch.rand(16) > 0.3).float()
+            loss, _ = model(torch.randn(16, 6), torch.randn(16), mask)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "", 1, "created", "SqrtBackward0"), f
+    assert f.source is not None and f.source.endswith(f":{_RMSE.forward.__code__.co_firstlineno + 3}"), f

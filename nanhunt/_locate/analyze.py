@@ -698,12 +698,14 @@ def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
     )
 
 
-def _node_finding(ctx: _Ctx, top_i: int) -> Finding | None:
-    """The autograd node of the top-level call that made a non-finite gradient from finite ones."""
+def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None = None) -> Finding | None:
+    """The autograd node of the top-level call that made a non-finite gradient from finite ones.
+    ``grads``: those its backward starts from (default: those that arrived at its outputs)."""
     top = ctx.log.tops[top_i]
     if not ctx.view.replay or not _replayable(top):
         return None
-    grads = [ctx.log.tensors[k].grad for k in top.out_keys]
+    if grads is None:
+        grads = [ctx.log.tensors[k].grad for k in top.out_keys]
     b = _nodes.creator(top, ctx.names, grads, list(top.module.parameters()))
     if b is None:
         return None
@@ -739,6 +741,14 @@ def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | 
         return fo
     log = ctx.log
     top = log.tops[top_i]
+    arrived = [log.tensors[k].grad for k in top.out_keys]
+    if any(g is not None and is_bad(g) for g in arrived) and any(g is not None and not is_bad(g) for g in arrived):
+        # an output the model also uses itself (Hugging Face's labels=: (loss, logits), the loss made
+        # from the logits inside the forward): the logits' gradient comes from the model's own code.
+        # Its backward from the finite gradients alone (the loss's 1) says whether it was born there
+        fn = _node_finding(ctx, top_i, [g if g is not None and not is_bad(g) else None for g in arrived])
+        if fn is not None:
+            return fn
     g = next((log.tensors[k].grad for k in top.out_keys if is_bad(log.tensors[k].grad)), None)
     name = ctx.names.get(top.module, "")
     if g is None:
