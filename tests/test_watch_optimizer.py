@@ -646,3 +646,22 @@ def test_state_rolled_back_after_a_finding_is_judged_again() -> None:
             opt.zero_grad()
     assert raised == [2, 5]
     assert [(f.phase, f.step, f.cause) for f in hunt.findings] == [("optimizer", 2, "created"), ("optimizer", 5, "created")]
+
+
+@pytest.mark.parametrize("opt_class", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD])
+def test_a_nan_learning_rate_is_found_at_the_update_op_and_the_step_line(opt_class: Any) -> None:
+    # a warm-up over 0 steps: LambdaLR's factor 0/0 makes the learning rate NaN at step 0. Adam's
+    # finding had no op or line (its shadow step refused lr=nan in the constructor's checks)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = opt_class(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 0) if s else float("nan"))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        model(torch.randn(2, 4)).sum().backward()
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        opt.step()
+        sched.step()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 0, "created"), f
+    assert f.op is not None and f.op.startswith("aten.") and f.source is not None, f
+    assert f.source.endswith(f":{line}") and "nan" in f.hint, f

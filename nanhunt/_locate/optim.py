@@ -61,7 +61,10 @@ def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | No
             return None
         group = _group_of(opt, p)
         accepted = inspect.signature(type(opt).__init__).parameters
-        hp = {k: v for k, v in group.items() if k in accepted and k != "params"}
+        # a NaN/inf setting (lr = nan from a warm-up over 0 steps) fails the constructor's checks; the
+        # op that writes the tensor does not depend on its value
+        hp: dict[str, Any] = {k: (1e-3 if isinstance(v, float) and not math.isfinite(v) else v)
+              for k, v in group.items() if k in accepted and k != "params"}
         with torch.no_grad():
             q = torch.nn.Parameter(torch.ones(1, dtype=p.dtype, device=p.device))
         q.grad = torch.full_like(q, 0.5)
