@@ -93,6 +93,8 @@ MALFORMED = [
     ("findings.0.counts key", lambda d: d["findings"][0].__setitem__("counts", {"evil": 1}), "counts['evil']"),
     ("findings.0.index long", lambda d: d["findings"][0].__setitem__("index", [0] * 100), "index of 100 dimensions"),
     ("findings.0.cause unknown", lambda d: d["findings"][0].__setitem__("cause", "gremlins"), "cause 'gremlins'"),
+    # another version's report: said so, not a field error that says nothing of versions
+    ("schema of another version", lambda d: d.__setitem__("schema", "nanhunt.report/99"), "another nanhunt version"),
 ]
 
 

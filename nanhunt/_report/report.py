@@ -75,6 +75,9 @@ class Report:
         `FileFormatError` (a `ValueError`) naming it, e.g. ``findings[0].step must be an int``."""
         if not isinstance(d, dict) or not str(d.get("schema", "")).startswith("nanhunt.report/"):
             raise FileFormatError("not a nanhunt report: the 'schema' field is missing or unknown")
+        if d["schema"] != SCHEMA:  # its fields may mean other things: say so, not "findings[0].x is missing"
+            raise FileFormatError(f"a report of another nanhunt version (schema {str(d['schema'])[:40]!r}; this "
+                                  f"nanhunt reads {SCHEMA!r}): read it with the nanhunt that wrote it")
         found = need(d, "findings", list, "report", [])
         history = need(d, "history", dict[str, Any] | None, "report", None) or {}
         for key, tp in _HISTORY.items():
