@@ -235,9 +235,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
     if fx.get("div_zero"):
         if fx.get("div_float16"):
-            return ("A division by 0 in float16: an eps that guards the denominator rounds to 0 there when it is "
-                    "below 3e-08 (F.normalize's 1e-12, a 1e-8), so x/0 gives inf and 0/0 nan; use an eps float16 "
-                    "can hold (1e-4) or compute the normalisation in float32.")
+            return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
+                    "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
+                    "eps float16 can hold (1e-4), or compute the normalisation in float32.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count that is 0); "
                 "guard the denominator, e.g. clamp(min=1) or + eps.")
     return ""

@@ -150,8 +150,8 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
             for m in top.odd_modes:  # a frozen BatchNorm stays in eval while the model trained
                 m.training = not top.training
         stack.enter_context(replaying())  # no hunt's hooks see a replay (see _hooks)
-        if not compiled and "torch._dynamo" in sys.modules:  # model.compile(), a compiled submodule
-            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if not compiled and "torch._dynamo" in sys.modules and _holds_compiled(mod):  # model.compile(), a compiled submodule
+            stack.enter_context(torch.compiler.set_stance("force_eager"))  # (not a compiled function it calls: flex_attention)
         torch.set_rng_state(top.rng)
         if top.cuda_rng is not None:
             torch.cuda.set_rng_state_all(top.cuda_rng)
@@ -182,6 +182,11 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
                         b.data.copy_(v)
         finally:
             kept.restore()  # the modules' own Python state (their training flags too)
+
+
+def _holds_compiled(mod: nn.Module) -> bool:
+    return any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+               for m in mod.modules())
 
 
 _MAX_ATTR = 1 << 20  # a plain tensor attribute's values are kept up to this many elements
