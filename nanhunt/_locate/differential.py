@@ -118,8 +118,9 @@ class _Scope:
             # the call, a torch.set_default_dtype or a context it undoes, and leave it set)
             self.leave()
             self.done = True
-            self.output = output
-            self.inputs = (args, kwargs if isinstance(kwargs, dict) else {})
+            # as they are now: the caller's code may write them in place after the call (a clamp_)
+            self.output = tree_map(_snap, output)
+            self.inputs = tree_map(_snap, (args, kwargs if isinstance(kwargs, dict) else {}))
 
 
 class _Trace(TorchDispatchMode):
@@ -162,6 +163,13 @@ def _reference_mode(eager: bool, deterministic: bool) -> Iterator[None]:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         yield
+
+
+def _snap(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch.no_grad():
+        return x.detach().clone()
 
 
 def _as32(x: Any) -> Any:

@@ -492,6 +492,7 @@ class _Calls:
         self.output: Any = None
         self.done = False
         self.in_path = path  # backward: the input whose gradient is reported
+        self.looked: dict[Path, tuple[torch.Tensor | None, tuple[int, int] | None]] = {}
         self.edge: Any = None
         self.handles: list[Any] = []
         # forward: the dispatch mode is on only inside the target call, and the replay stops
@@ -530,6 +531,8 @@ class _Calls:
             self.mode.on = False
             self.done = True
             self.output = output
+            # each output's code and producer now: the caller may write it in place after the call
+            self.looked = {tuple(p): self.mode.rec.lookup(t) for p, t in tensors(output) if _floating(t)}
             if self.in_path is not None and self.in_path[:1] != (0,):
                 self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
             if self.scoped:  # the mode is off from here; the forward runs on to its end (see differential._Scope)
@@ -583,7 +586,7 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
     t = dict(tensors(calls.output)).get(tuple(path))
     if t is None or not _floating(t):
         return None
-    code, prod = rec.lookup(t)
+    code, prod = calls.looked.get(tuple(path)) or rec.lookup(t)
     if code is None or prod is None:
         return None
     got = rec.walk(prod, _first(code))
