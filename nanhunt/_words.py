@@ -96,9 +96,29 @@ def element_text(f: Finding) -> str:
     return f"{f.tensor}{idx}{val}"
 
 
+# control characters (newlines too) and bidi overrides in names the user's code chose (a module
+# named "a\nFirst NaN: ..." would fake a line): escaped in every sentence made here
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+_CONTROL.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})
+
+
+def _names_safe(f: Finding) -> Finding:
+    """``f`` with its names (module, class, tensor, file path, chain) safe to put in one line."""
+    names = (f.module, f.module_type, f.tensor, f.source or "", *f.chain)
+    if all(n.isprintable() and n.translate(_CONTROL) == n for n in names):
+        return f
+    import dataclasses
+
+    return dataclasses.replace(
+        f, module=f.module.translate(_CONTROL), module_type=f.module_type.translate(_CONTROL),
+        tensor=f.tensor.translate(_CONTROL), source=f.source.translate(_CONTROL) if f.source else f.source,
+        chain=tuple(c.translate(_CONTROL) for c in f.chain))
+
+
 def headline(f: Finding, first: bool = True) -> str:
     """The one-sentence answer, e.g. ``First NaN: forward of `attn` (Attention) at step 41 — ...``
     (``first=False``: a later finding, headed by its kind only)."""
+    f = _names_safe(f)
     phase = PHASE_WORDS.get(f.phase, f.phase)
     if f.phase == "checkpoint":  # a tensor about to be saved (guard) or in a saved file (audit)
         at = f" at step {f.step}" if f.step >= 0 else ""
@@ -126,6 +146,7 @@ def shape_text(shape: Any) -> str:
 
 def paragraph(f: Finding, first: bool = True) -> str:
     """The one-paragraph answer: the headline, then shape and counts, the road, the hint."""
+    f = _names_safe(f)
     parts = [headline(f, first)]
     if f.dtype:
         counts = ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf")) if f.counts else "counts unknown"
@@ -143,6 +164,9 @@ def paragraph(f: Finding, first: bool = True) -> str:
 
 def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The finding as (label, value) rows, in reading order; ``sources`` gives the source line's text."""
+    if sources and f.source and f.source in sources:
+        sources = {**sources, f.source.translate(_CONTROL): sources[f.source]}
+    f = _names_safe(f)
     rows = [
         ("phase", f.phase),
         ("module", f"{f.module or '<model>'} ({f.module_type})" if f.phase != "check" else f.module),

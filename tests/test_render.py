@@ -233,3 +233,24 @@ def test_a_finding_with_no_tensor_left_says_so_and_a_transient_one_names_python_
     rows = dict(details(f))
     assert "shape ()" not in rows["tensor"] and "unknown" in rows["tensor"]
     assert "Python state in forward" in remedy(f)
+
+
+def test_control_characters_in_names_never_reach_the_message_raw() -> None:
+    # a module name is the user's data: a newline in it faked a second "First NaN:" line, an escape
+    # sequence cleared the terminal, in the error message, warnings, the log and the .txt report
+    import torch
+    from torch import nn
+
+    import nanhunt
+
+    model = nn.Sequential()
+    model.add_module("a\x1b[2J\nFirst NaN: forward of `decoy`\u202e", nn.Linear(2, 2))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model):
+        model(torch.tensor([[float("nan"), 1.0]]))
+        model(torch.ones(1, 2))
+    assert "\n" not in str(ei.value)  # the message is one paragraph
+    for said in (str(ei.value), str(ei.value.report)):
+        assert "\x1b" not in said and "\u202e" not in said, said
+        assert not any(line.startswith("First NaN: forward of `decoy`") for line in said.splitlines()), said
+        assert "\\x1b[2J\\x0aFirst NaN: forward of `decoy`\\u202e" in said, said
+    assert ei.value.finding.module.startswith("a\x1b[2J\n")  # the data itself is unchanged
