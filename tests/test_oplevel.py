@@ -560,3 +560,25 @@ def test_the_rows_sentence_only_for_a_reduction_over_the_rows(dim: int) -> None:
         assert f.hint.endswith("over 8 rows: its input was non-finite at rows 2, 5 (those samples)."), f.hint
     else:
         assert "rows" not in f.hint and "sample" not in f.hint, f.hint
+
+
+class _Poincare(nn.Module):
+    """A hyperbolic distance: acosh(1 + 2|u - v|^2 / ((1 - |u|^2)(1 - |v|^2)))."""
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        v = torch.zeros_like(u)
+        num = 2 * (u - v).pow(2).sum(-1)
+        den = (1 - u.pow(2).sum(-1)) * (1 - v.pow(2).sum(-1))
+        return torch.acosh(1 + num / den)
+
+
+def test_acosh_has_a_hint_of_its_own() -> None:
+    # a point pushed past the ball's edge (|u| > 1): the argument is below 1, acosh gives nan. The
+    # hint was the generic "0/0, a fully masked row, log/sqrt of a negative number"
+    u = torch.tensor([[0.3, 0.2], [1.5, 0.0]])
+    model = nn.Sequential(nn.Linear(2, 2), _Poincare())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+        model[0].bias.zero_()
+    f = train_step(model, u)
+    assert f.op == "aten.acosh.default" and f.hint.startswith("Acosh below 1 gives nan"), f

@@ -46,6 +46,7 @@ _OPS = {
     "acos": "acos outside [-1, 1] gives nan",
     "asin": "asin outside [-1, 1] gives nan",
     "atanh": "atanh at ±1 gives ±inf",
+    "acosh": "acosh below 1 gives nan (a hyperbolic distance of points pushed past the ball's edge: clamp its argument to >= 1 + eps)",
 }
 
 _BACKWARD = {
@@ -59,6 +60,7 @@ _BACKWARD = {
     "WhereBackward0": "the untaken branch of torch.where still gets a gradient: inf * 0 = nan there",
     "AcosBackward0": "the gradient of acos at ±1 is infinite",
     "AsinBackward0": "the gradient of asin at ±1 is infinite",
+    "AcoshBackward0": "the gradient of acosh at 1 is infinite (1/sqrt(x^2 - 1)): clamp its argument to >= 1 + eps",
 }
 
 
