@@ -248,6 +248,7 @@ class Hunt:
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
         # overflowed): carried into later steps, not born there again (see StepView.known_bad)
         self._known_bad: list[weakref.ref[torch.Tensor]] = []
+        self._odd: tuple[bool, Any, tuple[nn.Module, ...]] | None = None  # see _odd_modes
         self._deferred: list[Any] = []
         self._outside = Outside(self)  # code outside every watched call: on between root calls
         self._dropped = 0  # findings past max_findings: counted, not kept
@@ -609,11 +610,21 @@ class Hunt:
             self._batches.top_started()
         t = _capture_top(module, args)
         if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)
-            on = module.training
-            t.odd_modes = tuple(m for _, r in self._names.values() if (m := r()) is not None and m.training is not on)
+            t.odd_modes = self._odd_modes(module)
         self._state.capture(t, taken)
         log.tops.append(t)
         return log, t
+
+    def _odd_modes(self, root: nn.Module) -> tuple[nn.Module, ...]:
+        """The modules whose train/eval mode is not the root's (a BatchNorm frozen in eval): looked
+        up again when the root's mode or the name map changed, else the last answer (one pass over
+        every module at each step cost ~1 % on the benchmark MLP)."""
+        on, names = root.training, self._names
+        got = self._odd
+        if got is None or got[0] is not on or got[1] is not names:
+            odd = tuple(m for _, r in (names or {}).values() if (m := r()) is not None and m.training is not on)
+            self._odd = got = (on, names, odd)
+        return got[2]
 
     def _iteration_over(self, log: StepLog) -> bool:
         """The root is called again and what the log holds can be judged now, as the contract
@@ -1617,6 +1628,7 @@ class Hunt:
         self._gprobes = {}
         self._names = None
         self._cnames = None
+        self._odd = None  # (holds modules)
         self._ignored = set()
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         if self._compiled is not None and self._compiled.meta:
