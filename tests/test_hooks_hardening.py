@@ -673,15 +673,6 @@ def test_a_meta_buffer_in_a_real_model_is_left_alone(on_find: str) -> None:
     model = _MetaPlaceholder()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with nanhunt.watch(model, opt, on_find=on_find) as hunt:
-        for i in range(3):
-            x = torch.randn(4, 4)
-            if i == 2:
-                x[0, 0] = float("nan")
-            try:
-                model(x).sum().backward()
-                opt.step()
-            except nanhunt.NonFiniteError:
-                pass
-            opt.zero_grad()
+        zoo.train_with_a_nan_batch(model, opt, (4, 4))
     assert not hunt._faulted and hunt.first is not None, hunt.findings
     assert (hunt.first.step, hunt.first.module, hunt.first.cause) == (2, "a", "input"), hunt.first

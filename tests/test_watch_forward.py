@@ -784,15 +784,5 @@ def test_a_float8_buffer_is_judged_with_the_rest(on_find: str, tmp_path: Any) ->
     model = nn.Sequential(_Float8Cache(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanhunt.watch(model, opt, on_find=on_find) as hunt:
-        for i in range(3):
-            x = torch.randn(2, 4)
-            if i == 2:
-                x[0, 0] = float("nan")
-            try:
-                model(x).sum().backward()
-                opt.step()
-            except nanhunt.NonFiniteError:
-                pass
-            opt.zero_grad()
-            torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+        zoo.train_with_a_nan_batch(model, opt, (2, 4), after_step=lambda: torch.save(model.state_dict(), tmp_path / "ckpt.pt"))
     assert not hunt._faulted and [(f.step, f.cause) for f in hunt.findings][:1] == [(2, "input")], hunt.findings

@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 from collections import namedtuple
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -693,3 +694,23 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(bit_equal(a[k], b[k]) for k in a)
+
+
+def train_with_a_nan_batch(model: nn.Module, opt: torch.optim.Optimizer, shape: tuple[int, ...], *, steps: int = 3,
+                           bad: int = 2, after_step: Callable[[], Any] | None = None) -> None:
+    """The user's loop with a NaN in batch ``bad`` (a corrupt record): a ``NonFiniteError`` from the
+    hunt is caught and training goes on; ``after_step`` runs after each step (a checkpoint)."""
+    import nanhunt
+
+    for i in range(steps):
+        x = torch.randn(*shape)
+        if i == bad:
+            x.view(-1)[0] = float("nan")
+        try:
+            model(x).sum().backward()
+            opt.step()
+        except nanhunt.NonFiniteError:
+            pass
+        opt.zero_grad()
+        if after_step is not None:
+            after_step()
