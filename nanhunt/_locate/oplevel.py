@@ -531,8 +531,8 @@ class _Calls:
             self.mode.on = False
             self.done = True
             self.output = output
-            # each output's code and producer now: the caller may write it in place after the call
-            self.looked = {tuple(p): self.mode.rec.lookup(t) for p, t in tensors(output) if _floating(t)}
+            if self.scoped:  # (forward: each output's code and producer now, as the caller may write it in place after)
+                self.looked = {tuple(p): self.mode.rec.lookup(t) for p, t in tensors(output) if _floating(t)}
             if self.in_path is not None and self.in_path[:1] != (0,):
                 self._edge((args, kwargs if isinstance(kwargs, dict) else {}))
             if self.scoped:  # the mode is off from here; the forward runs on to its end (see differential._Scope)
