@@ -853,11 +853,9 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
     where = ctx.where.get(id(f))
     if where is not None and ctx.log.tops[where[1]].reparam:
         # the call ran through torch.func.functional_call: the tensors it was given, not the module's
-        top = ctx.log.tops[where[1]]
-        own = given(top, f.module)[0]
-        bad = [f"{f.module}.{k}" if f.module else k for k, t in own.items()
-               if "." not in k and isinstance(t, torch.Tensor) and is_bad(t)]
-        bad += [k for k, t in given(top)[0].items() if isinstance(t, torch.Tensor) and is_bad(t)]  # (a tied weight)
+        prefix = f"{f.module}." if f.module else ""
+        bad = [k for k, t in given(ctx.log.tops[where[1]])[0].items() if isinstance(t, torch.Tensor) and is_bad(t)]
+        bad.sort(key=lambda k: not (k.startswith(prefix) and "." not in k[len(prefix):]))  # the module's own first, else a tied one
         if bad:
             return _hints.given_hint(bad[0])
     try:

@@ -34,7 +34,7 @@ from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
 from .checkpoint import refused_global, unreadable
-from .replay import faithful
+from .replay import as_it_is, faithful
 
 __all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
 
@@ -205,14 +205,6 @@ def _json_plain(v: Any) -> Any:
     return v
 
 
-def _copy(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    with torch.no_grad():
-        c = x.detach().clone()
-    return c.requires_grad_(x.requires_grad) if c.is_floating_point() or c.is_complex() else c
-
-
 def save_from_top(
     path: str | os.PathLike[str],
     *,
@@ -237,7 +229,7 @@ def save_from_top(
             cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
             # copies: the forward runs on to its end (an exception here would skip the user's code
             # after the call: a context it undoes), and may write these inputs in place meanwhile
-            args, kwargs = tree_map(_copy, (args, kwargs))
+            args, kwargs = tree_map(as_it_is, (args, kwargs))
             got.update(module=module, args=args, kwargs=kwargs, rng=torch.get_rng_state(), cuda=cuda,
                        grad=torch.is_grad_enabled(),
                        autocast=[(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])

@@ -44,7 +44,7 @@ from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph, watched_name
 from .inductor import inductor_settings, locate_inductor
 from .nodes import blame_nodes, graph_nodes
-from .replay import faithful
+from .replay import as_it_is, faithful
 
 __all__ = ["Examined", "examine", "judge", "REDUCED"]
 
@@ -119,8 +119,8 @@ class _Scope:
             self.leave()
             self.done = True
             # as they are now: the caller's code may write them in place after the call (a clamp_)
-            self.output = tree_map(_snap, output)
-            self.inputs = tree_map(_snap, (args, kwargs if isinstance(kwargs, dict) else {}))
+            self.output = tree_map(as_it_is, output)
+            self.inputs = tree_map(as_it_is, (args, kwargs if isinstance(kwargs, dict) else {}))
 
 
 class _Trace(TorchDispatchMode):
@@ -163,13 +163,6 @@ def _reference_mode(eager: bool, deterministic: bool) -> Iterator[None]:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         yield
-
-
-def _snap(x: Any) -> Any:
-    if not isinstance(x, torch.Tensor):
-        return x
-    with torch.no_grad():
-        return x.detach().clone()
 
 
 def _as32(x: Any) -> Any:
@@ -256,7 +249,8 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     run = copy.copy(top)
     run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
     prefix = next((n for n, m in top.module.named_modules() if m is module), "")
-    own = {**dict(own_tensors(module)), **given(top, prefix)[0]}  # functional_call's tensors, for the module alone
+    was_given = given(top, prefix)[0]  # functional_call's tensors, for the module alone
+    own = {**dict(own_tensors(module)), **was_given}
     run.reparam = None
     # its mode when called: its own flag, unless the whole model was switched since (then the call's,
     # or the other one for a module that was not in the model's mode: a frozen BatchNorm)
@@ -275,7 +269,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
             with _reference_mode(float32, deterministic=float32), faithful(run), mode:
                 if float32:
                     out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
-                elif given(top, prefix)[0]:
+                elif was_given:
                     out = torch.func.functional_call(module, own, run.args, run.kwargs or {}, strict=False)
                 else:
                     out = module(*run.args, **(run.kwargs or {}))

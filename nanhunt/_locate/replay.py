@@ -21,7 +21,7 @@ from .._hooks import ReplayHooks, replaying
 from .._steplog import Top, given
 from .._tensors import Path, is_bad, own_tensors, probe, same, stack_probes, strided, tensors, values, version
 
-__all__ = ["ReplayCall", "Replay", "replay_top", "faithful"]
+__all__ = ["ReplayCall", "Replay", "replay_top", "faithful", "as_it_is"]
 
 
 @dataclass
@@ -182,6 +182,17 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
                         b.data.copy_(v)
         finally:
             kept.restore()  # the modules' own Python state (their training flags too)
+
+
+def as_it_is(x: Any) -> Any:
+    """A tree with every tensor copied as it is now (its requires_grad kept): a replay that runs
+    the forward to its end reads a call's inputs and outputs as they were at the call, though the
+    caller's code may write them in place afterwards."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch.no_grad():
+        c = x.detach().clone()
+    return c.requires_grad_(x.requires_grad) if c.is_floating_point() or c.is_complex() else c
 
 
 def _holds_compiled(mod: nn.Module) -> bool:
