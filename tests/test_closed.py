@@ -115,3 +115,26 @@ def test_on_find_closing_inside_step_with_a_later_user_hook(then_raise: bool) ->
     assert "_optimizer_step_code" not in opt.__dict__
     opt.step()
     assert ran[-1:] == [1]
+
+
+
+def test_close_from_a_backward_hook_leaves_no_mode_on_the_stack() -> None:
+    """close() from inside the backward (a tensor hook): the outside-code mode was inside its own
+    handler (`loss.backward()` passes through it), so torch pushed it back when the backward
+    returned, and it stayed on the main thread's stack, passing every torch call through Python,
+    until the next watch(). It now comes off at the next module call, with the hook that takes it off."""
+    hooks = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    model = zoo.mlp()
+    hunt = nanhunt.watch(model, on_find="record")
+    y = model(torch.randn(3, 4))
+
+    def close(g: torch.Tensor) -> torch.Tensor:
+        hunt.close()
+        return g
+
+    y.register_hook(close)
+    y.sum().backward()
+    assert hunt.closed
+    model(torch.randn(3, 4))  # the user's loop goes on
+    assert not torch.overrides._get_current_function_mode_stack(), "the closed hunt's mode is still on the stack"
+    assert dict(torch.nn.modules.module._global_forward_pre_hooks) == hooks, "a hook was left behind"

@@ -312,6 +312,7 @@ class _Switch:
         self.on: Outside | None = None  # the mode on the stack (the carrier)
         self.orphans: list[Outside] = []  # pass-through modes torch will push back (see `off`)
         self.active: list[Outside] = []  # the hunts it records for
+        self._later: Any = None  # the one-shot module pre-hook of `sweep_later`
 
     def off(self) -> None:
         """Take the carrier out (a watched root call or nanhunt's own code runs); membership stays."""
@@ -335,6 +336,24 @@ class _Switch:
                 self.orphans.remove(m)
                 if not m.closed:
                     m.stale = False  # off the stack: it may be put on again
+
+    def sweep_later(self) -> None:
+        """A closed hunt's mode is still on the main thread's stack (closed from inside its handler,
+        as from a backward hook, or from another thread): no hunt of ours will sweep it. Take it out
+        at the main thread's next module call, which runs outside every mode's handler, then drop
+        the hook (a new watch() sweeps too)."""
+        if self._later is not None:
+            return
+
+        def _sweep(module: Any, args: Any) -> None:
+            if threading.current_thread() is not threading.main_thread() or torch.compiler.is_compiling():
+                return
+            self.sweep()
+            if not self.orphans and self._later is not None:
+                self._later.remove()
+                self._later = None
+
+        self._later = module_mod.register_module_forward_pre_hook(_sweep)
 
     def leave(self, m: Outside) -> None:
         if m in self.active:
@@ -419,6 +438,8 @@ class Outside(TorchFunctionMode):
         if _SWITCH.on is self:
             _SWITCH.off()
         self.closed = True
+        if self in _SWITCH.orphans:
+            _SWITCH.sweep_later()
         self.stale = True  # if still on a stack (another thread's, or inside its handler): it passes everything through
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
