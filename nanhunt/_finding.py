@@ -84,6 +84,36 @@ class Finding:
     def __str__(self) -> str:
         return self.summary()
 
+    def __eq__(self, other: object) -> bool:
+        """Field by field, with a NaN value equal to a NaN (a finding's value is NaN more often than
+        not: it equals itself, and its copy read back from a report)."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return _key(self) == _key(other)  # type: ignore[arg-type]
+
+    def __hash__(self) -> int:
+        """A finding can be a set member or a dict key (its dicts hashed by their items)."""
+        return hash(_key(self))
+
+
+def _key(f: Finding) -> tuple[Any, ...]:
+    return tuple(_plain(getattr(f, x.name)) for x in dataclasses.fields(f))
+
+
+def _plain(v: Any) -> Any:
+    """``v`` as a hashable value that equals another exactly when the two hold the same data."""
+    if isinstance(v, float) and math.isnan(v):
+        return ("nan",)  # NaN != NaN: one marker for every NaN
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted(((repr(k), _plain(x)) for k, x in v.items()), key=lambda kv: kv[0])))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_plain(x) for x in v))
+    try:
+        hash(v)
+    except TypeError:
+        return ("repr", repr(v))
+    return v
+
 
 PHASES = ("forward", "backward", "grad", "optimizer", "check", "checkpoint")
 CAUSES = ("created", "input", "parameter", "unknown")

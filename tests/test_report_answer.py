@@ -280,3 +280,25 @@ def test_containers_that_hand_on_a_childs_output_keep_their_history_row():
     assert rows["0"] == rows["0.1"]  # the inner Sequential hands on its ReLU's output: the same numbers
     assert rows[""] == rows["1"]
     assert all(len(r) == 3 and None not in r for r in rows.values())
+
+
+def test_findings_compare_and_hash_by_their_data_even_with_a_nan_value(tmp_path):
+    """A finding's value is NaN more often than not, and a frozen dataclass compares NaN != NaN:
+    a finding was unequal to itself read back from its report, and it could not be put in a set
+    (its dict fields were unhashable), so findings from two runs or two ranks could not be matched."""
+    model = zoo.lognet()
+    with nanhunt.watch(model, on_find="record") as hunt:
+        x = torch.randn(4, 4)
+        x[1, 2] = float("nan")  # fed in: the value at the input is NaN
+        model(x)
+        model(torch.zeros(4, 4))  # log(0): -inf born here
+    found = hunt.report.findings
+    assert any(f.value is not None and f.value != f.value for f in found), "no NaN-valued finding to compare"
+    path = tmp_path / "r.json"
+    hunt.report.save(str(path))
+    back = Report.load(str(path)).findings
+    assert back == found and all(a == b and hash(a) == hash(b) for a, b in zip(back, found))
+    assert len({*found, *back}) == len(found) and {f: f.step for f in found}[back[0]] == found[0].step
+    import dataclasses
+
+    assert dataclasses.replace(found[0], step=found[0].step + 1) != found[0]
