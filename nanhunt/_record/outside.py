@@ -336,6 +336,9 @@ class _Switch:
                 self.orphans.remove(m)
                 if not m.closed:
                     m.stale = False  # off the stack: it may be put on again
+        if not self.orphans and self._later is not None:
+            self._later.remove()  # (see sweep_later)
+            self._later = None
 
     def sweep_later(self) -> None:
         """A closed hunt's mode is still on the main thread's stack (closed from inside its handler,
@@ -349,9 +352,6 @@ class _Switch:
             if threading.current_thread() is not threading.main_thread() or torch.compiler.is_compiling():
                 return
             self.sweep()
-            if not self.orphans and self._later is not None:
-                self._later.remove()
-                self._later = None
 
         self._later = module_mod.register_module_forward_pre_hook(_sweep)
 
