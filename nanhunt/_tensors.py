@@ -47,26 +47,51 @@ def _children(obj: Any, path: Path) -> list[tuple[Any, Path]] | None:
 
 def tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor in ``obj``, in a stable order (depth first, items
-    in order), however deep it nests."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    if obj is None or isinstance(obj, _LEAF):
+    in order), however deep it nests. (Collected at once, exact types tried before ``isinstance``:
+    a replay over a few hundred modules spent more time here than in their forward.)"""
+    tp = type(obj)
+    if tp is torch.Tensor or (tp not in _PLAIN and isinstance(obj, torch.Tensor)):
+        return iter(((path, obj),))
+    out: list[tuple[Path, torch.Tensor]] = []
+    if tp not in _PLAIN or tp is tuple or tp is list or tp is dict:
+        _collect(obj, path, depth, out)
+    return iter(out)
+
+
+_PLAIN = frozenset((*_LEAF, type(None), tuple, list, dict))  # exact types that are no tensor
+
+
+def _collect(obj: Any, path: Path, depth: int, out: list[tuple[Path, torch.Tensor]]) -> None:
+    """`tensors` of ``obj`` (not a tensor itself) appended to ``out``."""
+    tp = type(obj)
+    if obj is None or tp in _PLAIN and tp is not tuple and tp is not list and tp is not dict:
         return
     if depth >= _DEEP:
-        yield from _deep(obj, path)
+        if not isinstance(obj, _LEAF):
+            out.extend(_deep(obj, path))
+        return
+    if tp is tuple or tp is list:
+        items: Any = enumerate(obj)
+    elif tp is dict:
+        items = obj.items()
+    elif isinstance(obj, _LEAF):
+        return
     elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from tensors(v, (*path, k), depth + 1)
+        items = obj.items()
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        for k in obj._fields:
-            yield from tensors(getattr(obj, k), (*path, _Attr(k)), depth + 1)
+        items = [(_Attr(k), getattr(obj, k)) for k in obj._fields]
     elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from tensors(v, (*path, i), depth + 1)
+        items = enumerate(obj)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from tensors(getattr(obj, f.name, None), (*path, _Attr(f.name)), depth + 1)
+        items = [(_Attr(f.name), getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
+    else:
+        return
+    for k, v in items:
+        tv = type(v)
+        if tv is torch.Tensor or (tv not in _PLAIN and isinstance(v, torch.Tensor)):
+            out.append(((*path, k), v))
+        elif tv is tuple or tv is list or tv is dict or tv not in _PLAIN:
+            _collect(v, (*path, k), depth + 1, out)
 
 
 def _deep(obj: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:

@@ -216,7 +216,7 @@ class _Attributes:
                            if type(t) is torch.Tensor and not k.startswith("_") and not t.is_meta
                            and t.layout is torch.strided and t.numel() <= _MAX_ATTR]
         # a generator of the module's own (torch.randn(..., generator=self.gen)): its stream too
-        self.gens = [(g, g.get_state()) for _, d, _, _ in self.dicts for g in d.values() if isinstance(g, torch.Generator)]
+        self.gens = [(g, g.get_state()) for _, d, _, _ in self.dicts for g in d.values() if type(g) is torch.Generator]
 
     def restore(self) -> None:
         for m, d, b, p in self.dicts:
