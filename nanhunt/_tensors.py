@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
@@ -277,8 +278,10 @@ def dtype_max(dtype: str) -> float | None:
 
 # ------------------------------------------------------------------ own tensors
 def own_tensors(module: nn.Module, recurse: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """A module's parameters and buffers, by name."""
-    return [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+    """A module's parameters and buffers, by name (not a lazy module's, until its first call gives
+    them a shape: they hold no values)."""
+    return [(n, t) for n, t in (*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse))
+            if not is_lazy(t)]
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tensor, str]], list[torch.Tensor]]:
@@ -288,6 +291,8 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tens
     tens: list[torch.Tensor] = []
     for g in opt.param_groups:
         for p in g["params"]:
+            if is_lazy(p):
+                continue  # (no values yet: see own_tensors)
             if is_checked(p) and p.numel() and p.requires_grad:
                 tens.append(p)
                 items.append((p, ""))

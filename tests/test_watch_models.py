@@ -195,3 +195,40 @@ def test_ignore_does_not_hide_real_failures_elsewhere() -> None:
 def test_ignore_must_be_patterns(pattern: Any) -> None:
     with pytest.raises(TypeError):
         nanhunt.watch(zoo.mlp(), ignore=pattern)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
+def test_lazy_modules_watched_before_their_first_call(mode: str, tmp_path: Any) -> None:
+    """A model of lazy modules (LazyLinear, LazyBatchNorm1d), watched with its optimizer before the
+    first batch gives them their shapes: the first forward failed with nanhunt's InternalError
+    (numel of an uninitialised parameter), the hunt switched itself off, and `nanhunt run` said
+    "clean". Now the log(0) born in that very first call is found, the run's values are those of
+    the unwatched run, and checkpoints are judged (before and after the first call)."""
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.LazyLinear(6), nn.LazyBatchNorm1d(), nn.ReLU(), zoo.Log(), nn.LazyLinear(1))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def run(m: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(2):
+            out = m(torch.randn(8, 5))
+            outs.append(out.detach().clone())
+            out.nan_to_num().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return outs
+
+    plain = run(*build())
+    m, opt = build()
+    with nanhunt.watch(m, opt, on_find="record", mode=mode) as hunt:
+        torch.save(m.state_dict(), tmp_path / "before.pt")  # uninitialised: nothing to judge, written
+        watched = run(m, opt)
+        with pytest.raises(nanhunt.NonFiniteError):
+            torch.save(m.state_dict(), tmp_path / "after.pt")  # the NaN gradients reached the weights
+    assert all(bit_equal(a, b) for a, b in zip(plain, watched))
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "3", 0, "created")
+    if mode != "sentinel":
+        assert f.op == "aten.log.default"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._finding import Finding
 from .._tensors import dtype_name, element, is_bad, is_checked, probe, stack_probes
@@ -108,7 +109,8 @@ SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr
 def judgeable(t: torch.Tensor) -> bool:
     """Floating, with elements, dense or sparse (a sparse tensor is judged by its stored values: a
     checkpoint's sparse embedding holds its NaN there)."""
-    return is_checked(t) and (t.layout is torch.strided or t.layout in SPARSE) and not t.is_meta and t.numel() > 0
+    return (not is_lazy(t) and is_checked(t) and (t.layout is torch.strided or t.layout in SPARSE) and not t.is_meta
+            and t.numel() > 0)
 
 
 def all_bad(ts: list[torch.Tensor]) -> list[int]:

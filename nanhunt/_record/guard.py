@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .._locate.checkpoint import SPARSE, Keys, all_bad, finding, judgeable, walk
 from .._tensors import is_checked, stack_probes, strided, widen
@@ -115,7 +116,7 @@ def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
     which its state dict entry and its detached copies share)."""
     try:
         ptr = (strided(t) if t.layout in SPARSE else t).untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+    except (RuntimeError, NotImplementedError, ValueError):  # a tensor subclass without a storage; a lazy module's uninitialised tensor
         return None
     return (t.device, ptr) if ptr else None
 
@@ -197,7 +198,7 @@ class SaveGuard:
             known = self._known if self._known is not None and not found else None
             for n, t in [*root.named_parameters(), *((n, b) for n, b in root.named_buffers()
                                                        if known is None or _storage(b) in known)]:
-                if n in exempt_names or not is_checked(t):
+                if n in exempt_names or not is_checked(t) or is_lazy(t):
                     continue
                 names[n] = tuple(t.shape)
                 k = _storage(t)

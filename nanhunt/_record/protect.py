@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._tensors import same, strided
 
@@ -44,6 +45,8 @@ class BufferBackup:
         if not self._slots:
             return
         now = [d.get(k) for d, k, _ in self._slots]
+        if any(t is not None and is_lazy(t) for t in now):
+            return  # a lazy module's first call gives its buffers their values: nothing to put back yet
         src, copies = self._src, self._copy
         # never inference tensors, whichever mode the step's first call runs in (a validation pass
         # under torch.inference_mode begins a step too): later steps copy into them in place

@@ -17,6 +17,7 @@ from operator import is_
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._steplog import Buffers, Top
 from .._tensors import stack_probes, strided, widen
@@ -41,7 +42,10 @@ class BufferState:
         """``taken``: copies of buffers (by id of the buffer) made just before this call."""
         slots = self._slots.get(top.module)
         if slots is None:
-            slots = self._slots[top.module] = _floating_slots(top.module)
+            slots = _floating_slots(top.module)
+            if slots is None:
+                return  # a lazy module's buffers get their values in this call: found at the next
+            self._slots[top.module] = slots
         if not slots:
             return
         with torch.no_grad():
@@ -110,10 +114,12 @@ def _bad(ts: list[torch.Tensor]) -> torch.Tensor:
         return ~torch.isfinite(stack_probes([torch.linalg.vector_norm(t, 1) for t in ts]))
 
 
-def _floating_slots(root: nn.Module) -> _Slots:
+def _floating_slots(root: nn.Module) -> _Slots | None:
     """(a module's buffer dict, key, qualified name) of each floating buffer of ``root``; none past
-    ``_MAX_NUMEL``."""
+    ``_MAX_NUMEL``; None while a lazy module's buffer has no values yet."""
     out = [(d, k, n) for d, k, n in buffer_slots(root) if _floating(d[k])]
+    if any(is_lazy(b) for d, k, _ in out if (b := d[k]) is not None):
+        return None
     return out if sum(_numel(d[k]) for d, k, _ in out) <= _MAX_NUMEL else []
 
 
