@@ -73,7 +73,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes",
+        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes", "outside_at",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -92,6 +92,7 @@ class Top:
         self.training = module.training  # its mode when called (an evaluation call: see Hunt._iteration_over)
         self.reparam: dict[str, Any] | None = None  # torch.func.functional_call's tensors for this call
         self.odd_modes: tuple[nn.Module, ...] = ()  # submodules whose train/eval mode was not the module's (a frozen BatchNorm)
+        self.outside_at = 0  # torch calls outside watched calls recorded before it in the step (StepLog.outside)
 
 
 @dataclass

@@ -53,7 +53,7 @@ EXPECTED = {
 }
 
 
-def _run(case: str, mode: str, check: bool) -> list[Any]:
+def _run(case: str, mode: str, check: bool, sanitize: bool = False) -> list[Any]:
     model, poison = CASES[case]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
@@ -69,7 +69,8 @@ def _run(case: str, mode: str, check: bool) -> list[Any]:
         for step in range(3):
             if step == 2:
                 poison(model)
-            loss = model(batch()).pow(2).mean()
+            out = model(batch())
+            loss = (out.nan_to_num() if sanitize else out).pow(2).mean()
             if check:
                 hunt.check(loss, "loss")
             loss.backward()
@@ -88,6 +89,22 @@ def test_sentinel_names_what_full_mode_names(case: str, check: bool) -> None:
     f, s = full[0], sentinel[0]
     assert {k: getattr(s, k) for k in keys} == {k: getattr(f, k) for k in keys}, (str(f), str(s))
     assert (s.phase, s.module, s.module_type, s.tensor, s.cause) == EXPECTED[case], str(s)
+
+
+@pytest.mark.parametrize("case", ["log(0)", "poisoned LayerNorm weight"])
+def test_a_loss_that_sanitizes_the_output_does_not_hide_the_models_nan_in_sentinel_mode(case: str) -> None:
+    """The loss code runs nan_to_num over the model's output (a common "fix") and squares it: the
+    -inf become -3.4e38, whose square overflows to inf in the loss code. Sentinel mode (which does
+    not probe a training call's outputs) reported that loss-code inf as the first finding and
+    never replayed the model, where the log(0) came first; full mode names the model's."""
+    full = _run(case, "full", False, sanitize=True)
+    sentinel = _run(case, "sentinel", False, sanitize=True)
+    keys = ("phase", "module", "module_type", "tensor", "step", "cause", "index", "op")
+    assert full and sentinel
+    f, s = full[0], sentinel[0]
+    assert (f.phase, f.module, f.module_type, f.tensor, f.cause) == EXPECTED[case], str(f)
+    assert {k: getattr(s, k) for k in keys} == {k: getattr(f, k) for k in keys}, (str(f), str(s))
+    assert [x.phase for x in sentinel if x.step == s.step].count("forward") == 1, [str(x) for x in sentinel]
 
 
 @pytest.mark.parametrize("on_find", ["raise", "record"])

@@ -126,6 +126,7 @@ def analyze(view: StepView) -> list[Finding]:
         if bad and log.meta[i].kind not in firsts and i not in checked:
             firsts[log.meta[i].kind] = i
     op_call = None
+    out_rec = -1  # the outside finding's torch call (StepLog.outside), if one was made
     if "op" in firsts and "fwd" in firsts:  # mode="ops": the first bad op says which call made it
         op_entry = log.meta[firsts.pop("op")]
         assert isinstance(op_entry, Op)
@@ -159,6 +160,7 @@ def analyze(view: StepView) -> list[Finding]:
                 if sbad[j] and isinstance(e, Out) and j not in checked:
                     f = _outside.forward_finding(log, ctx.step, e.rec, e.out, grads, returned)
                     if f is not None:
+                        out_rec = e.rec
                         break
         elif kind == "chk":
             f = _check_finding(ctx, i)
@@ -169,11 +171,19 @@ def analyze(view: StepView) -> list[Finding]:
     compiled = [(e, flags) for (_v, e), flags in zip(log.vectors, vbad) if isinstance(e, CompiledSlots) and any(flags)]
     # sentinel: the forward is judged by a replay of its top-level calls, also when the loss code's
     # backward already went non-finite (a value fed from a poisoned forward: the forward goes first)
-    if ((view.mode == "sentinel" and not any(f.phase == "forward" for f in out))
+    # (an outside finding does not stop it: the root's outputs were not probed, the loss code's
+    # nan_to_num may have hidden them, and its finding then came after the model's)
+    if ((view.mode == "sentinel" and not any(f.phase == "forward" and f.module != _outside.OUTSIDE for f in out))
             or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
         # (its backward replay only where no backward finding was made: one per phase)
-        out[earlier:earlier] = [f for f in _sentinel_findings(ctx)
-                                if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
+        got = [f for f in _sentinel_findings(ctx) if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
+        fwd = next((f for f in got if f.phase == "forward"), None)
+        if fwd is not None and out_rec >= 0:
+            if log.tops[ctx.where[id(fwd)][1]].outside_at <= out_rec:  # the model's came first: the
+                out = [g for g in out if not (g.phase == "forward" and g.module == _outside.OUTSIDE)]  # rest carried it on
+            else:
+                got.remove(fwd)  # the outside value came first: the model was fed it
+        out[earlier:earlier] = got
     if compiled and not any(f.phase == "forward" for f in out):
         out[earlier:earlier] = [_compiled_finding(ctx, *compiled[0])]
     written = [(e, flags) for (_v, e), flags in zip(log.vectors, vbad) if isinstance(e, Buffers) and any(flags)]

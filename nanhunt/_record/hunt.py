@@ -609,6 +609,7 @@ class Hunt:
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
+        t.outside_at = len(log.outside)
         if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)
             t.odd_modes = self._odd_modes(module)
         self._state.capture(t, taken)
