@@ -291,8 +291,8 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tens
     tens: list[torch.Tensor] = []
     for g in opt.param_groups:
         for p in g["params"]:
-            if is_lazy(p):
-                continue  # (no values yet: see own_tensors)
+            if is_lazy(p) or p.is_meta:
+                continue  # (no values: a lazy module's before its first call, see own_tensors; a dry run's)
             if is_checked(p) and p.numel() and p.requires_grad:
                 tens.append(p)
                 items.append((p, ""))

@@ -286,6 +286,35 @@ def test_a_dry_run_on_the_meta_device_is_no_step_and_harms_nothing() -> None:
     assert hunt.findings == [err.value.finding]
 
 
+def test_a_training_dry_run_on_the_meta_device_with_its_optimizer_and_checks() -> None:
+    """The whole loop run on meta (shapes, memory planning): backward gives meta gradients, and
+    hunt.check of a meta placeholder. The step's probes were meta, and the step's one read
+    (.item() on meta), or stacking a meta probe with real ones, raised nanhunt's InternalError
+    into the run (raise mode) or switched the hunt off, so a real inf checked later was lost."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt) as hunt:
+        for _ in range(2):
+            loss = model(torch.randn(2, 4, device="meta")).sum()
+            hunt.check(torch.empty(3, device="meta"), "placeholder")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [] and not hunt._faulted
+    real = zoo.mlp()
+    opt = torch.optim.SGD(real.parameters(), lr=0.1)
+    with nanhunt.watch(real, opt, on_find="record") as hunt:
+        for step in range(2):
+            loss = real(torch.randn(2, 4)).sum()
+            hunt.check(torch.empty(3, device="meta"), "placeholder")
+            hunt.check(loss * (float("inf") if step == 1 else 1.0), "scaled")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert not hunt._faulted and [(f.phase, f.module, f.step) for f in hunt.findings] == [("check", "scaled", 1)]
+
+
 # ---------------------------------------------------------------------------- torch.func
 def test_per_sample_gradients_with_torch_func_on_a_watched_model() -> None:
     torch.manual_seed(0)

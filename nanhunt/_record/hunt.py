@@ -362,6 +362,8 @@ class Hunt:
             return tensor
         if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor):
             return tensor
+        if tensor.is_meta:
+            return tensor  # a shape-only placeholder (a dry run): no values to judge
         if _get_ident() != self._owner and not self._take_step():
             return tensor  # another thread owns the step
         try:
@@ -1171,7 +1173,7 @@ class Hunt:
             for g in (g for o in opts for g in o.param_groups):
                 for p in g["params"]:
                     gr = p.grad
-                    if gr is not None:
+                    if gr is not None and not gr.is_meta:  # (a dry run on the meta device: no values)
                         params.append(p)
                         grads.append(gr.to_dense() if gr.is_sparse else gr)
             if grads:
@@ -1329,7 +1331,7 @@ class Hunt:
         # (only after a backward in the step: an inference loop never judges gradients left from before)
         if self._root is not None and ((not self._opts and (log.backward or log.seeds)) or unstepped):
             every = self._root.parameters() if not self._opts else self._opt_params()
-            params = [p for p in every if p.grad is not None]
+            params = [p for p in every if p.grad is not None and not p.grad.is_meta]
             if params:
                 grads = [p.grad for p in params if p.grad is not None]
                 log.vectors.append((self._grad_probe(-2 if not self._opts else -3).probe(params, grads),
