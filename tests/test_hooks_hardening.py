@@ -705,3 +705,30 @@ def test_a_meta_buffer_in_a_real_model_is_left_alone(on_find: str) -> None:
         zoo.train_with_a_nan_batch(model, opt, (4, 4))
     assert not hunt._faulted and hunt.first is not None, hunt.findings
     assert (hunt.first.step, hunt.first.module, hunt.first.cause) == (2, "a", "input"), hunt.first
+
+
+# ---------------------------------------------------------------------------- TorchScript
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_model_is_refused_with_a_clear_error(how: str) -> None:
+    """watch() took a ScriptModule, and its first NaN raised nanhunt's InternalError into the run
+    (get_submodule is not supported on ScriptModules): TorchScript runs its submodules where no
+    hook reaches them, so watch() says so at once."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    sm = torch.jit.script(model) if how == "script" else torch.jit.trace(model, torch.randn(2, 4))
+    with pytest.raises(TypeError, match="TorchScript"):
+        nanhunt.watch(sm)
+
+
+def test_a_scripted_submodule_of_an_eager_model_is_found_with_its_element() -> None:
+    """A scripted block inside an eager model is one call to the hooks; its log(0) was "origin
+    unknown" with no element: the replay failed on the block's C++ state dicts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Sequential(nn.ReLU(), zoo.Log())), nn.Linear(4, 1))
+    x = torch.randn(3, 4)
+    plain = model(x)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        out = model(x)
+    f = hunt.first
+    assert f is not None and (f.module, f.cause, f.reproducible, f.op) == ("1", "created", True, "aten.log.default")
+    assert f.index is not None and f.value == float("-inf")
+    assert zoo.bit_equal(out, plain)

@@ -138,6 +138,9 @@ class AutoWatch:
         running.append(module)
         if len(running) > 1 or self._busy or module in self._owned or module in self._aside:
             return
+        if isinstance(module, torch.jit.ScriptModule):  # (watch() refuses it: TorchScript runs its parts)
+            self._aside.add(module)
+            return
         self._discover(module, self._start, module, args)
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -210,7 +210,9 @@ class _Attributes:
     buffer). `restore` puts back what changed, values through ``.data`` (no version bump)."""
 
     def __init__(self, root: nn.Module) -> None:
-        self.dicts = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in root.modules()]
+        # (not a TorchScript module's: its state lives in the interpreter, behind dicts of its own)
+        self.dicts = [(m, dict(m.__dict__), dict(m._buffers), dict(m._parameters)) for m in root.modules()
+                      if not isinstance(m, torch.jit.ScriptModule)]
         with torch.no_grad():  # (values only: a meta or sparse attribute keeps its reference alone)
             self.values = [(t, t.clone()) for _, d, _, _ in self.dicts for k, t in d.items()
                            if type(t) is torch.Tensor and not k.startswith("_") and not t.is_meta

@@ -179,6 +179,11 @@ class Hunt:
     def __init__(self, model: nn.Module, optimizer: Any = None, options: Options | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"nanhunt.watch() needs an nn.Module as `model`, got {type(model).__name__}: {model!r:.80}")
+        if isinstance(model, torch.jit.ScriptModule):
+            raise TypeError(f"nanhunt.watch() cannot watch a TorchScript module ({type(model).__name__}, from "
+                            "torch.jit.script or torch.jit.trace): its forward runs in the TorchScript interpreter, "
+                            "where no hook sees its submodules and no replay can run. Watch the eager nn.Module "
+                            "(script or trace it for export after training)")
         opts = _optimizers(optimizer)
         o = options if options is not None else Options.make()
         self.options = o
