@@ -178,6 +178,8 @@ def analyze(view: StepView) -> list[Finding]:
         # (its backward replay only where no backward finding was made: one per phase)
         got = [f for f in _sentinel_findings(ctx) if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
         fwd = next((f for f in got if f.phase == "forward"), None)
+        if out_rec >= 0:  # an outside value was found: only a model forward before it goes first
+            got = [fwd] if fwd is not None else []
         if fwd is not None and out_rec >= 0:
             if log.tops[ctx.where[id(fwd)][1]].outside_at <= out_rec:  # the model's came first: the
                 out = [g for g in out if not (g.phase == "forward" and g.module == _outside.OUTSIDE)]  # rest carried it on
