@@ -34,8 +34,11 @@ _DEEP = 32  # levels walked by recursion (the usual output); deeper ones by `_de
 
 def _children(obj: Any, path: Path) -> list[tuple[Any, Path]] | None:
     """The items of a container an output may be made of, with their paths (the order and paths
-    of `tensors`); None for a leaf."""
-    if isinstance(obj, dict):
+    of `tensors`); None for a leaf. (Exact types first: `tensors` calls it for every container.)"""
+    tp = type(obj)
+    if tp is tuple or tp is list:
+        return [(v, (*path, i)) for i, v in enumerate(obj)]
+    if tp is dict or isinstance(obj, dict):
         return [(v, (*path, k)) for k, v in obj.items()]
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return [(getattr(obj, k), (*path, _Attr(k))) for k in obj._fields]
@@ -54,45 +57,27 @@ def tensors(obj: Any, path: Path = (), depth: int = 0) -> Iterator[tuple[Path, t
     if tp is torch.Tensor or (tp not in _PLAIN and isinstance(obj, torch.Tensor)):
         return iter(((path, obj),))
     out: list[tuple[Path, torch.Tensor]] = []
-    if tp not in _PLAIN or tp is tuple or tp is list or tp is dict:
-        _collect(obj, path, depth, out)
+    _collect(obj, path, depth, out)
     return iter(out)
 
 
-_PLAIN = frozenset((*_LEAF, type(None), tuple, list, dict))  # exact types that are no tensor
+_LEAVES = frozenset((*_LEAF, type(None)))  # exact types that hold no tensor
+_PLAIN = _LEAVES | {tuple, list, dict}  # exact types that are no tensor
 
 
 def _collect(obj: Any, path: Path, depth: int, out: list[tuple[Path, torch.Tensor]]) -> None:
     """`tensors` of ``obj`` (not a tensor itself) appended to ``out``."""
-    tp = type(obj)
-    if obj is None or tp in _PLAIN and tp is not tuple and tp is not list and tp is not dict:
+    if type(obj) in _LEAVES or isinstance(obj, _LEAF):
         return
     if depth >= _DEEP:
-        if not isinstance(obj, _LEAF):
-            out.extend(_deep(obj, path))
+        out.extend(_deep(obj, path))
         return
-    if tp is tuple or tp is list:
-        items: Any = enumerate(obj)
-    elif tp is dict:
-        items = obj.items()
-    elif isinstance(obj, _LEAF):
-        return
-    elif isinstance(obj, dict):
-        items = obj.items()
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        items = [(_Attr(k), getattr(obj, k)) for k in obj._fields]
-    elif isinstance(obj, (tuple, list)):
-        items = enumerate(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [(_Attr(f.name), getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
-    else:
-        return
-    for k, v in items:
+    for v, p in _children(obj, path) or ():
         tv = type(v)
         if tv is torch.Tensor or (tv not in _PLAIN and isinstance(v, torch.Tensor)):
-            out.append(((*path, k), v))
-        elif tv is tuple or tv is list or tv is dict or tv not in _PLAIN:
-            _collect(v, (*path, k), depth + 1, out)
+            out.append((p, v))
+        elif tv not in _LEAVES:
+            _collect(v, p, depth + 1, out)
 
 
 def _deep(obj: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:

@@ -117,7 +117,6 @@ def test_on_find_closing_inside_step_with_a_later_user_hook(then_raise: bool) ->
     assert ran[-1:] == [1]
 
 
-
 def test_close_from_a_backward_hook_leaves_no_mode_on_the_stack() -> None:
     """close() from inside the backward (a tensor hook): the outside-code mode was inside its own
     handler (`loss.backward()` passes through it), so torch pushed it back when the backward

@@ -3,6 +3,7 @@ in every format, TensorBoard export, and files written with normal permissions."
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import linecache
@@ -299,6 +300,4 @@ def test_findings_compare_and_hash_by_their_data_even_with_a_nan_value(tmp_path)
     back = Report.load(str(path)).findings
     assert back == found and all(a == b and hash(a) == hash(b) for a, b in zip(back, found))
     assert len({*found, *back}) == len(found) and {f: f.step for f in found}[back[0]] == found[0].step
-    import dataclasses
-
     assert dataclasses.replace(found[0], step=found[0].step + 1) != found[0]

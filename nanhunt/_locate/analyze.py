@@ -177,14 +177,12 @@ def analyze(view: StepView) -> list[Finding]:
             or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
         # (its backward replay only where no backward finding was made: one per phase)
         got = [f for f in _sentinel_findings(ctx) if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
-        fwd = next((f for f in got if f.phase == "forward"), None)
-        if out_rec >= 0:  # an outside value was found: only a model forward before it goes first
-            got = [fwd] if fwd is not None else []
-        if fwd is not None and out_rec >= 0:
-            if log.tops[ctx.where[id(fwd)][1]].outside_at <= out_rec:  # the model's came first: the
-                out = [g for g in out if not (g.phase == "forward" and g.module == _outside.OUTSIDE)]  # rest carried it on
-            else:
-                got.remove(fwd)  # the outside value came first: the model was fed it
+        if out_rec >= 0:  # an outside value was found: only a model forward made before it goes first
+            fwd = next((f for f in got if f.phase == "forward"), None)
+            got = []
+            if fwd is not None and log.tops[ctx.where[id(fwd)][1]].outside_at <= out_rec:
+                got = [fwd]  # the outside value only carried the model's on
+                out = [g for g in out if not (g.phase == "forward" and g.module == _outside.OUTSIDE)]
         out[earlier:earlier] = got
     if compiled and not any(f.phase == "forward" for f in out):
         out[earlier:earlier] = [_compiled_finding(ctx, *compiled[0])]

@@ -365,10 +365,9 @@ class Hunt:
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
         if self._closed and not self._open("hunt.check()"):
             return tensor
-        if self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor):
+        if (self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor)
+                or tensor.is_meta):  # (meta: a shape-only placeholder of a dry run, no values)
             return tensor
-        if tensor.is_meta:
-            return tensor  # a shape-only placeholder (a dry run): no values to judge
         if _get_ident() != self._owner and not self._take_step():
             return tensor  # another thread owns the step
         try:

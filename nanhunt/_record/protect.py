@@ -45,8 +45,6 @@ class BufferBackup:
         if not self._slots:
             return
         now = [d.get(k) for d, k, _ in self._slots]
-        if any(t is not None and is_lazy(t) for t in now):
-            return  # a lazy module's first call gives its buffers their values: nothing to put back yet
         src, copies = self._src, self._copy
         # never inference tensors, whichever mode the step's first call runs in (a validation pass
         # under torch.inference_mode begins a step too): later steps copy into them in place
@@ -54,6 +52,8 @@ class BufferBackup:
             if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
                 torch._foreach_copy_(copies, now)  # type: ignore[arg-type]
             else:  # first step, or a buffer was replaced: fresh copies
+                if any(t is not None and is_lazy(t) for t in now):
+                    return  # a lazy module's first call gives its buffers their values: nothing to put back yet
                 self._src = now
                 self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
         self._captured = True
