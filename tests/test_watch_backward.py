@@ -79,6 +79,33 @@ def test_training_resumes_after_the_error() -> None:
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("two_optimizers", [False, True])
+def test_a_loop_that_catches_the_error_and_goes_on_keeps_its_step_numbers(two_optimizers: bool) -> None:
+    # the step that raised never reached the update; the loop that catches the error goes on with
+    # its next iteration, and every later finding's step is the loop's own count (it fell one
+    # behind for each resume: the second NaN, at loop step 5, was reported at step 4)
+    xs = _batches(bad_at=2, n=7)
+    xs[5][1, 2:] = xs[5][1, :2]  # a == b again: sqrt's gradient at 0
+    m = zoo.distnet()
+    params = list(m.parameters())
+    opts = [torch.optim.SGD(params[:1], lr=0.1), torch.optim.SGD(params[1:], lr=0.1)] if two_optimizers else \
+        [torch.optim.SGD(params, lr=0.1)]
+    raised = []
+    with nanhunt.watch(m, opts if two_optimizers else opts[0]) as hunt:
+        for step, x in enumerate(xs):
+            try:
+                m(x).sum().backward()
+                for opt in opts:
+                    opt.step()
+            except nanhunt.NonFiniteError as e:
+                raised.append((step, e.finding.step))
+            for opt in opts:
+                opt.zero_grad()
+    assert raised == [(2, 2), (5, 5)]
+    assert {f.step for f in hunt.findings} == {2, 5}
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
 def test_torch_where_gradient_trap() -> None:
     m = zoo.wherenet()
     ref = copy.deepcopy(m)

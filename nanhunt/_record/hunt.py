@@ -1120,6 +1120,9 @@ class Hunt:
         _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
         try:
             self._check_step(i, opt)
+        except NonFiniteError:
+            self._abandoned()
+            raise
         finally:
             _left_hooks(opt)
             self._stepping = None
@@ -1162,9 +1165,21 @@ class Hunt:
         self._in_closure = opt
         try:
             self._check_step(i, opt)
+        except NonFiniteError:
+            self._abandoned()
+            raise
         finally:
             self._in_closure = None
         return loss
+
+    def _abandoned(self) -> None:
+        """A finding raised out of ``step()`` before the update: the loop that catches it goes on
+        with its next iteration, so the abandoned one counts as a step, as a skipped one does (the
+        next finding's step is the loop's own count; it was one behind for each resume)."""
+        if not self._closed:
+            self.step += 1
+            self._calls_before = {}
+            self._round = set()
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         if self._closed:
