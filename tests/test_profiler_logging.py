@@ -126,6 +126,7 @@ def test_warn_mode_logs_a_warning_and_warns(caplog):
     assert str(warned[0].message).startswith(hunt.first.summary())
     infos = [r.getMessage() for r in ours if r.levelno == logging.INFO]
     assert len(infos) == len(hunt.findings) - len(warned)  # the rest at INFO
+    assert infos and not any(m.startswith("First") for m in infos)  # only the hunt's first is "First"
     assert any(r.levelno == logging.DEBUG and "watching Sequential" in r.getMessage() for r in ours)
 
 
@@ -138,6 +139,8 @@ def test_record_mode_logs_info_only(caplog):
     levels = {r.levelno for r in caplog.records if r.name == "nanhunt"}
     assert levels == {logging.INFO}
     assert caplog.records[0].getMessage() == hunt.first.summary()
+    later = [r.getMessage() for r in caplog.records[1:] if r.name == "nanhunt"]
+    assert later and not any(m.startswith("First") for m in later)  # each later one headed by its kind
 
 
 def test_library_is_silent_by_default(capfd):

@@ -1458,9 +1458,10 @@ class Hunt:
                 self._report_at = now
                 self._write_report()
         warn = self.on_find == "warn" and found[0].step != self._warned_step
-        for i, f in enumerate(found):  # the summaries, formatted only when a handler wants them
-            if not (warn and i == 0):
-                _logger.info("%s", f)
+        if _logger.isEnabledFor(logging.INFO):  # the summaries, formatted only when a handler wants them
+            for i, f in enumerate(found):  # (only the hunt's first finding is called the first)
+                if not (warn and i == 0):
+                    _logger.info("%s", paragraph(f, first=first and i == 0))
         if callable(self.on_find):
             for f in found:
                 try:
