@@ -405,10 +405,13 @@ class _WithCompiledBlock(nn.Module):
         return self.out(torch.relu(self.block(x) + self.inp(x)))
 
 
+@pytest.mark.parametrize("bad_step", [2, 0])
 @pytest.mark.parametrize("when", ["before watch", "after watch", "module.compile"])
-def test_a_compiled_submodule_runs_and_its_nan_is_found_at_its_op_and_line(when: str) -> None:
+def test_a_compiled_submodule_runs_and_its_nan_is_found_at_its_op_and_line(when: str, bad_step: int) -> None:
     # net.block = torch.compile(net.block): dynamo, tracing the hunt's forward hook, met the block
-    # twice (itself, and inside its wrapper in the hunt's slot map) and failed the user's forward
+    # twice (itself, and inside its wrapper in the hunt's slot map) and failed the user's forward.
+    # net.block.compile(): the block's own hooks ran traced inside its graph, so its call was never
+    # recorded, and a NaN it made at the first step was blamed on the module after it, with no op
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = _WithCompiledBlock()
@@ -423,12 +426,14 @@ def test_a_compiled_submodule_runs_and_its_nan_is_found_at_its_op_and_line(when:
                 net.block = torch.compile(net.block, backend="eager")  # type: ignore[assignment]
             for step in range(4):
                 x = torch.randn(4, 4)
-                if step == 2:
+                if step == bad_step:
                     x[1, 0] = 0.0
                 _step(net, opt, x)
     f = ei.value.finding
-    assert (f.phase, f.step, f.cause, f.op) == ("forward", 2, "created", "aten.log.default"), f
+    assert (f.phase, f.step, f.cause, f.op) == ("forward", bad_step, "created", "aten.log.default"), f
     assert f.module.startswith("block") and f.index == (1, 0), f
+    if when == "module.compile":
+        assert (f.module, f.module_type) == ("block", "_LogBlock"), f
     assert f.source is not None and f.source.endswith(f":{_LogBlock.forward.__code__.co_firstlineno + 1}"), f
 
 

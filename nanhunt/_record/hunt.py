@@ -279,6 +279,7 @@ class Hunt:
         self._start = StartState()  # what was non-finite when the watch began (read on a hit)
 
         self._croot: CompiledRoot | None = None
+        self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
@@ -443,6 +444,8 @@ class Hunt:
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
         if self._compiled is not None:
             self._compiled_names()
+        if self._per_module:
+            self._catch_compiled_parts()
         return names
 
     def _compiled_names(self) -> None:
@@ -470,6 +473,24 @@ class Hunt:
         if self._croot is None and self._root is not None:
             self._croot = CompiledRoot(self._root, self._compiled_begin, self._compiled_end)
             self._handles.append(self._croot)
+
+    def _catch_compiled_parts(self) -> None:
+        """Full mode: a watched submodule compiled in place (``model.block.compile()``) runs its
+        own hooks traced inside its graph, so no hook saw its call eagerly and the record went on
+        without it: a NaN born in it was blamed on the module after it, with no op. Its call is
+        seen around the compiled call, as model.compile()'s root is (`CompiledRoot`)."""
+        root, names = self._root, self._names
+        if root is None or names is None:
+            return
+        for _, r in names.values():
+            m = r()
+            if m is None or m is root or getattr(m, "_compiled_call_impl", None) is None:
+                continue
+            got = self._cparts.get(id(m))
+            if got is not None and got.model is m and m.__dict__.get("_compiled_call_impl") is got.call:
+                continue
+            self._cparts[id(m)] = part = CompiledRoot(m, self._compiled_begin, self._compiled_end)
+            self._handles.append(part)
 
     def _module_names(self) -> dict[nn.Module, str]:
         """The name map with strong keys, for the analysis (on a hit only)."""
@@ -1019,7 +1040,9 @@ class Hunt:
             self._catch_compiled_root()
         if not self._per_module:
             self._catch_wrapper()
-        elif self._compiled is None:
+            return
+        self._catch_compiled_parts()  # (a part compiled after the name map was built)
+        if self._compiled is None:
             self._prepare_compiled(None)
             forget_compiled()
 
@@ -1635,6 +1658,7 @@ class Hunt:
                 continue
             h.remove()
         self._handles.clear()
+        self._cparts.clear()
         for h in self._late.values():
             h.remove()
         self._late.clear()
