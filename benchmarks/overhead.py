@@ -17,6 +17,9 @@ machine noise is shared, and a ratio is the median per-step time of a variant ov
   naive      the article's forward hook on every module: isnan(out).any() or isinf(out).any()
   hooks      two global hooks that do nothing (a pre-hook and an always-called forward hook with
              kwargs, as full mode registers): the floor of any per-module-hook design
+  wrap       each module's forward replaced by a wrapper that keeps its output (with its version),
+             all outputs summed together per shape at the loss (one stack + sum each): the floor
+             of a design that sees every call without module hooks (not a locator: no records)
   anomaly    torch.autograd.detect_anomaly(check_nan=True)
   hf         transformers.debug_utils.DebugUnderflowOverflow(model)
 
@@ -59,7 +62,7 @@ from torch import nn
 import nanhunt
 
 MODELS = ("gpt2", "cnn", "mlp")
-VARIANTS = ("plain", "full", "sentinel", "ops", "naive", "hooks", "anomaly", "hf")
+VARIANTS = ("plain", "full", "sentinel", "ops", "naive", "hooks", "wrap", "anomaly", "hf")
 NANHUNT = ("full", "sentinel")
 TITLES = {
     "plain": "plain ms/step",
@@ -68,6 +71,7 @@ TITLES = {
     "ops": "nanhunt ops",
     "naive": "naive hook",
     "hooks": "2 empty hooks",
+    "wrap": "forward wrappers",
     "anomaly": "detect_anomaly",
     "hf": "HF DebugUO",
 }
@@ -151,6 +155,42 @@ def _naive_hook(module: nn.Module, inputs: Any, output: Any) -> None:
                 raise RuntimeError(f"NaN/Inf detected in {module.__class__.__name__}[{i}]")
 
 
+class _WrapperFloor:
+    """The `wrap` variant: every module's ``forward`` an instance attribute that keeps the output
+    and its version (no hook: each call stays on ``Module._call_impl``'s fast path); ``check`` (at
+    the loss, where the benchmark calls ``hunt.check``) sums the kept outputs, one stack per shape,
+    into one device flag. What any design that sees every call this way pays at least."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.outs: list[tuple[torch.Tensor, int]] = []
+        self.flag: torch.Tensor | None = None
+        self.modules = list(model.modules())
+        keep = self.outs.append
+        for m in self.modules:
+            def forward(*args: Any, _f: Any = m.forward, **kwargs: Any) -> Any:
+                out = _f(*args, **kwargs)
+                if type(out) is torch.Tensor:
+                    keep((out, out._version))
+                return out
+
+            m.forward = forward  # type: ignore[method-assign]
+
+    def check(self, tensor: torch.Tensor, name: str = "check") -> torch.Tensor:
+        with torch.no_grad():
+            groups: dict[Any, list[torch.Tensor]] = {}
+            for t, _ in self.outs:
+                groups.setdefault((t.shape, t.dtype), []).append(t)
+            sums = [torch.stack(g).sum() if len(g) > 1 else g[0].sum() for g in groups.values()]
+            sums.append(tensor.detach().sum())
+            self.flag = torch.stack(sums).sum()
+        self.outs.clear()
+        return tensor
+
+    def remove(self) -> None:
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+
+
 @contextlib.contextmanager
 def variant(name: str, bench: Bench, on_find: str = "record") -> Iterator[Any]:
     """Switch a variant on for the duration of the block; yields the hunt (or None)."""
@@ -190,6 +230,12 @@ def variant(name: str, bench: Bench, on_find: str = "record") -> Iterator[Any]:
             pre.remove()
             post.remove()
             module_mod._global_forward_hooks_with_kwargs.pop(post.id, None)
+    elif name == "wrap":
+        floor = _WrapperFloor(model)
+        try:
+            yield floor
+        finally:
+            floor.remove()
     elif name == "anomaly":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled ..."
