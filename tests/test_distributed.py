@@ -315,3 +315,68 @@ def test_judge_drops_gradients_received_through_the_reduction_and_names_an_overf
     assert judge(mine, [1, 1, 1, 0]) == mine  # some rank could not tell: left as found
     (reduced,) = judge(mine, [1, 0, 0, 0])  # finite everywhere before, non-finite after
     assert reduced.tensor == "weight.grad (reduced)" and "overflowed" in (reduced.hint or "")
+
+
+# ---------------------------------------------------------------------------- Lightning's DDP strategy
+_LIGHTNING_DDP = """
+import json, os, sys, torch, lightning as L
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from nanhunt.integrations.lightning import NanHunt
+
+
+class Log(nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # log(0) where ReLU zeroed a row
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.log_, self.head = nn.Linear(4, 4), nn.ReLU(), Log(), nn.Linear(4, 1)
+        with torch.no_grad():
+            self.lin.weight.fill_(0.1)
+            self.lin.bias.fill_(1.0)
+
+    def forward(self, x):
+        return self.head(self.log_(self.act(self.lin(x))))
+
+    def training_step(self, batch, i):
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+x = torch.rand(32, 4)
+x[13] = -100.0  # lin's outputs there < 0: ReLU gives 0, log gives -inf
+cb = NanHunt(dist_timeout=60)
+trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=1, callbacks=[cb], logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+try:
+    trainer.fit(Net(), DataLoader(TensorDataset(x), batch_size=4))
+    out = None
+except Exception as e:
+    f = getattr(e, "finding", None)
+    out = f.to_dict() if f is not None else repr(e)
+with open(sys.argv[1] + "." + os.environ.get("LOCAL_RANK", "0"), "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+def test_lightning_ddp_strategy_finding_has_its_op_and_element_on_every_rank(tmp_path):
+    # Lightning's strategies run training_step through the model's forward (a `wrapped_forward`
+    # set for one call): the finding was "origin unknown" on every rank (no op, element, cause)
+    script = tmp_path / "fit.py"
+    script.write_text(textwrap.dedent(_LIGHTNING_DDP))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "found")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in (0, 1):
+        f = json.loads((tmp_path / f"found.{r}").read_text())
+        assert isinstance(f, dict), f
+        assert (f["phase"], f["module"], f["module_type"], f["cause"], f["op"]) == \
+            ("forward", "log_", "Log", "created", "aten.log.default"), f
+        assert f["value"] == "-inf" or f["value"] == float("-inf"), f

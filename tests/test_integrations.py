@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 
 import nanhunt
+from tests import zoo
 
 # Lightning / transformers / accelerate chatter that is not about nanhunt
 _THIRD_PARTY = [
@@ -135,6 +136,59 @@ def test_lightning_forward_nan_is_reported_at_its_step_before_the_update() -> No
     assert cb.report is not None and cb.report.first == f and cb.hunt.first == f
     assert cb.hunt.closed and not _ours() and len(_module_mod._global_forward_hooks) == hooks_before
     cb.close()  # idempotent
+
+
+@_mark
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_lightning_forward_redirection_is_no_call_of_the_model(mode: str) -> None:
+    # Lightning's DDP/FSDP/DeepSpeed strategies (and Fabric) run training_step through the model's
+    # forward: the instance's forward is set to a `wrapped_forward` for one call, which runs the
+    # step, whose self(x) is the real call. The hunt took that outer call as the model's top-level
+    # call, its replay ran the real forward with (batch, batch_idx) (a TypeError), and every DDP
+    # finding said "origin unknown", with no element, op or cause
+    _lightning()
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    class Wrapper(nn.Module):  # what DistributedDataParallel does with the model it wraps
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args: Any) -> Any:
+            return self.module(*args)
+
+    class Step(_lightning().LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = zoo.lognet()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
+            return self(batch).pow(2).mean()
+
+    model = Step()
+    redirect, wrapper = _ForwardRedirection(), Wrapper(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.rand(3, 4, generator=g) for _ in range(3)]
+    with torch.no_grad():
+        model.net.lin.bias.fill_(10.0)  # lin's outputs positive: log is finite
+    before = None
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for i, x in enumerate(xs):
+            if i == 2:
+                with torch.no_grad():
+                    model.net.lin.bias[1] = -1e3  # ReLU's zeros at that column: log(0) = -inf
+                before = _snapshot(model)
+            redirect(wrapper, model, "training_step", x, i).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.module_type, f.step, f.cause) == ("forward", "net.log", "Log", 2, "created"), f
+    assert (f.op, f.index, f.value) == ("aten.log.default", (0, 1), float("-inf")), f
+    assert all(torch.equal(v, before[k]) for k, v in _snapshot(model).items())  # step 2 never applied
 
 
 @_mark

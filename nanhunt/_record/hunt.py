@@ -551,6 +551,8 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
+        if not self._stack and _redirected(module):
+            return  # Lightning's strategies run training_step as the model's forward: its own call of the model is the top
         if not self._stack and _on_meta(module, args):
             # a model run on the meta device (a dry run for shapes or FLOPs) has no values to judge.
             # Nothing is pushed, so every call inside comes here again and stands aside too.
@@ -996,6 +998,8 @@ class Hunt:
                 return
             if _functorch_level() is not None or _graph_task() != -1:
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
+            if _redirected(module):
+                return  # (as in _pre_other)
             got = self._begin_top(module, args, cap=False)
             if got is None:  # on_find closed the hunt
                 return
@@ -1789,6 +1793,20 @@ def _restores(on_find: Any) -> bool:
     """Does a finding stop or drop the step (raise, skip, or a callable that raises)? Then the
     buffers it wrote are put back."""
     return on_find in ("raise", "skip") or bool(getattr(on_find, "raises", False))
+
+
+_LIGHTNING = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
+
+
+def _redirected(module: nn.Module) -> bool:
+    """Lightning's strategies (DDP, FSDP, DeepSpeed; Fabric's wrapped modules) call
+    ``training_step`` through the model's ``forward``: for that one call they set the instance's
+    ``forward`` to a ``wrapped_forward`` that puts the real one back and runs the step, whose own
+    ``self(x)`` is the model's real call. That outer call is no call of the model: a replay of it
+    runs the real forward with the step's arguments (a TypeError, the finding without origin)."""
+    fwd = module.__dict__.get("forward")
+    return (fwd is not None and getattr(fwd, "__name__", "") == "wrapped_forward"
+            and getattr(fwd, "__module__", "").startswith(_LIGHTNING))
 
 
 def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
