@@ -8,6 +8,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import warnings
 import weakref
 from pathlib import Path
@@ -413,6 +414,12 @@ def test_a_watched_model_can_be_deep_copied_and_saved_whole(mode: str, tmp_path:
     assert hunt.findings == []
     back = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(back(x), saved_out) and _leftovers(m, opt) == []
+    # the copy, once called, holds nothing of nanhunt: no hook (torch's fast path again), and a
+    # pickle of it needs no nanhunt to load (sentinel's root hooks came along as no-op hooks before)
+    for mod in ema.modules():
+        assert not (mod._forward_hooks or mod._forward_pre_hooks or mod._forward_hooks_with_kwargs
+                    or mod._forward_pre_hooks_with_kwargs or mod._forward_hooks_always_called), mod
+    assert b"nanhunt" not in pickle.dumps(ema)
 
 
 def _global_hooks() -> tuple[int, int, int]:

@@ -90,7 +90,17 @@ _FWD_CACHED = 1 << 16  # call indices past this get an entry of their own
 
 
 def _noop_hook(*args: Any) -> None:
-    """What a copy of a watched module carries in place of the hunt's hook: nothing to do."""
+    """What a copy of a watched module carries in place of the hunt's hook: nothing to do. At
+    the copy's first call it takes itself out of the copy's hook dicts (torch iterates over a
+    copy of them), so the copy runs on torch's fast path and holds nothing of nanhunt from then on."""
+    module = args[0] if args else None
+    if isinstance(module, nn.Module):
+        for d in (module._forward_pre_hooks, module._forward_hooks):
+            for k in [k for k, v in d.items() if v is _noop_hook]:
+                del d[k]
+                module._forward_pre_hooks_with_kwargs.pop(k, None)
+                module._forward_hooks_with_kwargs.pop(k, None)
+                module._forward_hooks_always_called.pop(k, None)
     return None
 
 
