@@ -786,3 +786,44 @@ def test_a_float8_buffer_is_judged_with_the_rest(on_find: str, tmp_path: Any) ->
     with nanhunt.watch(model, opt, on_find=on_find) as hunt:
         zoo.train_with_a_nan_batch(model, opt, (2, 4), after_step=lambda: torch.save(model.state_dict(), tmp_path / "ckpt.pt"))
     assert not hunt._faulted and [(f.step, f.cause) for f in hunt.findings][:1] == [(2, "input")], hunt.findings
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: loc and log-scale set from the first batch (data-dependent init)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(1, c))
+        self.logs = nn.Parameter(torch.zeros(1, c))
+        self.register_buffer("initialized", torch.tensor(0, dtype=torch.uint8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.initialized.item() == 0:
+            with torch.no_grad():
+                self.loc.data.copy_(-x.mean(0, keepdim=True))
+                self.logs.data.copy_(torch.log(1.0 / x.std(0, keepdim=True)))  # a constant feature: 1/0
+                self.initialized.fill_(1)
+        return (x + self.loc) * torch.exp(self.logs)  # 0 * inf there
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_a_weight_the_first_call_initialises_from_the_data_is_born_there_not_a_poisoned_weight(
+        with_optimizer: bool) -> None:
+    # the NaN is this call's own (inf * 0 from the scale it just set to 1/0): its parameters were
+    # finite when the step began. It was judged on the weights as they are after the call: "parameter"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), _ActNorm(4), nn.Linear(4, 1))
+    with torch.no_grad():
+        m[0].weight[2].zero_()
+        m[0].bias[2] = 1.0  # feature 2 is constant over the batch: its std is 0
+    ref = copy.deepcopy(m)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    rec = Recorder(ref)
+    ref(x)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01) if with_optimizer else None
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        m(x).sum().backward()
+        if opt is not None:
+            opt.step()
+    assert_finding(_first(hunt), phase="forward", module="1", module_type="_ActNorm", tensor="output", step=0,
+                   call=0, cause="created", expected=rec.out("1"))

@@ -54,6 +54,7 @@ class _Ctx:
         self.names = view.names
         self._params: dict[int, tuple[str, str, nn.Module]] | None = None
         self._replays: dict[tuple[int, bool], Replay | None] = {}
+        self._fresh: dict[int, None] | None = None
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
         self.where: dict[int, tuple[str, int, int, Path]] = {}
         self.stopped = False  # on_find="breakpoint" stopped already
@@ -93,9 +94,22 @@ class _Ctx:
             if backward:
                 grads = [self.log.tensors[k].grad for k in top.out_keys]
                 params = list(top.module.parameters())
-            r = replay_top(top, self.names, backward=grads, params=params, before=dict(top.saved))
+            r = replay_top(top, self.names, backward=grads, params=params, before={**top.saved, **self.fresh()})
         self._replays[key] = r
         return r
+
+    def fresh(self) -> dict[int, None]:
+        """At the first step, before any update: the parameters that were finite when it began.
+        Non-finite now, the step's own code wrote them (a data-dependent init, Glow's ActNorm:
+        loc/scale from the first batch), so they are judged by their finite value before the call,
+        never "parameter" (a weight poisoned before the step: loaded, or set before the watch)."""
+        if self._fresh is None:
+            view, root = self.view, self.view.root
+            self._fresh = {}
+            if view.step == 0 and view.steps_applied == 0 and root is not None:
+                known = {id(t) for t in (*view.bad_at_start, *view.known_bad)}
+                self._fresh = {id(p): None for p in root.parameters() if id(p) not in known}
+        return self._fresh
 
 
 def _replayable(top: Top) -> bool:
