@@ -6,7 +6,9 @@ A path given to ``watch(report=...)`` is checked as the OS resolves it, not as a
 (a later ``os.chdir`` does not move it). A symbolic link is written through: its target is
 replaced atomically and the link stays; a device or a pipe (``/dev/null``, ``/dev/stdout``) is
 written in place, as ``open()`` would. Text is written as UTF-8 with ``backslashreplace``: a name
-that cannot be encoded (a lone surrogate) is written escaped, never raised at the moment of failure.
+that cannot be encoded (a lone surrogate) is written escaped, never raised at the moment of failure;
+a file that cannot be written at all is warned and logged (`warn_unwritten`), never raised, also
+under ``-W error``.
 
 Files are read only when they are regular files (`not_a_file`): a folder, a device (``/dev/zero``)
 or a FIFO is named as what it is and never read; `read_limited` reads at most a bounded number of
@@ -21,16 +23,18 @@ a renderer or a rebuild.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import stat
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["atomic_write", "glob_patterns", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
-           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH"]
+           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH", "warn_unwritten"]
 
 MAX_REPORT_BYTES = 256 * 2**20  # a report read back is at most this big (nanhunt's own are well under 1 MiB)
 MAX_DEPTH = 64  # containers nested deeper than this in a file read back: not something nanhunt wrote
@@ -77,6 +81,20 @@ def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str
             os.unlink(tmp)
         raise
     return p
+
+
+def warn_unwritten(message: str, stacklevel: int = 2) -> None:
+    """Say that a file (a report, a repro bundle) was not written: a ``UserWarning`` at the
+    caller's ``stacklevel`` and the same words on the ``"nanhunt"`` logger, never an exception.
+    A filter of the user's that makes warnings errors (``python -W error``, pytest's
+    ``filterwarnings = error``) leaves it at the log: raised from a hook at the moment of a
+    finding, it would replace the finding (the `NonFiniteError` of raise mode) with an error about
+    a file, or switch the hunt off as an internal fault."""
+    logging.getLogger("nanhunt").warning("%s", message)
+    try:
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+    except Warning:
+        pass  # (logged above)
 
 
 def _ready(path: str, st: os.stat_result) -> None:

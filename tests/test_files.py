@@ -194,6 +194,31 @@ def test_a_relative_report_path_survives_a_chdir(tmp_path, monkeypatch) -> None:
     assert not (tmp_path / "elsewhere" / "out").exists()
 
 
+def test_a_report_that_cannot_be_written_never_replaces_the_finding(tmp_path, caplog) -> None:
+    # pytest runs with filterwarnings=error, as `python -W error` does: the warning that the file could
+    # not be written was raised from the step's hook and became nanhunt's InternalError in place of
+    # the NonFiniteError of the finding
+    out = tmp_path / "out"
+    out.mkdir()
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = zoo.snapshot(model)
+    hunt = nanhunt.watch(model, opt, on_find="raise", report=out / "r.json")
+    out.rmdir()  # the folder goes away mid-run (a cleaned scratch disk)
+    x = torch.randn(8, 4)
+    x[3] = 1000.0
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        model(x).sum().backward()
+        opt.step()
+    assert err.value.finding.module == "1" and err.value.finding.phase == "forward"
+    assert zoo.same_state(before, zoo.snapshot(model))  # the step was never applied
+    said = [r.getMessage() for r in caplog.records if "could not write the report" in r.getMessage()]
+    assert said and str(out) in said[0]  # the log still says what was not written
+    assert said[0] in getattr(err.value, "__notes__", [])  # and so does the error
+    hunt.close()  # the report is tried again, and again only said
+    assert not out.exists()
+
+
 # ---------------------------------------------------------------- bundles
 def _good_bundle(tmp_path) -> dict[str, Any]:
     torch.manual_seed(0)

@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
+from .._files import warn_unwritten
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
 from .._locate import locate
@@ -1489,11 +1490,12 @@ class Hunt:
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
             going_on = self.on_find not in ("raise", "skip", "breakpoint") and found[0].step == self.step
             self._damage_at = (self._stepping or self._in_closure) if going_on else None
+        unwritten = None
         if self._report_path is not None:
             now = time.monotonic()  # not at every finding: a long record-mode run would rewrite it quadratically
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
                 self._report_at = now
-                self._write_report()
+                unwritten = self._write_report()
         warn = self.on_find == "warn" and found[0].step != self._warned_step
         if _logger.isEnabledFor(logging.INFO):  # the summaries, formatted only when a handler wants them
             for i, f in enumerate(found):  # (only the hunt's first finding is called the first)
@@ -1525,6 +1527,8 @@ class Hunt:
                        f"({', '.join(map(str, self.skipped[-self._max_skips:]))}; max_skips={self._max_skips}) "
                        f"and step {found[0].step} has a finding again, so the run stops. The first finding:")
             error = NonFiniteError(self.findings[0] if why else found[0], self.report, why)
+            if unwritten is not None:
+                error.add_note(unwritten)  # (also warned and logged: a -W error run sees it here)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
                 self._close(raise_pending=False)
             raise error
@@ -1597,12 +1601,16 @@ class Hunt:
             self._write_report()
         return NonFiniteError(f, self.report)
 
-    def _write_report(self) -> None:
+    def _write_report(self) -> str | None:
+        """Write ``report=``; what went wrong if it could not be written (warned and logged, never
+        raised: a full disk, a folder gone, ``-W error``; the finding it was written for goes on)."""
         try:
             self.report.save(self._report_path)  # type: ignore[arg-type]
         except Exception as e:  # never break the user's run over a report (a full disk, a bad name...)
-            warnings.warn(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
-                          stacklevel=3)
+            msg = f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}"
+            warn_unwritten(msg, stacklevel=3)
+            return msg
+        return None
 
     def _view(self, log: StepLog, step: int, calls_before: dict[tuple[bool, int], int] | None = None) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
