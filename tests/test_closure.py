@@ -3,6 +3,8 @@ after them and before the update (LBFGS, Lightning's automatic optimization)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -86,3 +88,63 @@ def test_lbfgs_state_mid_line_search_is_not_an_optimizer_finding_of_the_last_ste
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 3, "input"), hunt.findings[:3]
     assert not any(g.phase == "optimizer" and g.step < 3 for g in hunt.findings), hunt.findings
+
+
+class _LogBarrier(nn.Module):
+    """A fit to a target with a log barrier: finite for positive weights, NaN where a step takes one
+    below zero (an LBFGS trial point past the barrier)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([5.0, 4.0, 6.0]))
+
+    def forward(self, target: torch.Tensor) -> torch.Tensor:
+        return (self.w - target).pow(2).sum() - 0.1 * torch.log(self.w).sum()
+
+
+def _lbfgs_run(on_find: str | None, line_search: str | None, targets: list[float]) -> tuple[nn.Module, Any, Any, list[Any]]:
+    model = _LogBarrier()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=4, line_search_fn=line_search)
+    hunt = nanhunt.watch(model, opt, on_find=on_find) if on_find else None
+    errors = []
+    for target in targets:
+        def closure(target: float = target) -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(torch.tensor(target))
+            loss.backward()
+            return loss
+
+        try:
+            opt.step(closure)
+        except nanhunt.NonFiniteError as e:
+            errors.append(e)
+    if hunt is not None:
+        hunt.close()
+    return model, opt, hunt, errors
+
+
+# (not skip with strong_wolfe: torch's line search itself fails on the NaN loss, an IndexError)
+@pytest.mark.parametrize(("on_find", "line_search"), [("raise", None), ("raise", "strong_wolfe"), ("skip", None)])
+def test_lbfgs_weights_stay_where_they_stood_after_a_nan_at_a_trial_point(on_find: str, line_search: str | None) -> None:
+    """The batch of step 2 pulls the weights far below zero: the first closure call (at the
+    weights the step began from) is finite, the call at LBFGS's next point (the fixed step or the
+    line search's trial point) is NaN. The weights were left at that point after the error
+    (moved from the first call's gradient), and LBFGS's state mid-update; training resumed from
+    there. Now the step leaves weights and state as they were, and the run goes on exactly as
+    a run that never saw that batch."""
+    model, opt, hunt, errors = _lbfgs_run(on_find, line_search, [3.0, 2.0, -50.0, 1.0])
+    clean, clean_opt, _, _ = _lbfgs_run(None, line_search, [3.0, 2.0, 1.0])
+    assert [f.step for f in hunt.findings] == [2] and hunt.first.cause == "created"
+    assert len(errors) == (on_find == "raise") and hunt.skipped == ([2] if on_find == "skip" else [])
+    assert torch.equal(model.w, clean.w), (model.w, clean.w)
+    a, b = opt.state_dict()["state"], clean_opt.state_dict()["state"]
+    assert a.keys() == b.keys() and all(a[k].keys() == b[k].keys() for k in a)
+    for k in a:
+        for name, v in a[k].items():
+            w = b[k][name]
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(v, w), name
+            elif isinstance(v, list):
+                assert len(v) == len(w) and all(torch.equal(x, y) for x, y in zip(v, w) if isinstance(x, torch.Tensor)), name
+            else:
+                assert v == w, name

@@ -61,7 +61,7 @@ from .history import History, stats
 from .options import Options
 from .outside import Outside, is_lib, user_line
 from .probe import Fused, GradProbe, OptimizerProbe
-from .protect import BufferBackup, drop_grads
+from .protect import BufferBackup, StepBackup, drop_grads, moves_in_step
 from .retain import settle
 from .samples import LoaderIndices
 from .start import StartState
@@ -296,6 +296,7 @@ class Hunt:
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
+        self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         try:
             self._install(model, opts, scaler)
         except BaseException:
@@ -1150,6 +1151,9 @@ class Hunt:
             # step(closure) (LBFGS, Lightning): forward and backward run inside step(), so the
             # check runs right after the closure, still before the optimizer applies anything.
             self._closure_calls[i] = 0
+            self._step_backups.pop(i, None)  # (a step whose closure raised an error of its own)
+            if self._backup is not None and moves_in_step(opt):  # raise/skip: see StepBackup
+                self._step_backups[i] = StepBackup(opt)
             wrapped = partial(self._closure, i, opt, closure)
             if kwargs and "closure" in kwargs:
                 return args, {**kwargs, "closure": wrapped}
@@ -1203,8 +1207,12 @@ class Hunt:
         self._in_closure = opt
         try:
             self._check_step(i, opt)
-        except NonFiniteError:
-            self._abandoned()
+        except BaseException as exc:  # the step stops here: LBFGS may have moved the weights to a trial point
+            backup = self._step_backups.pop(i, None)
+            if backup is not None:
+                backup.restore()
+            if isinstance(exc, NonFiniteError):
+                self._abandoned()
             raise
         finally:
             self._in_closure = None
@@ -1248,6 +1256,9 @@ class Hunt:
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._closure_calls.pop(i, None)  # its step() is over: its state is what it left
+        backup = self._step_backups.pop(i, None)
+        if backup is not None and self.skipped and self.skipped[-1] == self.step and not self._closed:
+            backup.restore()  # skip: the step was dropped after LBFGS moved the weights (a trial point)
         if self._paused or self._closed:
             return
         _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
@@ -1685,6 +1696,7 @@ class Hunt:
             h.remove()
         self._late.clear()
         self._pending.clear()
+        self._step_backups.clear()
         self._log.release()
         self._stack.clear()
         if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):

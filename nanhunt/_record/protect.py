@@ -12,6 +12,13 @@ torch 2.13). A model without buffers costs nothing.
 A step whose gradients are all ``None`` is a no-op for every ``torch.optim`` optimizer except
 LBFGS: parameters and state (Adam's per-parameter ``step`` included) stay bit-identical to a loop
 that never saw the batch.
+
+LBFGS moves the weights inside one ``step(closure)``, between calls of the closure (each
+line-search trial point, each fixed step): a finding at a later call leaves them at the trial
+point, moved from the gradient of the step's first call. :class:`StepBackup` keeps the weights and
+the optimizer's state as they were when that ``step()`` began (one copy of the weights and of the
+state's tensors, taken for LBFGS only, in raise/skip mode) and puts them back when a finding stops
+or drops the step.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch.nn.parameter import is_lazy
 
 from .._tensors import same, strided
 
-__all__ = ["BufferBackup", "buffer_slots", "drop_grads"]
+__all__ = ["BufferBackup", "StepBackup", "buffer_slots", "drop_grads", "moves_in_step"]
 
 
 class BufferBackup:
@@ -98,6 +105,43 @@ class BufferBackup:
         self._src = []
         self._copy = []
         self._captured = self._armed = False
+
+
+def moves_in_step(opt: torch.optim.Optimizer) -> bool:
+    """Does ``opt`` write the weights between calls of its closure within one ``step()``?"""
+    return isinstance(opt, torch.optim.LBFGS)
+
+
+class StepBackup:
+    """An optimizer's weights and state as they were when its ``step(closure)`` began.
+
+    The state's tensors are copied (LBFGS writes ``prev_flat_grad`` in place); its lists are copied
+    as lists (LBFGS appends to its history; the tensors in it are never written in place)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self._opt = opt
+        self._params = [p for g in opt.param_groups for p in g["params"]]
+        with torch.no_grad():
+            self._values = [p.detach().clone() for p in self._params]
+            self._state = {p: {k: _copied(v) for k, v in st.items()} for p, st in opt.state.items()}
+
+    def restore(self) -> None:
+        """Put the weights and the state back, once (the optimizer's state dicts stay the same objects)."""
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in self._params], self._values)
+        state = self._opt.state
+        for p in [p for p in state if p not in self._state]:
+            del state[p]
+        for p, st in self._state.items():
+            now = state[p]
+            now.clear()
+            now.update(st)
+
+
+def _copied(v: object) -> object:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return list(v) if isinstance(v, list) else v
 
 
 def buffer_slots(root: nn.Module) -> list[tuple[dict[str, torch.Tensor | None], str, str]]:
