@@ -88,6 +88,51 @@ def test_training_thread_owns_its_steps_while_another_thread_runs_inference() ->
     del other
 
 
+def _run_on_a_new_thread(fn: Any, not_ident: int | None) -> None:
+    """Run ``fn`` on a new thread whose ident is not ``not_ident`` (an ended thread's ident is
+    given to the next thread started, which then passes for it)."""
+    held: list[tuple[threading.Thread, threading.Event]] = []
+    while True:
+        go, run = threading.Event(), threading.Event()
+        t = threading.Thread(target=lambda go=go, run=run: go.wait() and run.is_set() and fn())
+        t.start()
+        if t.ident != not_ident:
+            break
+        held.append((t, go))  # (alive, it keeps that ident from the next one)
+    run.set()
+    go.set()
+    t.join()
+    for h, g in held:
+        g.set()
+        h.join()
+
+
+def test_a_new_thread_trains_on_after_the_first_one_ended() -> None:
+    # thread 1 trains some steps and ends; thread 2 trains on. Thread 1 kept the step until thread 2's
+    # first step(): thread 2's first forward was never recorded, and its overflow was reported as
+    # the gradients' only
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    first: list[int] = []
+
+    def train(bad: int) -> None:
+        first.append(threading.get_ident())
+        for i in range(3):
+            x = torch.randn(8, 4)
+            if i == bad:
+                x[3] = 1000.0  # exp overflows in module 1
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        _run_on_a_new_thread(lambda: train(-1), None)
+        _run_on_a_new_thread(lambda: train(0), first[0])
+    assert first[0] != first[1]
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "1", 3, "created"), hunt.findings[:2]
+
+
 # ---------------------------------------------------------------------------- user hooks
 def test_a_users_forward_hook_that_changes_a_childs_output_is_blamed_on_the_child() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))

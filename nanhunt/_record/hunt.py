@@ -10,7 +10,8 @@ What the hooks see, and what they leave alone:
 - **Threads.** A step is recorded from one thread, its owner: the thread that steps a watched
   optimizer (before the first ``step()``, the first thread that calls a watched module); without
   an optimizer, the thread of the current root call (any thread takes the next one). Calls from
-  other threads meanwhile are not recorded: they never raise and never mix into the step.
+  other threads meanwhile are not recorded: they never raise and never mix into the step. A thread
+  that ended owns nothing: the next thread to call a watched module takes the step over.
   Gradient hooks run in whatever thread autograd uses.
 - **The user's forward hooks.** torch runs global hooks before a module's own; for a module with
   forward hooks of its own, nanhunt probes from a forward hook of that module kept after the
@@ -232,6 +233,7 @@ class Hunt:
         self._stack: list[Call] = []
         self._owner: int | None = None  # the thread whose calls this step records
         self._owner_lock = threading.Lock()
+        self._owner_thread = threading.current_thread()  # the Thread of the last owner set (_take_step, _pre_step)
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
         self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
@@ -698,10 +700,13 @@ class Hunt:
         return (p for o in self._opts for g in o.param_groups for p in g["params"])
 
     def _take_step(self) -> bool:
-        """Threads: the calling thread owns the step if nobody does (rare: once per step)."""
+        """Threads: the calling thread owns the step if nobody does (rare: once per step), or if
+        the thread that owned it has ended (training went on in a new thread: a restarted worker)."""
         with self._owner_lock:
-            if self._owner is None:
+            owner, thread = self._owner, self._owner_thread
+            if owner is None or (thread.ident == owner and not thread.is_alive()):
                 self._owner = _get_ident()
+                self._owner_thread = threading.current_thread()
                 return True
             return False
 
@@ -1145,6 +1150,7 @@ class Hunt:
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         self._owner = _get_ident()  # the thread that steps the optimizer owns the steps
+        self._owner_thread = threading.current_thread()  # (a thread that ended owns nothing: see _take_step)
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         if callable(closure):
