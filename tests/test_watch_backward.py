@@ -635,3 +635,62 @@ def test_a_gradient_born_in_the_loss_a_model_computes_itself_is_the_models() -> 
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "", 1, "created", "SqrtBackward0"), f
     assert f.source is not None and f.source.endswith(f":{_RMSE.forward.__code__.co_firstlineno + 3}"), f
+
+
+class _GapRoot(nn.Module):
+    """sqrt(|a - b|^2) in the root's own code: a row with a == b gives sqrt at 0 in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 3)
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.proj(x[:, :2]), self.proj(x[:, 2:4])
+        return self.head(((a - b) ** 2).sum(-1, keepdim=True).sqrt())
+
+
+class _Gap(nn.Module):
+    """sqrt at 0 in the module's own code when its input's halves are equal; its input is data
+    (needs no gradient), so the finding is named by the sqrt node, not by a grad_input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + ((x[:, :2] - x[:, 2:]) * h).pow(2).sum(-1, keepdim=True).sqrt()
+
+
+class _TwoGaps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gap = _Gap()
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gap(x[:, :4]) + self.gap(x[:, 4:]))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize(("where", "module", "call"), [("root", "", 1), ("first", "gap", 2), ("second", "gap", 3)])
+def test_a_gradient_named_by_its_node_in_the_second_micro_batch_has_that_calls_number(
+        mode: str, where: str, module: str, call: int) -> None:
+    # two micro-batches, one optimizer step; sqrt at 0 only in micro-batch 2's backward, in the
+    # root's own code or in one of the two calls of a shared child. Findings named by their
+    # autograd node said call=0, as if made by micro-batch 1 (the forward numbers them 1, 2, 3)
+    torch.manual_seed(0)
+    model: nn.Module = _GapRoot() if where == "root" else _TwoGaps()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(3, 8, generator=g) for _ in range(2)]
+    at = 4 if where == "second" else 0
+    xs[1][1, at + 2:at + 4] = xs[1][1, at:at + 2]
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for x in xs:
+            model(x).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause, f.step) == ("backward", module, "SqrtBackward0", "created", 0)
+    assert f.call == call

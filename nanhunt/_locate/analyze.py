@@ -469,15 +469,24 @@ def _call_index(ctx: _Ctx, top: int, rc: ReplayCall) -> int:
             return c.call
     r = ctx._replays.get((top, False)) or ctx._replays.get((top, True))
     calls = r.calls if r else []
-    within = sum(1 for o in calls if o.ordinal < rc.ordinal and o.module is rc.module)
-    per_top = sum(1 for o in calls if o.module is rc.module)
+    return _nth_call(ctx, top, rc.module, sum(1 for o in calls if o.ordinal < rc.ordinal and o.module is rc.module))
+
+
+def _nth_call(ctx: _Ctx, top: int, module: nn.Module, within: int) -> int:
+    """The step's call index of ``module``'s call number ``within`` inside the top-level call
+    ``top`` (micro-batches: the second forward's call of a module is its call 1)."""
+    mine = [c for c in ctx.log.calls if c.top == top and c.module is module]
+    if within < len(mine):
+        return mine[within].call
+    r = ctx._replays.get((top, False)) or ctx._replays.get((top, True))
+    per_top = sum(1 for o in (r.calls if r else []) if o.module is module)
     tops = ctx.log.tops
     earlier = 0
     evaluation = _evaluation(tops[top])
     for ti in range(top):
         if _evaluation(tops[ti]) != evaluation:
             continue  # an evaluation pass's calls are counted apart (StepLog.number_calls)
-        seen = sum(1 for c in ctx.log.calls if c.top == ti and c.module is rc.module)
+        seen = sum(1 for c in ctx.log.calls if c.top == ti and c.module is module)
         if not seen and ctx.view.mode == "sentinel" and tops[ti].module is tops[top].module:
             seen = per_top  # sentinel records the root's calls only: an earlier call of it ran the module as often
         earlier += seen
@@ -745,7 +754,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         # not even need a gradient), named by its node
         module_type=type(module).__name__, tensor=tensor,
         step=ctx.step,
-        call=0, index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
         dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True, verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
@@ -775,12 +784,13 @@ def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | 
             return fn
     g = next((log.tensors[k].grad for k in top.out_keys if is_bad(log.tensors[k].grad)), None)
     name = ctx.names.get(top.module, "")
+    call = _nth_call(ctx, top_i, top.module, 0)
     if g is None:
-        return _partial(ctx, "backward", name, top.module, "grad_output", 0, "unknown", reproducible)
+        return _partial(ctx, "backward", name, top.module, "grad_output", call, "unknown", reproducible)
     index, value, counts = element(g)
     return Finding(
         phase="backward", module=name, module_type=type(top.module).__name__, tensor="grad_output",
-        step=ctx.step, call=0, index=index, value=value, counts=counts, shape=tuple(g.shape),
+        step=ctx.step, call=call, index=index, value=value, counts=counts, shape=tuple(g.shape),
         dtype=dtype_name(g), cause="input", reproducible=reproducible,
         hint="The gradient arriving at the model's output was already non-finite: it was made by "
         "the code after the model (the loss). Pass the loss to hunt.check(loss) to see it.",

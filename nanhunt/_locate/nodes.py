@@ -43,6 +43,7 @@ class Born:
     name: str = ""
     facts: dict[str, Any] = field(default_factory=dict)
     nth: int = 0  # how many nodes of the same name ran before it in that backward
+    call: int = 0  # which call of ``module`` in the top-level call made it (0: its first)
 
 
 class Blame(NamedTuple):
@@ -162,16 +163,17 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     if got is None:
         return None
     fn, slot, grad, chain, facts, nth = got
-    owner = _owner(fn, done)
+    owner, call = _owner(fn, done)
     src = mode.node_src.get(fn, (None, False))[0]
     return Born(fn.name(), src, grad, slot,
                 [_fmt(n.name(), mode.node_src.get(n, (None, False))[0]) for n in chain],
-                owner, names.get(owner, "") if owner is not None else "", facts, nth)
+                owner, names.get(owner, "") if owner is not None else "", facts, nth, call)
 
 
-def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> nn.Module | None:
-    """The innermost watched call whose outputs reach ``target`` before its inputs' nodes."""
-    for module, inputs, output in done:  # children complete before their parents
+def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module | None, int]:
+    """The innermost watched call whose outputs reach ``target`` before its inputs' nodes: its
+    module, and which of that module's calls it was (0: the first)."""
+    for i, (module, inputs, output) in enumerate(done):  # children complete before their parents
         stop = {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
         stop |= {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
         todo = [t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)]
@@ -181,7 +183,7 @@ def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> nn.Module | N
             if fn is None or fn in seen or fn in stop:
                 continue
             if fn is target:
-                return module
+                return module, sum(1 for m, _, _ in done[:i] if m is module)
             seen.add(fn)
             todo.extend(n for n, _ in fn.next_functions)
-    return None
+    return None, 0
