@@ -386,6 +386,43 @@ def test_per_sample_gradients_with_torch_func_on_a_watched_model() -> None:
 
 
 @pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_per_sample_gradients_after_a_no_grad_call_of_the_model_in_the_same_step(on_find: str) -> None:
+    # a no_grad call of the model (a metric, EMA targets) turns the loss-code recorder on until the
+    # step's end; the per-sample gradients then ran through it and its probes of functorch-wrapped
+    # tensors leaked into the step log: stacking them raised torch's internal assert
+    # (maybe_level.has_value()), nanhunt's InternalError in raise mode, a hunt switched off in record
+    torch.manual_seed(0)
+    model = zoo.mlp(d_in=4, d_hidden=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_one(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((functional_call(model, p, (x.unsqueeze(0),)) - y) ** 2).mean()
+
+    hunt = nanhunt.watch(model, optimizer=opt, on_find=on_find)
+    try:
+        for step in range(4):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            x, y = torch.randn(5, 4), torch.randn(5, 1)
+            if step == 3:
+                y[2, 0] = float("nan")  # a corrupt label: only sample 2's gradients are NaN
+            with torch.no_grad():
+                model(x)
+            g = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = g[k].mean(0)
+            opt.step()
+            opt.zero_grad()
+            assert hunt.findings == [] or step == 3
+    except nanhunt.NonFiniteError:
+        assert on_find == "raise"
+    finally:
+        hunt.close()
+    assert not hunt._faulted
+    f = hunt.first  # the loop's own .mean(0) of the per-sample gradients, fed sample 2's NaN
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 3, "input"), f
+
+
+@pytest.mark.parametrize("on_find", ["raise", "record"])
 def test_a_nan_born_inside_vmap_in_a_forward_is_found_by_its_module(on_find: str) -> None:
     # calls inside torch.func transforms are not recorded; the replay after the hit must not see
     # them either (their tensors are wrapped and die with the transform: reading one is a torch

@@ -69,6 +69,7 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 
 
 def _carried(name: str, args: Any) -> torch.Tensor | None:
@@ -447,6 +448,8 @@ class Outside(TorchFunctionMode):
             kwargs = {}
         if self.stale or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
             return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
+        if _functorch_level() is not None:  # inside torch.func transforms (vmap/grad, per-sample gradients):
+            return func(*args, **kwargs)  # not recorded, as module calls there are not (their tensors are wrapped)
         if _own_code(sys._getframe(1).f_code.co_filename):
             return func(*args, **kwargs)  # nanhunt's own work (another hunt's hooks): nobody's outside code
         recs = [m for m in _SWITCH.active if not m.quiet and not m.busy()]
