@@ -827,3 +827,39 @@ def test_a_weight_the_first_call_initialises_from_the_data_is_born_there_not_a_p
             opt.step()
     assert_finding(_first(hunt), phase="forward", module="1", module_type="_ActNorm", tensor="output", step=0,
                    call=0, cause="created", expected=rec.out("1"))
+
+
+class _InPlaceNorm(nn.Module):
+    """Row normalisation written into its input (no parameters): a zero row gives 0 / 0 = NaN.
+    ``detached``: the norm of a detached copy (the form that trains: autograd allows the write)."""
+
+    def __init__(self, detached: bool) -> None:
+        super().__init__()
+        self.detached = detached
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.div_((x.detach() if self.detached else x).norm(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("train", [False, True])
+def test_a_module_that_writes_its_input_in_place_is_named(mode: str, train: bool) -> None:
+    # the replay read the module's input after the call, when it was the NaN output itself (the
+    # same tensor): "fed in", and the finding climbed to the root, whose own code made it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), _InPlaceNorm(detached=train), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if train else None
+    x = torch.randn(6, 4)
+    x[2] = 0.0  # a zero row: the first Linear (no bias) gives zeros, the norm divides 0 by 0
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        if train:
+            model(x).sum().backward()
+            assert opt is not None
+            opt.step()
+        else:
+            with torch.no_grad():
+                model(x)
+                model(x)  # (the next call ends the step)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.module_type, f.cause, f.op) == ("forward", "1", "_InPlaceNorm", "created", "aten.div_.Tensor")
+    assert f.index == (2, 0) and math.isnan(f.value)

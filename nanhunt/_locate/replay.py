@@ -41,6 +41,7 @@ class ReplayCall:
     done: int = -1  # completion order
     at_return: list[torch.Tensor | None] = field(default_factory=list)  # per output: "all finite?" when the call returned
     versions: list[int] = field(default_factory=list)  # per output: its version when the call returned
+    in_versions: dict[Path, int] = field(default_factory=dict)  # per positional input: its version when the call began
     _out_bad: list[bool] | None = None
     _in_bad: list[bool] | None = None
     _in_nan: list[bool] | None = None
@@ -60,6 +61,12 @@ class ReplayCall:
     def written(self) -> bool:
         """Was an output written in place after the call returned?"""
         return any(version(t) != v for (_, t), v in zip(self.outputs, self.versions))
+
+    def wrote_inputs(self) -> bool:
+        """Did the call write one of its inputs in place (``x.div_(...)`` returned as its output)?
+        Then the input read now is not what came in."""
+        at = self.in_versions
+        return any(p in at and version(t) != at[p] for p, t in self.inputs)
 
     @property
     def in_bad(self) -> list[bool]:
@@ -295,8 +302,10 @@ def replay_top(
     r = _replay_top(top, names, backward, params, before, frozenset())
     if r.error is None:
         stale = frozenset(c.ordinal for c in r.calls if c.written() and any(c.out_bad))
-        if stale:
-            again = _replay_top(top, names, backward, params, before, stale)
+        # an input the call itself wrote in place (and made non-finite): a copy of it as it came in
+        wrote_in = frozenset(c.ordinal for c in r.calls if c.wrote_inputs() and any(c.in_bad))
+        if stale or wrote_in:
+            again = _replay_top(top, names, backward, params, before, stale, wrote_in)
             if again.error is None and [c.module for c in again.calls] == [c.module for c in r.calls]:
                 return again
     return r
@@ -309,8 +318,10 @@ def _replay_top(
     params: list[nn.Parameter] | None,
     before: dict[int, torch.Tensor | None] | None,
     keep: frozenset[int],
+    keep_given: frozenset[int] = frozenset(),
 ) -> Replay:
     calls: list[ReplayCall] = []
+    came_in: dict[int, dict[Path, torch.Tensor]] = {}  # per call in keep_given: its inputs as they came in
     order: list[int] = []
     stack: list[int] = []
     keys: dict[int, int] = {}
@@ -339,6 +350,11 @@ def _replay_top(
             c.before = before
         if top.reparam:
             _ = c.params_bad  # judged now: functional_call's tensors are the module's only during the call
+        ins = list(tensors((args, {})))
+        c.in_versions = {p: version(t) for p, t in ins}
+        if c.ordinal in keep_given:  # it writes an input in place (see replay_top): keep it as it comes in
+            with torch.no_grad():
+                came_in[c.ordinal] = {p: strided(t).detach().clone() for p, t in ins}
         calls.append(c)
         stack.append(c.ordinal)
 
@@ -365,6 +381,10 @@ def _replay_top(
         if c.ordinal in keep:  # written after it returns (see replay_top): keep it as it is now
             c.outputs = [(p, t.detach().clone()) for p, t in c.outputs]
             c.versions = [version(t) for _, t in c.outputs]
+        copies = came_in.get(c.ordinal)
+        if copies:  # (after its gradient keys: those are the tensors the graph holds)
+            c.inputs = [(p, copies.get(p, t)) for p, t in c.inputs]
+            c.in_versions = {}
 
     hooks = ReplayHooks(pre, post)
     result = Replay(calls, order, None)
