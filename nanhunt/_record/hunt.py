@@ -292,6 +292,7 @@ class Hunt:
         self._start = StartState()  # what was non-finite when the watch began (read on a hit)
 
         self._croot: CompiledRoot | None = None
+        self._abandon = False  # a finding raised out of step(): the next iteration counts it (see _abandoned)
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
@@ -613,6 +614,8 @@ class Hunt:
         need, and records its `Top`. ``cap``: end a step that never ends past `_MAX_ENTRIES`.
         None when ``on_find`` closed the hunt meanwhile."""
         self._outside.off()
+        if self._abandon:
+            self._resumed()
         if self._later:  # optimizers added while torch ran their step hooks (see add_optimizer)
             later, self._later = self._later, []
             for opt in later:
@@ -1148,6 +1151,8 @@ class Hunt:
         if self._paused:
             return None
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
+        if self._abandon:
+            self._resumed()
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         self._owner = _get_ident()  # the thread that steps the optimizer owns the steps
         self._owner_thread = threading.current_thread()  # (a thread that ended owns nothing: see _take_step)
@@ -1225,13 +1230,18 @@ class Hunt:
         return loss
 
     def _abandoned(self) -> None:
-        """A finding raised out of ``step()`` before the update: the loop that catches it goes on
-        with its next iteration, so the abandoned one counts as a step, as a skipped one does (the
-        next finding's step is the loop's own count; it was one behind for each resume)."""
-        if not self._closed:
-            self.step += 1
-            self._calls_before = {}
-            self._round = set()
+        """A finding raised out of ``step()`` before the update. A loop that catches it and goes on
+        starts its next iteration: then (`_resumed`) the abandoned one counts as a step, as a
+        skipped one does, so the next finding's step is the loop's own count (it fell one behind
+        for each resume). Until then ``hunt.step`` is the step that raised."""
+        self._abandon = True
+
+    def _resumed(self) -> None:
+        """The loop goes on after a step that raised (see `_abandoned`)."""
+        self._abandon = False
+        self.step += 1
+        self._calls_before = {}
+        self._round = set()
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         if self._closed:
