@@ -85,3 +85,34 @@ def test_resume_without_the_bad_samples() -> None:
 def test_loader_must_be_a_dataloader() -> None:
     with pytest.raises(TypeError, match="DataLoader"):
         nanhunt.watch(zoo.bnmlp(), loader=[1, 2, 3])
+
+
+def test_batches_the_loader_did_not_deliver_name_no_rows_of_another_batch() -> None:
+    # itertools.cycle(loader), an infinite loop that many scripts use, replays its first pass from
+    # its own copies: the loader delivers nothing more, and a replayed bad batch was named by the
+    # rows of the last batch it did deliver (row 37 for the NaN of row 29)
+    import itertools
+
+    loader = DataLoader(Records(), batch_size=4, shuffle=False)
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:  # (the weights stay finite)
+        it = itertools.cycle(loader)
+        for _ in range(14):  # 10 delivered batches, then 4 of cycle's copies (rows 0-15)
+            x, y, _i = next(it)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        # one batch the loader delivered (rows 4-7), trained on for two steps: its rows both times
+        again = iter(loader)
+        next(again)
+        x, y, _i = next(again)
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    forward = {f.step: f.samples for f in hunt.findings if f.phase == "forward"}
+    assert forward[1] == (5,) and forward[4] == (17,) and forward[7] == (30,)  # delivered: their rows
+    assert forward[11] == ()  # cycle's copy of batch 1 (rows 4-7): unknown, never the rows of batch 9
+    assert forward[14] == forward[15] == (5,)
+    assert hunt.report.bad_samples == sorted(POISONED)

@@ -653,7 +653,7 @@ class Hunt:
             if self._start.pending and self._root is not None:
                 self._start.capture(self._root, self._opts)
         if self._batches is not None:
-            self._batches.top_started()
+            self._batches.top_started(args)
         t = _capture_top(module, args)
         t.outside_at = len(log.outside)
         if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)

@@ -72,7 +72,7 @@ def _recording_iterator(cls: type) -> type:
             ref = getattr(self, "_nanhunt_indices", None)
             owner = ref() if ref is not None else None
             if owner is not None:
-                owner.delivered()
+                owner.delivered(out)
             return out
 
         sub = type(cls.__name__, (cls,), {"__next__": __next__, "__qualname__": cls.__qualname__,
@@ -89,6 +89,8 @@ class LoaderIndices:
             raise TypeError(f"loader must be a torch.utils.data.DataLoader; got {type(loader).__name__}")
         self.queue: collections.deque[Batch | None] = collections.deque()
         self.last: Batch | None = None  # the batch the loop received last
+        self._last_tensors: list[weakref.ref[torch.Tensor]] = []  # its tensors, as the loader returned them
+        self._last_used = False  # a step that ended worked on it
         self._tops: list[Batch | None] = []  # the batch current at each top-level call of the step
         self._loader: DataLoader[Any] | None = loader
         self._attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
@@ -109,16 +111,29 @@ class LoaderIndices:
 
         loader._get_iterator = _get_iterator  # type: ignore[method-assign]
 
-    def delivered(self) -> None:
+    def delivered(self, batch: Any = None) -> None:
         self.last = self.queue.popleft() if self.queue else None
+        self._last_tensors = [weakref.ref(t) for _, t in tensors(batch)]
+        self._last_used = False
 
-    def top_started(self) -> None:
-        """A top-level call of the watched model began: it works on the last batch received."""
-        self._tops.append(self.last)
+    def top_started(self, args: Any = ()) -> None:
+        """A top-level call of the watched model began: it works on the last batch received, unless
+        a step that ended already did and the call is not given that batch's own tensors: batches
+        the loader did not deliver (``itertools.cycle(loader)`` replays its first pass, a cached
+        list, synthetic ones) were named by the rows of the last batch it did deliver."""
+        last = self.last
+        if last is not None and self._last_used:
+            given = {id(t) for _, t in tensors(args)}
+            if not any((t := r()) is not None and id(t) in given for r in self._last_tensors):
+                last = None  # unknown: no samples, rather than another batch's rows
+        self._tops.append(last)
 
     def take(self) -> list[Batch | None]:
         """The step ended: the batch of each of its top-level calls."""
         tops, self._tops = self._tops, []
+        last = self.last
+        if last is not None and any(b is last for b in tops):
+            self._last_used = True
         return tops
 
     def close(self) -> None:
