@@ -73,7 +73,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes", "outside_at",
+        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes", "outside_at", "src",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -93,6 +93,7 @@ class Top:
         self.reparam: dict[str, Any] | None = None  # torch.func.functional_call's tensors for this call
         self.odd_modes: tuple[nn.Module, ...] = ()  # submodules whose train/eval mode was not the module's (a frozen BatchNorm)
         self.outside_at = 0  # torch calls outside watched calls recorded before it in the step (StepLog.outside)
+        self.src: str | None = None  # the user's line that made the call (an op in torch's own layers has no other)
 
 
 @dataclass

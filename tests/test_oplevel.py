@@ -582,3 +582,20 @@ def test_acosh_has_a_hint_of_its_own() -> None:
         model[0].bias.zero_()
     f = train_step(model, u)
     assert f.op == "aten.acosh.default" and f.hint.startswith("Acosh below 1 gives nan"), f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_model(mode: str) -> None:
+    # nn.Sequential of torch's layers only: no frame of the user's code between the op and the
+    # model's call, and the source was None. The user's line is the one that called the model
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Threshold(0.1, float("inf")), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        loss = model(x).pow(2).mean()  # @torch-only-call
+        loss.backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.module_type, f.op) == ("forward", "1", "Threshold", "aten.threshold.default"), f
+    assert same_source(f.source, line("torch-only-call")), f.source

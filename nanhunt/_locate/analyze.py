@@ -264,7 +264,9 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             else:  # the op trace followed the element back to an op with finite inputs: born here
                 f = dataclasses.replace(f, cause="created")
         if got is not None:
-            f = dataclasses.replace(f, op=got.op, source=got.source, chain=tuple(got.chain))
+            # an op in torch's own layers all the way up (an nn.Sequential of them): the user's line
+            # is the one that called the model
+            f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
             facts = got.facts
     f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
     f = dataclasses.replace(f, hint=f.hint or _start_hint(ctx, f) or _hints.hint(f, facts), rank=ctx.view.rank)

@@ -656,6 +656,7 @@ class Hunt:
             self._batches.top_started(args)
         t = _capture_top(module, args)
         t.outside_at = len(log.outside)
+        t.src = user_line()[0]
         if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)
             t.odd_modes = self._odd_modes(module)
         self._state.capture(t, taken)
