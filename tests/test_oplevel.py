@@ -369,6 +369,47 @@ def test_fp16_matmul_overflow() -> None:
     assert chain_ops(f.chain) == ["aten.addmm.default"]
 
 
+class HalfMaskedAttention(nn.Module):
+    """Eager attention in float16 with a finite key mask (``finfo(float16).min`` at padding), as
+    Hugging Face builds it: ``q @ k.T * scale + mask``."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        with torch.no_grad():
+            self.q.weight.zero_()
+            self.q.bias.fill_(1.0)
+            self.k.weight.copy_(torch.eye(d))
+            self.k.bias.zero_()
+        self.half()
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x), self.k(x)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask  # @half-scores
+        return torch.softmax(scores, dim=-1)
+
+
+def test_fp16_attention_overflow_behind_a_finfo_min_mask_blames_the_matmul() -> None:
+    # key 0 is padding with a finite negative score: score + finfo.min rounds to -inf in the add,
+    # harmless (softmax gives it 0); key 2's score overflows float16 in q @ k.T (+inf), and the
+    # softmax of its row is nan. The nan is born of the +inf, not of the mask's -inf
+    model = HalfMaskedAttention()
+    x = torch.zeros(1, 4, 8, dtype=torch.float16)
+    x[0, 0] = -100.0  # score -283: finite
+    x[0, 2] = 30000.0  # score 240000 in float32: +inf in float16
+    mask = torch.zeros(1, 4, 4, dtype=torch.float16)
+    mask[..., 0] = torch.finfo(torch.float16).min
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt):
+        model(x, mask).float().sum().backward()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause) == ("forward", "", "created") and math.isnan(f.value)
+    assert f.op == "aten.bmm.default" and same_source(f.source, line("half-scores"))
+    assert chain_ops(f.chain) == ["aten.bmm.default", "aten.mul.Tensor", "aten.add.Tensor", "aten._softmax.default"]
+    assert "aten.bmm.default" in (f.hint or "") and "65504" in (f.hint or "")
+    assert "-inf" not in (f.hint or "")
+
 class DropExp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -317,7 +317,7 @@ class _Recorder:
                 idx = _first(code)
             path.append(ri)
             kinds.append(int(code[idx]))
-            cands = self._candidates(rec, shape, idx)
+            cands = self._candidates(rec, shape, idx, kinds[-1])
             if not cands:
                 path.reverse()
                 return path  # every input that matters was finite: created here
@@ -340,7 +340,10 @@ class _Recorder:
             idx = in_idx
             into = (inp.shape, inp.geo)
 
-    def _candidates(self, rec: _Rec, shape: tuple[int, ...], idx: tuple[int, ...]) -> list[tuple[Any, _In, Any]]:
+    def _candidates(self, rec: _Rec, shape: tuple[int, ...], idx: tuple[int, ...],
+                    out_code: int) -> list[tuple[Any, _In, Any]]:
+        """The inputs non-finite where output element ``idx`` (of code ``out_code``) is made, each with
+        its element to follow."""
         sel_pos: int | None = None
         if rec.select is not None:
             kind, cond = rec.select
@@ -363,18 +366,31 @@ class _Recorder:
                     in_idx = _first(inp.code)
                 elif int(inp.code[in_idx]) == 0:
                     continue  # finite where it matters
-            elif inp.shape == shape and int(inp.code[idx]) != 0:
-                in_idx = idx
-            elif inp.shape[:-1] == shape[:-1] and len(shape) >= 1 and bool(inp.code[idx[:-1]].any()):
-                row = inp.code[idx[:-1]]
-                in_idx = (*idx[:-1], int(row.nonzero()[0, 0]))
             else:
-                in_idx = _first(inp.code)
+                in_idx = _in_row(inp.code, inp.shape, shape, idx, out_code)
             v = int(inp.code[in_idx])
             origin = self.recs[inp.prod[0]].origin if inp.prod is not None else sys.maxsize
             # a -inf is most often an intended mask: follow anything else first
             out.append(((v == 3, inp.prod is None, origin), inp, in_idx))
         return out
+
+
+def _in_row(code: torch.Tensor, in_shape: tuple[int, ...], shape: tuple[int, ...], idx: tuple[int, ...],
+            kind: int) -> tuple[int, ...]:
+    """The element of a (not pointwise) op's input to follow from output element ``idx`` of code
+    ``kind``: the same element, else one in the same row, else the input's first non-finite one. A
+    nan or +inf out of a row (softmax, a sum) comes of a nan or +inf in it, or of a row all -inf (a
+    fully masked row): a -inf of a row that also holds those (a large negative score plus a float16
+    mask's finfo.min, harmless) is passed over for them."""
+    same = in_shape == shape and int(code[idx]) != 0
+    row = code[idx[:-1]] if len(shape) >= 1 and in_shape[:-1] == shape[:-1] else None
+    if row is None or not bool(row.any()):
+        return idx if same else _first(code)
+    if kind != 3 and not (same and int(code[idx]) != 3):
+        hot = ((row == 1) | (row == 2)).nonzero()
+        if hot.numel():
+            return (*idx[:-1], int(hot[0, 0]))
+    return idx if same else (*idx[:-1], int(row.nonzero()[0, 0]))
 
 
 def _view_index(idx: tuple[int, ...], geo: _Geo | None, shape: tuple[int, ...],
