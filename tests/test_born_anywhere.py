@@ -232,7 +232,7 @@ class _ClampedLog(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        return g / x
+        return g / x  # @clamped-log-backward
 
 
 def clamped_log_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
@@ -250,8 +250,14 @@ def test_custom_autograd_function_in_loss_code_is_its_own_backward_node() -> Non
 
     apply = torch.autograd.Function.__dict__["apply"]
     f = run_steps(model(), clamped_log_loss)
-    assert (f.module, f.phase, f.op, f.cause) == ("<outside>", "backward", "_ClampedLogBackward", "created")
-    assert same_source(f.source, line("custom-fn"))
+    # op and line: the division of its backward that made the inf (where a user fixes it), first in
+    # the chain; then its node, at the line that applied it; the gradient named by that node
+    assert (f.module, f.phase, f.op, f.cause) == ("<outside>", "backward", "aten.div.Tensor", "created")
+    assert f.tensor == "_ClampedLogBackward.grad_input[0]"
+    assert same_source(f.source, line("clamped-log-backward"))
+    assert [c.split(" @ ")[0] for c in f.chain][:2] == ["aten.div.Tensor", "_ClampedLogBackward"]
+    assert f.chain[0] == f"{f.op} @ {f.source}" and same_source(f.chain[1].split(" @ ")[1], line("custom-fn"))
+    assert "division by 0" in (f.hint or "")
     assert f.value is not None and math.isinf(f.value)
     assert torch.autograd.Function.__dict__["apply"] is apply  # nothing of the recorder left on torch
 

@@ -500,11 +500,55 @@ def test_custom_function_bad_backward() -> None:
     model = nn.Sequential(nn.Linear(3, 3), BadMod(), nn.Linear(3, 1))
     f = train_step(model, torch.randn(2, 3))
     assert f.phase == "backward" and f.module == "1"
-    assert f.op == "BadBackward"
-    assert same_source(f.source, line("bad-apply"))
-    ops = chain_ops(f.chain)
-    assert ops == ["aten.div.Tensor", "BadBackward"]
-    assert same_source(f.chain[0].split(" @ ")[1], line("bad-backward"))
+    assert chain_ops(f.chain) == ["aten.div.Tensor", "BadBackward"]
+    assert_blames_the_backwards_line(f, "BadBackward", "bad-backward", "bad-apply")
+
+
+def assert_blames_the_backwards_line(f: nanhunt.Finding, node: str, backward: str, apply: str) -> None:
+    """A custom Function's bad backward: ``op`` the aten op of its backward that made the value, at
+    its line there (where a user fixes it), the first of the chain; the next, its node at the line
+    that applied it; the hint from the numbers (a division by 0)."""
+    assert f.op == "aten.div.Tensor" and same_source(f.source, line(backward))
+    assert chain_ops(f.chain)[:2] == ["aten.div.Tensor", node]
+    assert f.chain[0] == f"{f.op} @ {f.source}"
+    assert same_source(f.chain[1].split(" @ ")[1], line(apply))
+    assert "division by 0" in (f.hint or "")
+
+
+class SafeLog(torch.autograd.Function):
+    """log(max(x, 1e-6)) whose hand-written backward forgot the clamp: g / x, -inf at x = 0."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)  # type: ignore[attr-defined]
+        return x.clamp_min(1e-6).log()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return g / x  # @safe-log-backward
+
+
+class SafeLogRoot(nn.Module):
+    """The Function applied in the root's own code, between its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 1)
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(SafeLog.apply(self.lin(x)))  # @safe-log-apply
+
+
+def test_custom_function_bad_backward_in_the_roots_own_code() -> None:
+    f = train_step(SafeLogRoot(), torch.randn(2, 3))
+    assert (f.phase, f.module, f.cause) == ("backward", "", "created") and math.isinf(f.value)
+    assert f.tensor == "SafeLogBackward.grad_input[0]"  # the gradient is still named by its node
+    assert_blames_the_backwards_line(f, "SafeLogBackward", "safe-log-backward", "safe-log-apply")
 
 
 class BadForwardFn(torch.autograd.Function):

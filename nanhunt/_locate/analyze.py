@@ -747,7 +747,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
     module = b.module if b.module is not None else top.module
     index, value, counts = element(b.grad)
     dtype = dtype_name(b.grad)
-    tensor = f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]"
+    tensor = f"{b.node}.grad_input[{b.slot}]" if b.node else f"grad_input[{b.slot}]"
     # that replay ran eager; in float32/float64 without autocast it is the reference replay itself
     numerics = dtype in ("float32", "float64") and not any(on for _, on, _ in top.autocast)
     f = Finding(
@@ -762,7 +762,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
     )
     if not numerics:  # made in float16/bfloat16 (or under autocast): the same backward in float32
-        e = _differential.examine_node(top, f, b.nth, b.slot, grads)
+        e = _differential.examine_node(top, f, b.nth, b.slot, grads, b.node)
         if e is not None:
             f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     ctx.facts[id(f)] = b.facts

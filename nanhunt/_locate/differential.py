@@ -542,12 +542,15 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
         return None
 
 
-def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Tensor | None]) -> Examined | None:
+def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Tensor | None],
+                 node: str | None = None) -> Examined | None:
     """The verdict on a gradient that an autograd node made from finite ones in float16/bfloat16
     (a weight's gradient inside a module: no module input to replay it at): the call's forward and
-    backward again in float32, autocast off; the same node is the ``nth`` of its name to run."""
+    backward again in float32, autocast off; the same node is the ``nth`` of its name (``node``,
+    default ``f.op``) to run."""
     low = _low_dtype(top, f)
-    if low is None or f.op is None:
+    node = node or f.op
+    if low is None or node is None:
         return None
     same: list[torch.Tensor | None] = []
     handles: list[Any] = []
@@ -567,7 +570,7 @@ def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Te
             if not pairs or not leaves:
                 return None
             nodes = graph_nodes([o.grad_fn for o, _ in pairs])
-            handles = [fn.register_hook(keep) for fn in nodes if fn.name() == f.op]
+            handles = [fn.register_hook(keep) for fn in nodes if fn.name() == node]
 
             def backward() -> None:
                 torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)

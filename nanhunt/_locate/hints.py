@@ -283,11 +283,11 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.cause == "input" and f.phase == "grad":
         return "The non-finite values earlier in this step flowed into the gradient."
     if f.op:
-        if f.phase == "backward":
+        if f.phase == "backward" and not f.op.startswith("aten."):
             why = _BACKWARD.get(f.op)
             if why:
                 return why[0].upper() + why[1:] + "."
-        else:
+        else:  # in backward, an aten op: the one a custom Function's backward made the value in
             why = _OPS.get(_op_key(f.op))
             if why:
                 mx = dtype_max(f.dtype)

@@ -23,7 +23,7 @@ from torch import nn
 from .._hooks import ReplayHooks
 from .._steplog import Top
 from .._tensors import is_bad, tensors
-from .oplevel import _SELECT, _fmt, _Mode, _Recorder
+from .oplevel import _SELECT, OpOrigin, _fmt, _Mode, _Recorder, python_backward
 from .replay import faithful
 
 __all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes"]
@@ -44,12 +44,14 @@ class Born:
     facts: dict[str, Any] = field(default_factory=dict)
     nth: int = 0  # how many nodes of the same name ran before it in that backward
     call: int = 0  # which call of ``module`` in the top-level call made it (0: its first)
+    node: str = ""  # the node's name (op differs for a custom Function's node: the op in its backward)
 
 
 class Blame(NamedTuple):
     """What `blame_nodes` found: the creator node, its bad slot and gradient, the nodes the bad
-    gradient then went through (oldest first), hint facts, and how many nodes of the creator's
-    name ran before it (to find the same node in another run of the same graph)."""
+    gradient then went through (oldest first), hint facts, how many nodes of the creator's name ran
+    before it (to find the same node in another run of the same graph), and, for a custom
+    ``autograd.Function``'s node, the op of its backward that made the value (`python_backward`)."""
 
     fn: Any
     slot: int
@@ -57,6 +59,17 @@ class Blame(NamedTuple):
     chain: list[Any]
     facts: dict[str, Any]
     nth: int
+    inner: OpOrigin | None = None
+
+
+def named(b: Blame, node_src: Any, src: str | None) -> tuple[str, str | None, list[str], dict[str, Any]]:
+    """Op, line, chain and hint facts of ``b``: the creator node at ``src`` (the forward line that
+    created it), each node of the chain at ``node_src(node)``; a custom Function's creator by the op
+    of its backward that made the value, at that backward's line, first in the chain."""
+    chain = [_fmt(n.name(), node_src(n)) for n in b.chain]
+    if b.inner is None:
+        return b.fn.name(), src, chain, b.facts
+    return b.inner.op, b.inner.source, [*b.inner.chain, *chain], {**b.inner.facts, **b.facts}
 
 
 def graph_nodes(roots: list[Any]) -> list[Any]:
@@ -79,12 +92,15 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
     execution order, that produced a non-finite gradient from finite ones."""
     order: list[tuple[Any, list[bool], list[bool], tuple[Any, ...]]] = []
     handles = []
+    inner: list[OpOrigin | None] = []  # the first creator's, when it is a custom Function's node
 
     def hook(fn: Any) -> Any:
         def post(gi: Any, go: Any) -> None:
             ob = [isinstance(g, torch.Tensor) and is_bad(g) for g in gi]
-            order.append((fn, [isinstance(g, torch.Tensor) and is_bad(g) for g in go], ob,
-                          tuple(gi) if any(ob) else ()))
+            ib = [isinstance(g, torch.Tensor) and is_bad(g) for g in go]
+            order.append((fn, ib, ob, tuple(gi) if any(ob) else ()))
+            if any(ob) and not any(ib) and not inner:  # the creator, as blamed below: its saved tensors are alive now
+                inner.append(python_backward(fn, go, gi, ob.index(True)))
         return post
 
     try:
@@ -109,7 +125,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
         feeders = [f for f in bad_out if any(n is fn for n, _ in f.next_functions)]
         facts = {"where_trap": any(f.name().startswith(_SELECT) for f in feeders)}
         nth = sum(1 for o in order[:i] if o[0].name() == fn.name())
-        return Blame(fn, slot, gi[slot], chain, facts, nth)
+        return Blame(fn, slot, gi[slot], chain, facts, nth, inner[0] if inner else None)
     return None
 
 
@@ -162,12 +178,11 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     got = blame_nodes(nodes, run)
     if got is None:
         return None
-    fn, slot, grad, chain, facts, nth = got
-    owner, call = _owner(fn, done)
-    src = mode.node_src.get(fn, (None, False))[0]
-    return Born(fn.name(), src, grad, slot,
-                [_fmt(n.name(), mode.node_src.get(n, (None, False))[0]) for n in chain],
-                owner, names.get(owner, "") if owner is not None else "", facts, nth, call)
+    owner, call = _owner(got.fn, done)
+    op, src, chain, facts = named(got, lambda n: mode.node_src.get(n, (None, False))[0],
+                                  mode.node_src.get(got.fn, (None, False))[0])
+    return Born(op, src, got.grad, got.slot, chain, owner, names.get(owner, "") if owner is not None else "",
+                facts, got.nth, call, got.fn.name())
 
 
 def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module | None, int]:

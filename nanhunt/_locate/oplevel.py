@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ from .._tensors import Path, get_path, tensors, version, widen
 from . import hints as _hints
 from .replay import faithful
 
-__all__ = ["OpOrigin", "locate_forward", "locate_backward"]
+__all__ = ["OpOrigin", "locate_forward", "locate_backward", "python_backward"]
 
 
 @dataclass
@@ -646,7 +647,7 @@ class _Node:
         self.done = -1  # execution order
         self.in_bad: list[bool] = []  # gradients received (w.r.t. the forward outputs)
         self.out_bad: list[bool] = []  # gradients produced (aligned with next_functions)
-        self.inner: list[str] = []  # ops inside a Python backward that made the value
+        self.inner: OpOrigin | None = None  # the op inside a Python backward that made the value
         self.flags: tuple[list[Any], list[Any]] = ([], [])  # device-side "all finite?" checks
         self.keep: Any = None  # the gradients a Python backward produced (its ops were recorded)
         self.mark = 0  # records before it ran
@@ -773,8 +774,9 @@ def _post_hook(mode: _Mode, rec: _Recorder, nodes: list[_Node], i: int, ran: lis
     return hook
 
 
-def _inner(rec: _Recorder, i: int, grad_inputs: Any) -> list[str]:
-    """Inside a Python backward: the aten ops from the one that made the value to the result."""
+def _inner(rec: _Recorder, i: int, grad_inputs: Any) -> OpOrigin | None:
+    """Inside a Python backward (node ``i``): the aten op that made the value, its line in that
+    backward, and the ops from it to the result."""
     for g in grad_inputs:
         if not _is_bad(g):
             continue
@@ -783,8 +785,35 @@ def _inner(rec: _Recorder, i: int, grad_inputs: Any) -> list[str]:
             continue
         got = rec.walk(prod, _first(code))
         if got:
-            return _chain(rec, got)
-    return []
+            first = rec.recs[got[0]]
+            return OpOrigin(first.op, first.src, _chain(rec, got), _hints.facts(rec, got))
+    return None
+
+
+def python_backward(fn: Any, grad_outputs: Any, grad_inputs: Any, slot: int) -> OpOrigin | None:
+    """A custom ``autograd.Function``'s backward node ``fn`` that made ``grad_inputs[slot]``
+    non-finite from the finite ``grad_outputs``: its backward run once more on them under the op
+    recorder (from the node's post hook, while its saved tensors are alive), for the aten op and the
+    line of that backward that made the value. ``None`` for a built-in node, or on any failure."""
+    if not isinstance(fn, torch.autograd.function.BackwardCFunction):
+        return None
+    try:
+        rec = _Recorder()
+        mode = _Mode(rec)
+        mode.backward = True
+        mode.node.append(0)
+        with warnings.catch_warnings(), mode:
+            warnings.simplefilter("ignore")  # its first run warned already
+            out = fn.apply(*grad_outputs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        want = grad_inputs[slot]
+        if len(outs) != len(grad_inputs):  # non-tensor arguments of its forward got a None too
+            outs = [o for o in outs if isinstance(o, torch.Tensor) and _is_bad(o)
+                    and isinstance(want, torch.Tensor) and o.shape == want.shape]
+            slot = 0
+        return _inner(rec, 0, [outs[slot]]) if slot < len(outs) else None
+    except Exception:
+        return None
 
 
 def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, int]]], node_src: dict[Any, tuple[str | None, bool]],
@@ -844,9 +873,13 @@ def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, 
     _, (_, chain_nodes) = min(cands, key=lambda c: c[0])
     creator = nodes[chain_nodes[0]]
     src = node_src.get(creator.fn, (None, False))[0]
-    chain = list(creator.inner)
+    inner = creator.inner
+    chain = list(inner.chain) if inner is not None else []
     for j in chain_nodes:
         n = nodes[j]
         chain.append(_fmt(n.name, node_src.get(n.fn, (None, False))[0]))
     feeders = [n for n in nodes if n.done >= 0 and any(f is creator.fn for f, _ in n.fn.next_functions)]
-    return OpOrigin(creator.name, src, chain, {"where_trap": any(n.name.startswith(_SELECT) for n in feeders)})
+    facts = {"where_trap": any(n.name.startswith(_SELECT) for n in feeders)}
+    if inner is not None:  # a custom Function's backward: the op of it that made the value, at its line
+        return OpOrigin(inner.op, inner.source, chain, {**inner.facts, **facts})
+    return OpOrigin(creator.name, src, chain, facts)

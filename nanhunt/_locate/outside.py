@@ -31,8 +31,8 @@ from .._finding import Finding
 from .._steplog import OutRec, StepLog
 from .._tensors import dtype_name, element, is_bad, values
 from . import hints as _hints
-from .nodes import blame_nodes
-from .oplevel import OpOrigin, _chain, _first, _fmt, _Recorder
+from .nodes import blame_nodes, named
+from .oplevel import OpOrigin, _chain, _first, _Recorder
 
 __all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding",
            "backward_finding", "check_origin"]
@@ -52,6 +52,7 @@ class Born:
     slot: int
     chain: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    node: str = ""  # the node's name (op differs for a custom Function's node: the op in its backward)
 
 
 class _Tag(TorchDispatchMode):
@@ -255,10 +256,10 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     got = blame_nodes(list(rep.node_rec), run)
     if got is None:
         return None
-    fn, slot, grad, chain, facts, _ = got
-    ri = rep.node_rec[fn]
-    names = [_fmt(n.name(), recs[rep.node_rec[n]].src) for n in chain if n in rep.node_rec]
-    return Born(fn.name(), recs[ri].src, recs[ri].fn, ri, grad, slot, names, facts)
+    ri = rep.node_rec[got.fn]
+    op, src, names, facts = named(got._replace(chain=[n for n in got.chain if n in rep.node_rec]),
+                                  lambda n: recs[rep.node_rec[n]].src, recs[ri].src)
+    return Born(op, src, recs[ri].fn, ri, got.grad, got.slot, names, facts, got.fn.name())
 
 
 def _seed(args: Any, kwargs: Any) -> tuple[list[Any], list[Any]]:
@@ -448,7 +449,7 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
     f = Finding(
         # the gradient its node made (as a module's node-level finding names it), not what reached the model
         phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE,
-        tensor=f"{b.op}.grad_input[{b.slot}]" if b.op else f"grad_input[{b.slot}]",
+        tensor=f"{b.node}.grad_input[{b.slot}]" if b.node else f"grad_input[{b.slot}]",
         step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
         dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True,
