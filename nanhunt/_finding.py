@@ -22,6 +22,9 @@ class Finding:
     tensor: str
     step: int
     call: int
+    # the first non-finite element, row-major: a sparse tensor's at its dense index
+    # (t.to_dense()[index]); a nested tensor's as (component, *index within it), t.unbind()[k][rest],
+    # with shape its component count and each dimension's largest size (to_padded_tensor's shape)
     index: tuple[int, ...] | None
     value: float | None
     counts: dict[str, int]

@@ -22,10 +22,11 @@ from torch.nn.parameter import is_lazy
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided", "same",
+    "strided", "same", "shape_of", "SPARSE",
 ]
 
 _F32 = torch.float32
+SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 Path = tuple[Any, ...]
 _LEAF = (str, bytes, int, float, bool)
@@ -206,7 +207,15 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
     """First non-finite element (row-major), its value, and counts over the whole tensor.
 
     A sharded tensor (DTensor): the element of this rank's shard, at its index in the whole
-    tensor; counts over the shard."""
+    tensor; counts over the shard. A sparse tensor: the element at its dense index
+    (``t.to_dense()[index]``, where a person looks), the first in row-major order however its values
+    are stored (uncoalesced COO, CSR, BSR). A nested tensor: ``(component, *index within it)``
+    (``t.unbind()[index[0]][index[1:]]``, also ``torch.nested.to_padded_tensor(t, 0)[index]``), the
+    first in component order, row-major within it. Counts: over the stored values."""
+    if t.is_nested:
+        return _nested_element(t)
+    if t.layout in SPARSE:
+        return _sparse_element(t)
     offset = _shard_offset(t)
     with torch.no_grad():
         t = values(t).detach()
@@ -234,6 +243,57 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
         if offset is not None:
             index = tuple(a + b for a, b in zip(index, offset))
         return index, float(vals.reshape(-1)[i]), counts
+
+
+def _nested_element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
+    with torch.no_grad():
+        _, _, counts = element(values(t))
+        try:
+            parts = t.detach().unbind()
+        except (RuntimeError, NotImplementedError):  # no unbind for this one: its place among the values
+            index, value, _ = element(values(t))
+            return index, value, counts
+        for k, part in enumerate(parts):
+            sub, value, _ = element(part)
+            if sub is not None:
+                return (k, *sub), value, counts
+    return None, None, counts
+
+
+def _sparse_element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
+    with torch.no_grad():
+        try:
+            coo = (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).detach()
+        except (RuntimeError, NotImplementedError):  # no conversion for this one: its place among the values
+            return element(values(t))
+        vals, idx = coo._values(), coo._indices()
+        _, _, counts = element(vals)
+        bad = (~torch.isfinite(vals)).reshape(vals.shape[0], vals.shape[1:].numel())  # a row per stored entry
+        hits = bad.nonzero()
+        if hits.numel() == 0:
+            return None, None, counts
+        sizes = coo.shape[:coo.sparse_dim()]
+        strides = [sizes[d + 1:].numel() for d in range(len(sizes))]
+        rows = hits[:, 0]
+        at = (idx[:, rows] * torch.tensor(strides, dtype=idx.dtype, device=idx.device).unsqueeze(1)).sum(0)
+        row = int(rows[int((at * bad.shape[1] + hits[:, 1]).argmin())])  # argmin: the first stored copy of a tie
+        sub, value, _ = element(vals[row])
+        return (*(int(x) for x in idx[:, row].tolist()), *(sub or ())), value, counts
+
+
+def shape_of(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s shape as a finding reports it: a nested tensor's is its component count and each
+    dimension's largest size (the shape of ``torch.nested.to_padded_tensor(t, 0)``, which its
+    `element` index is an index of); any other tensor's, ``tuple(t.shape)`` (a sparse one's: dense)."""
+    if not t.is_nested:
+        return tuple(t.shape)
+    try:
+        parts = t.unbind()
+    except (RuntimeError, NotImplementedError):
+        return tuple(values(t).shape)
+    if not parts:
+        return (0,)
+    return (len(parts), *(max(int(p.shape[d]) for p in parts) for d in range(parts[0].dim())))
 
 
 def _shard_offset(t: torch.Tensor) -> tuple[int, ...] | None:

@@ -1025,6 +1025,7 @@ def test_checking_a_sparse_tensor_with_a_nan_is_a_finding_not_an_internal_fault(
         hunt.check(s, "sparse")
         model(torch.randn(2, 4))
     assert [(f.phase, f.module) for f in hunt.findings] == [("check", "sparse")]
+    assert (hunt.first.index, hunt.first.shape) == ((0, 1), (2, 2))  # s.to_dense()[0, 1], not values()[0]
     assert not hunt._faulted
 
 

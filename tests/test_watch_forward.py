@@ -612,8 +612,10 @@ def test_a_float32_overflow_is_not_told_to_move_to_float32() -> None:
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "jagged"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: str) -> None:
-    # exp overflows in the module that returns a sparse or nested tensor: found there (its
-    # element indexed among the values), never an internal fault that switches the hunt off
+    # exp overflows in the module that returns a sparse or nested tensor: found there, never an
+    # internal fault that switches the hunt off; its element at an index a user can look up: a
+    # sparse tensor's dense coordinates (not its place in values()), a nested tensor's component
+    # and the index within it (not its place in the flat values)
     class Out(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -651,6 +653,18 @@ def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: st
     f = hunt.first
     assert f is not None
     assert (f.phase, f.module, f.step, f.cause) == ("forward", "out", 1, "created") and f.value == float("inf")
+    with torch.no_grad():
+        y = m.out.lin(x).exp()  # what the module made at step 1 (no optimizer: the weights are the same)
+    if layout.startswith("sparse"):
+        want, shape = tuple(int(i) for i in (~torch.isfinite(y)).nonzero()[0]), (3, 4)
+        assert y.to_sparse()._values().shape != y.shape  # (its place among the values is another index)
+        assert f.index is not None and y[f.index] == f.value
+    else:
+        parts = [y[0], y[1:].flatten()]
+        k = next(k for k, p in enumerate(parts) if not bool(torch.isfinite(p).all()))
+        want, shape = (k, int((~torch.isfinite(parts[k])).nonzero()[0, 0])), (2, 8)
+        assert f.index is not None and parts[f.index[0]][f.index[1:]] == f.value
+    assert (f.index, f.shape) == (want, shape)
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

@@ -25,6 +25,7 @@ from .._tensors import (
     optimizer_tensors,
     own_tensors,
     probe,
+    shape_of,
     tensors,
     values,
     version,
@@ -343,11 +344,13 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         elif r is None and log.tops[c.top].kwargs is not None and not _replayable(log.tops[c.top]):
             ctx.facts[id(f)] = {"overwritten": True}  # no replay: its inputs were written in place since
         return f
+    if rc is not None and dict(rc.outputs).get(path) is tensor:  # a sparse or nested output: as the call returned it
+        tensor = rc.wrapped.get(path, tensor)
     index, value, counts = element(tensor)
     f = Finding(
         phase="forward", module=name, module_type=type(module).__name__,
         tensor=format_path("output", path), step=ctx.step, call=call, index=index, value=value,
-        counts=counts, shape=tuple(tensor.shape), dtype=dtype_name(tensor), cause=cause,
+        counts=counts, shape=shape_of(tensor), dtype=dtype_name(tensor), cause=cause,
         reproducible=reproducible,
     )
     if rc is not None:
@@ -538,7 +541,7 @@ def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
     f = Finding(
         phase="check", module=name, module_type=type(t).__name__, tensor=name, step=ctx.step,
         call=sum(1 for m in ctx.log.meta[:i] if isinstance(m, Chk) and m.name == name), index=index,
-        value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
+        value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
         cause="input" if fwd_bad else "created",
         op=got.op if got else None, source=got.source if got else None, chain=tuple(got.chain) if got else (),
     )
@@ -635,7 +638,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         phase="backward", module=rc.name, module_type=type(rc.module).__name__,
         tensor=_grad_input_name(path), step=ctx.step,
         call=_call_index(ctx, top_i, rc), index=index, value=value, counts=counts,
-        shape=tuple(grad.shape), dtype=dtype_name(grad), cause=cause, reproducible=True,
+        shape=shape_of(grad), dtype=dtype_name(grad), cause=cause, reproducible=True,
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     return f
@@ -756,7 +759,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         # not even need a gradient), named by its node
         module_type=type(module).__name__, tensor=tensor,
         step=ctx.step,
-        call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=shape_of(b.grad),
         dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True, verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
@@ -792,7 +795,7 @@ def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | 
     index, value, counts = element(g)
     return Finding(
         phase="backward", module=name, module_type=type(top.module).__name__, tensor="grad_output",
-        step=ctx.step, call=call, index=index, value=value, counts=counts, shape=tuple(g.shape),
+        step=ctx.step, call=call, index=index, value=value, counts=counts, shape=shape_of(g),
         dtype=dtype_name(g), cause="input", reproducible=reproducible,
         hint="The gradient arriving at the model's output was already non-finite: it was made by "
         "the code after the model (the loss). Pass the loss to hunt.check(loss) to see it.",
@@ -828,7 +831,7 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
         f = Finding(
             phase="forward", module=rc.name, module_type=type(rc.module).__name__,
             tensor=format_path("output", path), step=ctx.step, call=_call_index(ctx, ti, rc),
-            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
+            index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
             cause=cause, reproducible=True,
         )
         ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
@@ -873,7 +876,7 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
         index, value, counts = element(t)
         return Finding(
             phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step, call=0,
-            index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t), cause="created",
+            index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="created",
             hint=_hints.buffer_hint(bname, mtype),
         )
     return None
@@ -933,7 +936,7 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
         return Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
-            shape=tuple(g.shape), dtype=dtype_name(g), cause=cause,
+            shape=shape_of(g), dtype=dtype_name(g), cause=cause,
         )
     return None
 
@@ -979,7 +982,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
-            value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
+            value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
             cause="parameter" if at_start else ("input" if fed else "created"), op=op,
             source=src if op else None, chain=chain,
             hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._finding import Finding
-from .._tensors import dtype_name, element, is_bad, is_checked, probe, stack_probes
+from .._tensors import SPARSE, dtype_name, element, is_bad, is_checked, probe, stack_probes
 
 __all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
            "judgeable", "SPARSE"]
@@ -103,9 +103,6 @@ def _children(o: Any, keys: Keys, optim: bool) -> list[tuple[Keys, Any, bool]] |
     return [((*keys, Attr(k)), v, optim) for k, v in fields] if fields else None
 
 
-SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-
-
 def judgeable(t: torch.Tensor) -> bool:
     """Floating, with elements, dense or sparse (a sparse tensor is judged by its stored values: a
     checkpoint's sparse embedding holds its NaN there)."""
@@ -130,39 +127,12 @@ def first_bad(ts: list[torch.Tensor]) -> int | None:
 
 def finding(file: str, keys: Keys, t: torch.Tensor, *, step: int, hint: str, rank: int | None = None) -> Finding:
     """A ``"checkpoint"`` finding: ``module`` the file, ``tensor`` the key path."""
-    index, value, counts = _element(t)
+    index, value, counts = element(t)  # a sparse tensor's at its dense index
     return Finding(
         phase="checkpoint", module=file, module_type="checkpoint", tensor=key_path(keys), step=step,
         call=0, index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
         cause="unknown", rank=rank, hint=hint,
     )
-
-
-def _element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
-    """`element`, with a sparse tensor's element at its dense index (``t.to_dense()[index]``, where a
-    person looks; `element` alone gives its place among the stored values), the first in row-major
-    order even when the values are stored in another (uncoalesced COO, CSC, BSR). Counts: over the
-    stored values."""
-    if t.layout not in SPARSE:
-        return element(t)
-    with torch.no_grad():
-        try:
-            coo = (t if t.layout is torch.sparse_coo else t.to_sparse_coo()).detach()
-        except (RuntimeError, NotImplementedError):  # no conversion for this one: its place among the values
-            return element(t)
-        vals, idx = coo._values(), coo._indices()
-        _, _, counts = element(vals)
-        bad = (~torch.isfinite(vals)).reshape(vals.shape[0], vals.shape[1:].numel())  # a row per stored entry
-        hits = bad.nonzero()
-        if hits.numel() == 0:
-            return None, None, counts
-        sizes = coo.shape[:coo.sparse_dim()]
-        strides = [sizes[d + 1:].numel() for d in range(len(sizes))]
-        rows = hits[:, 0]
-        at = (idx[:, rows] * torch.tensor(strides, dtype=idx.dtype, device=idx.device).unsqueeze(1)).sum(0)
-        row = int(rows[int((at * bad.shape[1] + hits[:, 1]).argmin())])  # argmin: the first stored copy of a tie
-        sub, value, _ = element(vals[row])
-        return (*(int(x) for x in idx[:, row].tolist()), *(sub or ())), value, counts
 
 
 # ------------------------------------------------------------------ why torch.load(weights_only=True) failed

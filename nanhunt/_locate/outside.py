@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
 from .._steplog import OutRec, StepLog
-from .._tensors import dtype_name, element, is_bad, values
+from .._tensors import dtype_name, element, is_bad, shape_of, values
 from . import hints as _hints
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
@@ -339,7 +339,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     numerics = got is not None and not fx.get("unreplayed") and dtype in ("float32", "float64") and not r.autocast
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
-        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
+        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=shape_of(t),
         dtype=dtype, cause="created",
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
         chain=tuple(got.chain) if got is not None else (),
@@ -428,7 +428,7 @@ def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tenso
     name = getattr(r.func, "__name__", None) or r.fn or "this call"
     return Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor="output" if len(outs) == 1 else f"output[{out_i}]",
-        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=tuple(t.shape),
+        step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=shape_of(t),
         dtype=dtype_name(t), cause="input", op=None, source=r.src, chain=(), reproducible=None,
         hint=f"{name} was fed a non-finite value that nothing watched made in this step: its tensor argument "
              f"{arg} (shape {tuple(x.shape)}) holds {bad} at index {where}. It came from outside the watched model: "
@@ -450,7 +450,7 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
         # the gradient its node made (as a module's node-level finding names it), not what reached the model
         phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE,
         tensor=f"{b.node}.grad_input[{b.slot}]" if b.node else f"grad_input[{b.slot}]",
-        step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=tuple(b.grad.shape),
+        step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=shape_of(b.grad),
         dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
         reproducible=True,
     )

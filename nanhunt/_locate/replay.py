@@ -36,6 +36,7 @@ class ReplayCall:
     parent: int
     inputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
     outputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
+    wrapped: dict[Path, torch.Tensor] = field(default_factory=dict)  # sparse or nested outputs as returned (for `element`'s index)
     in_keys: list[tuple[int, Path]] = field(default_factory=list)
     out_keys: list[tuple[int, Path]] = field(default_factory=list)
     done: int = -1  # completion order
@@ -366,7 +367,9 @@ def _replay_top(
         order.append(c.ordinal)
         # a sparse or nested tensor is judged by its values (flat: an element is its place among them)
         c.inputs = [(p, strided(t)) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
-        c.outputs = [(p, strided(t)) for p, t in tensors(output)]
+        outs = list(tensors(output))
+        c.outputs = [(p, strided(t)) for p, t in outs]
+        c.wrapped = {p: t for p, t in outs if t.is_nested or t.layout is not torch.strided}
         with torch.no_grad():
             c.at_return = [torch.isfinite(values(t)).all() if (t.is_floating_point() or t.is_complex()) and t.numel()
                            else None for _, t in c.outputs]
@@ -380,6 +383,7 @@ def _replay_top(
                     c.in_keys.append((key(t), p))
         if c.ordinal in keep:  # written after it returns (see replay_top): keep it as it is now
             c.outputs = [(p, t.detach().clone()) for p, t in c.outputs]
+            c.wrapped = {p: t.detach().clone() for p, t in c.wrapped.items()}
             c.versions = [version(t) for _, t in c.outputs]
         copies = came_in.get(c.ordinal)
         if copies:  # (after its gradient keys: those are the tensors the graph holds)
