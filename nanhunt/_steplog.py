@@ -204,7 +204,7 @@ class OptimState:
     """Parameters and state of optimizer ``opt`` after its ``step()`` number ``step``."""
 
     kind = "optim"
-    __slots__ = ("opt", "step", "items", "tensors", "fed")
+    __slots__ = ("opt", "step", "items", "tensors", "fed", "before")
 
     def __init__(self, opt: int, step: int, items: list[tuple[torch.Tensor, str]],
                  tensors: list[torch.Tensor], fed: bool) -> None:
@@ -213,6 +213,20 @@ class OptimState:
         self.items = items  # (parameter, state key or "") per tensor
         self.tensors = tensors
         self.fed = fed  # the step was given non-finite gradients (not raise mode)
+        # the parameters as that step() began, and their probe (one element each, non-finite where
+        # the parameter was; None: all finite), to tell a parameter the user's code wrote before the
+        # update from one the update made (`before_bad`); None: not probed
+        self.before: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
+
+    def before_bad(self, p: torch.Tensor) -> bool:
+        """Was ``p`` non-finite already when this step() began (after a hit: reads back)?"""
+        if self.before is None:
+            return False
+        params, vec = self.before
+        if vec is None:
+            return False
+        j = next((j for j, q in enumerate(params) if q is p), None)
+        return j is not None and not bool(torch.isfinite(vec[j]))
 
 
 class CompiledSlots:

@@ -439,6 +439,37 @@ def test_a_weight_written_mid_run_is_not_blamed_on_the_optimizer(poison: Any, sa
     assert all(s in f.hint for s in said) and unsaid not in f.hint, f.hint
 
 
+def _data_write(p: torch.Tensor) -> None:
+    p.data[3] = float("nan")  # no version counter sees this
+
+
+def _no_grad_write(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p[3] = float("nan")
+
+
+@pytest.mark.parametrize("write", [_data_write, _no_grad_write], ids=["p.data", "no_grad"])
+@pytest.mark.parametrize("opt_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_parameter_written_between_backward_and_step_is_not_the_updates_doing(write: Any, opt_class: Any) -> None:
+    """The user's code wrote NaN into a weight after backward, before step(): the finding said the
+    update made it (phase optimizer, cause 'created', op aten.add_ of SGD's update)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = opt_class(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for step in range(3):
+            m(torch.randn(2, 4)).pow(2).mean().backward()
+            if step == 1:
+                write(m[0].weight)
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.index) == ("optimizer", "0", "weight", 1, (3, 0))
+    assert f.cause == "input" and f.op is None and f.source is None and f.chain == ()
+    assert "update that overflowed" not in f.hint
+    assert "already non-finite when optimizer.step() began" in f.hint and "between backward and step()" in f.hint
+
+
 @pytest.mark.parametrize("on_find", ["record", "warn"])
 def test_an_update_judged_at_its_step_is_not_found_again_at_the_next_hit(on_find: str) -> None:
     """On CPU the update is judged when step() returns; the next step's hit (its forward fed the

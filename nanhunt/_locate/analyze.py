@@ -968,6 +968,15 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
         at_start = _at_start(ctx, t) or _at_start(ctx, p)  # loaded non-finite: no step made it
+        if not sk and not at_start and not fed and entry.before_bad(p):
+            # non-finite already as step() began, its gradient finite: the user's code wrote it (between
+            # backward and step(): p.data[3] = nan, which no version counter sees); the update only carried it on
+            return Finding(
+                phase="optimizer", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
+                tensor=pname, step=step, call=0, index=index, value=value, counts=counts, shape=shape_of(t),
+                dtype=dtype_name(t), cause="input",
+                hint=_hints.written_before_step_hint(f"the parameter {pname!r} of `{mname or type(m).__name__}`"),
+            )
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
         op = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else None
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""

@@ -349,6 +349,14 @@ def written_hint(what: str) -> str:
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
 
 
+def written_before_step_hint(what: str) -> str:
+    """A parameter non-finite already when its optimizer's step() began: the user's code wrote it."""
+    return (f"{_cap(what)} was already non-finite when optimizer.step() began, and no gradient was: code between "
+            "backward and step() wrote it (p.data[...] = ..., an in-place write under torch.no_grad(), a "
+            "weight clamp or re-initialisation); the optimizer's update only carried it on. Look at what "
+            "writes the parameter outside the optimizer.")
+
+
 def unheld_hint(what: str) -> str:
     """A non-finite parameter that no watched optimizer holds: the user's code set it."""
     return (f"{_cap(what)} is a parameter no watched optimizer holds (a new nn.Parameter "

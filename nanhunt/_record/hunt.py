@@ -296,6 +296,9 @@ class Hunt:
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
+        self._pprobes: dict[int, GradProbe] = {}  # per watched optimizer: its parameters as step() begins
+        # per watched optimizer: (the step it is for, its parameters, their probe or None: all finite) as step() began
+        self._before: dict[int, tuple[int, list[torch.Tensor], torch.Tensor | None]] = {}
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
@@ -1261,9 +1264,32 @@ class Hunt:
             if grads:
                 self._log.vectors.append((self._grad_probe(i if len(opts) == 1 else -1).probe(params, grads),
                                           Grads(i, params)))
+            self._params_before(i, opt)
             self._end_step(advance=False, collective=True)
         except Exception as exc:
             self._fault(exc, "the optimizer step pre-hook")
+
+    def _params_before(self, i: int, opt: torch.optim.Optimizer) -> None:
+        """On a step whose update is probed after it (`_post_step_body`): the parameters as step()
+        begins, probed, so that on a hit a parameter already non-finite before the update (written
+        by the user's code since backward or the last step: ``p.data[3] = nan``, which no version
+        counter sees) is not blamed on the optimizer. Not read here on a GPU (read on a hit only,
+        no second sync); on the CPU its summary is read at once (free), and only when it is
+        non-finite is each parameter probed, so that the flags are of the values before the update."""
+        every = self._optimizer_every
+        if not every or (self._steps_applied + 1) % every:
+            return
+        params = [p for g in opt.param_groups for p in g["params"]
+                  if is_checked(p) and p.layout is torch.strided and not p.is_meta]
+        if not params:
+            return
+        gp = self._pprobes.get(i)
+        if gp is None:
+            gp = self._pprobes[i] = GradProbe()  # (a parameter has its gradient's shape: the same plan)
+        got = gp.probe(params, params)
+        vec: torch.Tensor | None = got if isinstance(got, torch.Tensor) else (  # (Fused: on the CPU)
+            None if bool(torch.isfinite(got.summary).all()) else torch.stack([probe(p) for p in params]))
+        self._before[i] = (self._steps_applied + 1, params, vec)
 
     def _grad_probe(self, key: int) -> GradProbe:
         gp = self._gprobes.get(key)
@@ -1308,7 +1334,11 @@ class Hunt:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
                 vec = op.probe()
                 log = self._log
-                log.vectors.append((vec, OptimState(i, step, items, tens, fed)))
+                entry = OptimState(i, step, items, tens, fed)
+                before = self._before.pop(i, None)
+                if before is not None and before[0] == self._steps_applied:  # taken as this step() began
+                    entry.before = (before[1], before[2])
+                log.vectors.append((vec, entry))
                 self._judged.add(i)  # first: the analysis of a hit now must not read this update again
                 if not self._judged_now(vec):
                     self._judged.discard(i)
@@ -1724,6 +1754,8 @@ class Hunt:
         self._later = []
         self._oprobes = []
         self._gprobes = {}
+        self._pprobes = {}
+        self._before = {}
         self._names = None
         self._cnames = None
         self._odd = None  # (holds modules)
