@@ -4,6 +4,7 @@ GradScaler's skipped steps, and several optimizers."""
 from __future__ import annotations
 
 import inspect
+import os
 import warnings
 from typing import Any
 
@@ -440,12 +441,27 @@ def test_a_weight_written_mid_run_is_not_blamed_on_the_optimizer(poison: Any, sa
 
 
 def _data_write(p: torch.Tensor) -> None:
-    p.data[3] = float("nan")  # no version counter sees this
+    p.data[3] = float("nan")  # no version counter sees this  # @data-write
 
 
 def _no_grad_write(p: torch.Tensor) -> None:
     with torch.no_grad():
-        p[3] = float("nan")
+        p[3] = float("nan")  # @no-grad-write
+
+
+def _write_between_backward_and_step(write: Any, opt_class: Any, **watch: Any) -> nanhunt.Finding:
+    """Three training steps; at the second, ``write`` poisons the first layer's weight after backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = opt_class(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, **watch):
+        for step in range(3):
+            m(torch.randn(2, 4)).pow(2).mean().backward()
+            if step == 1:
+                write(m[0].weight)
+            opt.step()
+            opt.zero_grad()
+    return ei.value.finding
 
 
 @pytest.mark.parametrize("write", [_data_write, _no_grad_write], ids=["p.data", "no_grad"])
@@ -453,21 +469,26 @@ def _no_grad_write(p: torch.Tensor) -> None:
 def test_a_parameter_written_between_backward_and_step_is_not_the_updates_doing(write: Any, opt_class: Any) -> None:
     """The user's code wrote NaN into a weight after backward, before step(): the finding said the
     update made it (phase optimizer, cause 'created', op aten.add_ of SGD's update)."""
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = opt_class(m.parameters(), lr=0.1)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
-        for step in range(3):
-            m(torch.randn(2, 4)).pow(2).mean().backward()
-            if step == 1:
-                write(m[0].weight)
-            opt.step()
-            opt.zero_grad()
-    f = ei.value.finding
+    f = _write_between_backward_and_step(write, opt_class)
     assert (f.phase, f.module, f.tensor, f.step, f.index) == ("optimizer", "0", "weight", 1, (3, 0))
     assert f.cause == "input" and f.op is None and f.source is None and f.chain == ()
     assert "update that overflowed" not in f.hint
     assert "already non-finite when optimizer.step() began" in f.hint and "between backward and step()" in f.hint
+
+
+@pytest.mark.parametrize("write, marker", [(_data_write, "data-write"), (_no_grad_write, "no-grad-write")],
+                         ids=["p.data", "no_grad"])
+def test_sentinel_names_the_line_that_wrote_a_parameter_between_backward_and_step(write: Any, marker: str) -> None:
+    """Sentinel mode meets the written weight in its replay of the step's forward (a poisoned
+    parameter): for p.data[3] = nan, which bumps no version counter, the hint said 'an earlier
+    optimizer step poisoned it'. The loop's own write is recorded as code outside the model: its line."""
+    f = _write_between_backward_and_step(write, torch.optim.SGD, mode="sentinel")
+    assert (f.module, f.cause, f.step) == ("0", "parameter", 1)
+    assert "earlier optimizer step poisoned it" not in f.hint and "no optimizer step poisoned it" in f.hint
+    here = os.path.abspath(__file__)
+    with open(here) as fh:
+        at = next(i for i, s in enumerate(fh.read().splitlines(), 1) if s.endswith(f"# @{marker}"))
+    assert f"{here}:{at}" in f.hint
 
 
 @pytest.mark.parametrize("on_find", ["record", "warn"])

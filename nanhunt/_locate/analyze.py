@@ -911,6 +911,9 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             return _hints.at_start_hint(what)
         if any(x is t for x in ctx.view.known_bad):
             return _hints.carried_hint(what)
+        line = _outside.writer(ctx.log, t)
+        if line is not None:  # the loop's own code wrote it (p.data[3] = nan: no version counter sees it)
+            return _hints.written_hint(what, line)
         if id(t) in after and after[id(t)] != t._version:
             return _hints.written_hint(what)
         if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
@@ -953,8 +956,10 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
             # state is mid-update now (a closure called again inside step(): LBFGS)
         items, tens = optimizer_tensors(opt)
         after = view.after_step.get(i, {})
-        # a parameter written since its last step() (by the user) is not the optimizer's doing
-        flags = [is_bad(t) and (bool(sk) or after.get(id(p)) == p._version) for (p, sk), t in zip(items, tens)]
+        # a parameter written since its last step() (by the user: its version moved, or the loop's
+        # own code wrote it in place, p.data[3] = nan, which moves none) is not the optimizer's doing
+        flags = [is_bad(t) and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
+                 for (p, sk), t in zip(items, tens)]
         if any(flags):
             return _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
     return None

@@ -343,8 +343,12 @@ def carried_hint(what: str) -> str:
             "it came from): every step since carries it; restore it from a checkpoint or re-initialise it.")
 
 
-def written_hint(what: str) -> str:
-    """A weight non-finite after its optimizer's last step left it finite: something else wrote it."""
+def written_hint(what: str, line: str | None = None) -> str:
+    """A weight non-finite after its optimizer's last step left it finite: something else wrote it
+    (at ``line``, when the code outside the model that wrote it is known)."""
+    if line:
+        return (f"{_cap(what)} was written non-finite in place at {line}, in your code outside the model "
+                "(p.data[...] = ..., an in-place write under torch.no_grad()): no optimizer step poisoned it.")
     return (f"{_cap(what)} was written after its optimizer's last step (a load_state_dict, "
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
 

@@ -28,14 +28,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
-from .._steplog import OutRec, StepLog
+from .._steplog import Out, OutRec, StepLog
 from .._tensors import dtype_name, element, is_bad, shape_of, values
 from . import hints as _hints
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 
 __all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding",
-           "backward_finding", "check_origin"]
+           "backward_finding", "check_origin", "writer"]
 
 OUTSIDE = "<outside>"
 
@@ -377,6 +377,26 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
     if key in log.ignored or (ref is not None and ref() is x):
         return False
     return not any(r() is x for c in log.calls for r, _ in c.outs)
+
+
+def writer(log: StepLog, t: torch.Tensor) -> str | None:
+    """The line of the code outside the model that wrote a non-finite value into ``t`` in place
+    during the step (``p.data[3] = nan``, which no version counter sees): the first in-place call
+    into ``t``'s storage whose probe was non-finite; None when there is none."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        sbad, _ = log.bad_flags()
+        for e, b in zip(log.meta, sbad):
+            if not b or not isinstance(e, Out) or e.rec >= len(log.outside):
+                continue
+            r = log.outside[e.rec]
+            outs = _outs(r)
+            if (_in_place(getattr(r.func, "__name__", "")) and e.out < len(outs) and ptr
+                    and outs[e.out].untyped_storage().data_ptr() == ptr):
+                return r.src
+    except Exception:  # (a tensor without storage: nothing to tell)
+        return None
+    return None
 
 
 def _in_place(name: str) -> bool:
