@@ -34,7 +34,7 @@ from . import hints as _hints
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 
-__all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding",
+__all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding", "in_place",
            "backward_finding", "check_origin", "writer"]
 
 OUTSIDE = "<outside>"
@@ -296,7 +296,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     t = outs[out_i]
     leaves = tree_leaves((r.args, r.kwargs))
     name = getattr(r.func, "__name__", "")
-    if not _in_place(name) and any(x is t for x in leaves):
+    if not in_place(name) and any(x is t for x in leaves):
         return None  # an input handed back unchanged (.to() its own device): not born here
     bad_in = [x for x in leaves if isinstance(x, torch.Tensor) and x is not t and is_bad(x)]
     if bad_in:
@@ -391,7 +391,7 @@ def writer(log: StepLog, t: torch.Tensor) -> str | None:
                 continue
             r = log.outside[e.rec]
             outs = _outs(r)
-            if (_in_place(getattr(r.func, "__name__", "")) and e.out < len(outs) and ptr
+            if (in_place(getattr(r.func, "__name__", "")) and e.out < len(outs) and ptr
                     and outs[e.out].untyped_storage().data_ptr() == ptr):
                 return r.src
     except Exception:  # (a tensor without storage: nothing to tell)
@@ -399,7 +399,7 @@ def writer(log: StepLog, t: torch.Tensor) -> str | None:
     return None
 
 
-def _in_place(name: str) -> bool:
+def in_place(name: str) -> bool:
     """A torch call of this name writes into its first argument (``add_``, ``x[i] = v``)."""
     return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
 
@@ -418,7 +418,7 @@ def _constant(log: StepLog, x: torch.Tensor, depth: int = 0) -> bool:
     if got is None or depth >= 8:
         return False
     r = log.outside[got[0]]
-    if _in_place(getattr(r.func, "__name__", "")):
+    if in_place(getattr(r.func, "__name__", "")):
         return False  # written into a tensor that was there (a weight poisoned by hand): not a constant
     leaves = tree_leaves((r.args, r.kwargs))
     ins = [a for a in leaves if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
