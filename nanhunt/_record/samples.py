@@ -6,8 +6,11 @@ No device work and no sync: the loader's index sampler (``batch_sampler``, or ``
 iterator (made in ``loader._get_iterator``) gets a subclass whose ``__next__`` takes the queue's
 front as the indices of the batch it is returning. Worker processes fetch ahead, but deliver in
 order (``in_order=True``, the default), so the queue's order is the delivery order. Everything is
-put back at ``close()``. Not covered: an iterator made before ``watch()`` (e.g. a persistent one
-from an earlier epoch), ``in_order=False``, iterable datasets (no indices).
+put back at ``close()``. A batch the loader did not deliver (``itertools.cycle(loader)``'s replays
+of its first pass, a cached list) has no samples once a step worked on the last delivered one,
+unless the call is given that batch's own tensors. Not covered: an iterator made before
+``watch()`` (e.g. a persistent one from an earlier epoch), ``in_order=False``, iterable datasets
+(no indices).
 """
 
 from __future__ import annotations
