@@ -619,3 +619,26 @@ def test_a_precision_reference_without_an_overflow_names_the_reported_tensor_not
     assert ref["tensor"] == "output" and ref["failing_dtype"] == "bfloat16" and math.isfinite(ref["value"]), ref
     text = str(nanhunt.NonFiniteError(f))
     assert f"float32 gives {ref['value']:.7g} in output" in text and "at aten.log.default =" not in text, text
+
+
+def test_a_cast_overflow_references_the_value_its_hint_names() -> None:
+    # autocast's float16 copy of an input that passes 65504: the hint named the value on the path to
+    # the finding's element, the reference the largest of the cast's input (another row's), whose
+    # shape is not the finding's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.abs_()
+        model[0].bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.rand(2, 4, generator=torch.Generator().manual_seed(0))
+    x[0, 3], x[1, 0] = 81018.8, 98009.7  # both past float16's largest; row 0 holds the first bad element
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        out.float().pow(2).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.verdict, f.index[0]) == ("0", "aten._to_copy.default", "precision", 0), f
+    assert f.reference["value"] == pytest.approx(81018.8, rel=1e-6), f.reference
+    assert f"{f.reference['value']:.6g}" in f.hint, f.hint

@@ -270,6 +270,11 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
             facts = got.facts
     f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
+    ref = f.reference
+    if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:
+        # a cast whose input has another shape than the finding: the reference took that input's largest
+        # element, the hint the one on the path to the finding's element (the value the user can look up)
+        f = dataclasses.replace(f, reference={**ref, "value": facts["reached"]})
     f = dataclasses.replace(f, hint=f.hint or _start_hint(ctx, f) or _hints.hint(f, facts), rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
