@@ -475,6 +475,7 @@ class StepView:
     scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into
     step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()
     bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began
+    start_versions: dict[int, int] = field(default_factory=dict)  # parameter id -> its version when the first step began
     known_bad: tuple[torch.Tensor, ...] = ()  # state an earlier finding already showed non-finite (carried since)
     judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)
     mid_step: frozenset[int] = frozenset()  # optimizers inside a step() that called its closure again: state mid-update

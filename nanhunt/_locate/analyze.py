@@ -108,8 +108,11 @@ class _Ctx:
             view, root = self.view, self.view.root
             self._fresh = {}
             if view.step == 0 and view.steps_applied == 0 and root is not None:
+                # (and not written in place since, by a write torch counts: p[3] = nan under no_grad
+                # between two calls; a data-dependent init writes through .data, which moves no counter)
                 known = {id(t) for t in (*view.bad_at_start, *view.known_bad)}
-                self._fresh = {id(p): None for p in root.parameters() if id(p) not in known}
+                self._fresh = {id(p): None for p in root.parameters()
+                               if id(p) not in known and view.start_versions.get(id(p)) == version(p)}
         return self._fresh
 
 

@@ -1691,6 +1691,7 @@ class Hunt:
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
             step_lines=dict(self._step_lines),
             bad_at_start=self._start.bad(),
+            start_versions=self._start.versions,
             known_bad=tuple(t for r in self._known_bad if (t := r()) is not None),
             judged=frozenset(self._judged),
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),

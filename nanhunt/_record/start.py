@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_probes, widen
+from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_probes, version, widen
 
 __all__ = ["StartState"]
 
@@ -28,10 +28,11 @@ _INF = float("inf")
 class StartState:
     """Exact "non-finite?" flags of the watched state as it was when the first step began."""
 
-    __slots__ = ("pending", "_refs", "_flags", "_bad")
+    __slots__ = ("pending", "_refs", "_flags", "_bad", "versions")
 
     def __init__(self) -> None:
         self.pending = True  # not captured yet (the first step has not begun)
+        self.versions: dict[int, int] = {}  # id -> version counter of each parameter of the model, then
         self._refs: list[weakref.ref[torch.Tensor]] = []
         self._flags: torch.Tensor | None = None
         self._bad: list[weakref.ref[torch.Tensor]] = []
@@ -39,6 +40,7 @@ class StartState:
     def capture(self, root: nn.Module, opts: Sequence[torch.optim.Optimizer]) -> None:
         """The first step begins: flag what is non-finite now (device side, no read)."""
         self.pending = False
+        self.versions = {id(p): version(p) for p in root.parameters()}
         seen: set[int] = set()
         tens: list[torch.Tensor] = []
         mine: list[torch.Tensor] = []  # what this rank holds of each (FSDP2: its shard, maybe empty)
