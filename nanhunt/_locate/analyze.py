@@ -234,13 +234,23 @@ def analyze(view: StepView) -> list[Finding]:
                 out.append(f)
                 break
     ops = [m for m, b in zip(log.meta, sbad) if b and isinstance(m, Op)]
-    found = [_with_op(_finish(ctx, f), ops) for f in out]
+    found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
     if view.bundle and found and not ctx.bundled:
         f0 = found[0]
         warnings.warn(f"nanhunt wrote no repro bundle to {view.bundle}: the first finding ({f0.phase} of "
                       f"{f0.module or '<model>'}) is not a watched module's forward call that a replay "
                       "reproduced, the one thing a bundle holds", stacklevel=2)
     return found
+
+
+def _users_class(ctx: _Ctx, f: Finding) -> Finding:
+    """A module the user compiled in place in the model (``net.block = torch.compile(net.block)``)
+    is named by its place, and typed by the user's class, not torch's ``OptimizedModule`` wrapper."""
+    if f.module_type != "OptimizedModule":
+        return f
+    m = next((m for m, n in ctx.names.items() if n == f.module), None)
+    orig = getattr(m, "_orig_mod", None)
+    return dataclasses.replace(f, module_type=type(orig).__name__) if isinstance(orig, nn.Module) else f
 
 
 def _with_op(f: Finding, ops: list[Op]) -> Finding:
