@@ -112,7 +112,8 @@ class _Ctx:
                 # between two calls; a data-dependent init writes through .data, which moves no counter)
                 known = {id(t) for t in (*view.bad_at_start, *view.known_bad)}
                 self._fresh = {id(p): None for p in root.parameters()
-                               if id(p) not in known and view.start_versions.get(id(p)) == version(p)}
+                               if id(p) not in known and (v := view.start_versions.get(id(p))) is not None
+                               and v == version(p)}  # (a lazy module's parameter had no counter then: not in it)
         return self._fresh
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._tensors import is_checked, local, optimizer_tensors, own_tensors, stack_probes, version, widen
 
@@ -40,7 +41,7 @@ class StartState:
     def capture(self, root: nn.Module, opts: Sequence[torch.optim.Optimizer]) -> None:
         """The first step begins: flag what is non-finite now (device side, no read)."""
         self.pending = False
-        self.versions = {id(p): version(p) for p in root.parameters()}
+        self.versions = {id(p): version(p) for p in root.parameters() if not is_lazy(p)}  # (no values yet: no counter)
         seen: set[int] = set()
         tens: list[torch.Tensor] = []
         mine: list[torch.Tensor] = []  # what this rank holds of each (FSDP2: its shard, maybe empty)
