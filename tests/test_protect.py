@@ -258,9 +258,11 @@ def test_a_buffer_replaced_by_assignment_is_the_one_a_replay_starts_from(on_find
             opt.step()
             opt.zero_grad()
     bn = model[1]
-    assert set(seen[2]) == {id(bn.running_mean), id(bn.running_var)}
+    # (and its small integer counter: a replay starts from the count the call began with)
+    assert set(seen[2]) == {id(bn.running_mean), id(bn.running_var), id(bn.num_batches_tracked)}
     assert torch.equal(seen[2][id(bn.running_mean)], torch.full((6,), 5.0))  # before the call wrote them
     assert torch.equal(seen[2][id(bn.running_var)], torch.full((6,), 7.0))
+    assert int(seen[2][id(bn.num_batches_tracked)]) == 2 and int(bn.num_batches_tracked) == 3
 
 
 def _bn_model() -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:

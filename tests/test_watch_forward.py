@@ -815,7 +815,7 @@ class _ActNorm(nn.Module):
         if self.initialized.item() == 0:
             with torch.no_grad():
                 self.loc.data.copy_(-x.mean(0, keepdim=True))
-                self.logs.data.copy_(torch.log(1.0 / x.std(0, keepdim=True)))  # a constant feature: 1/0
+                self.logs.data.copy_(torch.log(1.0 / x.std(0, keepdim=True)))  # @actnorm-init: a constant feature: 1/0
                 self.initialized.fill_(1)
         return (x + self.loc) * torch.exp(self.logs)  # 0 * inf there
 
@@ -839,8 +839,16 @@ def test_a_weight_the_first_call_initialises_from_the_data_is_born_there_not_a_p
         m(x).sum().backward()
         if opt is not None:
             opt.step()
-    assert_finding(_first(hunt), phase="forward", module="1", module_type="_ActNorm", tensor="output", step=0,
+    f = _first(hunt)
+    assert_finding(f, phase="forward", module="1", module_type="_ActNorm", tensor="output", step=0,
                    call=0, cause="created", expected=rec.out("1"))
+    # the op is the init's 1/std, followed through the .data.copy_ into the scale: the replay starts
+    # from the integer buffers the call began with (initialized = 0), and a write through .data
+    # (no version bump) is seen as the parameter's latest writer
+    with open(__file__) as src:
+        init = next(i + 1 for i, t in enumerate(src) if t.rstrip().endswith("@actnorm-init: a constant feature: 1/0"))
+    assert f.op == "aten.reciprocal.default" and f.source == f"{__file__}:{init}", (f.op, f.source)
+    assert any("aten.copy_" in c for c in f.chain) and f.chain[0].startswith("aten.reciprocal"), f.chain
 
 
 class _InPlaceNorm(nn.Module):

@@ -203,12 +203,13 @@ class _Recorder:
         e = self.by_id.get(id(t))
         ver = version(t)
         if e is not None and e[0]() is t:
-            if e[1] == ver and ver >= 0:
-                return e[2], e[3]
             prod = e[3]
             st = _storage(t)
             w = self.by_storage.get(st) if st is not None else None
-            if w is not None and (prod is None or w[0] > prod[0]):
+            newer = w is not None and (prod is None or w[0] > prod[0])
+            if e[1] == ver and ver >= 0 and not newer:
+                return e[2], e[3]
+            if newer:  # written since through another tensor of its storage (w.data.copy_: no version bump)
                 prod = w
             code = _code(t)
             self.by_id[id(t)] = (weakref.ref(t), ver, code, prod)
@@ -361,6 +362,8 @@ class _Recorder:
                 continue
             if sel_pos is not None and inp.pos != sel_pos:
                 continue
+            if inp.pos == 0 and rec.op in _OVERWRITES:
+                continue  # what the destination held before is gone: only the source is copied in
             if rec.pointwise or sel_pos is not None:
                 in_idx = _bmap(idx, shape, inp.shape)
                 if in_idx is None:
@@ -374,6 +377,10 @@ class _Recorder:
             # a -inf is most often an intended mask: follow anything else first
             out.append(((v == 3, inp.prod is None, origin), inp, in_idx))
         return out
+
+
+# ops whose first argument is overwritten whole by the others (a weight set through .data.copy_)
+_OVERWRITES = frozenset({"aten.copy_.default", "aten.copy.default", "aten._copy_from.default"})
 
 
 def _in_row(code: torch.Tensor, in_shape: tuple[int, ...], shape: tuple[int, ...], idx: tuple[int, ...],

@@ -1,4 +1,5 @@
-"""The state a root call starts from: its floating buffers as they were before the call.
+"""The state a root call starts from: its floating buffers (and small integer ones: counters,
+flags) as they were before the call.
 
 A finding's ``cause`` is judged on the state at the start of the failing call, and a replay starts
 from it: a BatchNorm's running statistics written non-finite by the very call that failed do not
@@ -26,6 +27,7 @@ from .protect import buffer_slots
 __all__ = ["BufferState"]
 
 _MAX_NUMEL = 1 << 20
+_FLAG_NUMEL = 16
 
 
 _Slots = list[tuple[dict[str, torch.Tensor | None], str, str]]
@@ -34,6 +36,7 @@ _Slots = list[tuple[dict[str, torch.Tensor | None], str, str]]
 class BufferState:
     def __init__(self) -> None:
         self._slots: dict[nn.Module, _Slots] = {}
+        self._flags: dict[nn.Module, _Slots] = {}  # small integer/bool buffers (see _small_slots)
         # the last probe's buffers (by identity) and their device-side "non-finite" flags: the
         # state the next step starts from, so that a step probes its buffers once, not twice
         self._last: tuple[list[torch.Tensor], torch.Tensor] | None = None
@@ -46,11 +49,13 @@ class BufferState:
             if slots is None:
                 return  # a lazy module's buffers get their values in this call: found at the next
             self._slots[top.module] = slots
-        if not slots:
+            self._flags[top.module] = _small_slots(top.module)
+        flags = self._flags.get(top.module, [])
+        if not slots and not flags:
             return
         with torch.no_grad():
             saved: dict[int, torch.Tensor] = {}
-            for d, k, _ in slots:
+            for d, k, _ in (*slots, *flags):
                 b = d.get(k)
                 if b is not None and id(b) not in saved:
                     c = taken.get(id(b)) if taken else None
@@ -99,6 +104,7 @@ class BufferState:
 
     def clear(self) -> None:
         self._slots.clear()
+        self._flags.clear()
         self._last = None
 
 
@@ -121,6 +127,15 @@ def _floating_slots(root: nn.Module) -> _Slots | None:
     if any(is_lazy(b) for d, k, _ in out if (b := d[k]) is not None):
         return None
     return out if sum(_numel(d[k]) for d, k, _ in out) <= _MAX_NUMEL else []
+
+
+def _small_slots(root: nn.Module) -> _Slots:
+    """The small integer and bool buffers of ``root`` (a BatchNorm's ``num_batches_tracked``, a
+    data-dependent init's ``initialized`` flag): a replay starts from their values before the call
+    too, or it skips what the call did on its first batch (Glow's ActNorm set its scale there)."""
+    return [(d, k, n) for d, k, n in buffer_slots(root)
+            if (b := d[k]) is not None and not _floating(b) and not is_lazy(b) and not b.is_meta
+            and b.numel() <= _FLAG_NUMEL]
 
 
 def _floating(b: torch.Tensor | None) -> bool:
