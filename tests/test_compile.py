@@ -477,3 +477,24 @@ def test_a_nan_the_compiled_model_absorbs_is_found_in_its_module_as_in_eager(bac
     f = hunt.first
     assert f is not None and (f.step, f.phase, f.module, f.tensor) == (2, "forward", "block", "output"), f
     assert f.op == "aten.div.Tensor" and f.verdict == "numerics" and f.reproducible is True, f
+
+
+def test_a_compiled_model_with_a_compiled_part_is_watched_and_left_as_it_was() -> None:
+    # model.compile() and model.block.compile(): watch() itself failed (AttributeError: the hunt
+    # caught the compiled part while building its slots, before its own handles existed)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = _WithCompiledBlock()
+    net.block.compile(backend="eager")
+    net.compile(backend="eager")
+    own = (net.__dict__["_compiled_call_impl"], net.block.__dict__["_compiled_call_impl"])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    x[1, 0] = 0.0
+    with nanhunt.watch(net, opt, on_find="record") as hunt:
+        _step(net, opt, x)
+    f = hunt.first
+    assert f is not None and (f.module, f.module_type, f.op, f.cause) == ("block", "_LogBlock", "aten.log.default",
+                                                                         "created"), f
+    assert (net.__dict__["_compiled_call_impl"], net.block.__dict__["_compiled_call_impl"]) == own
+    torch._dynamo.reset()

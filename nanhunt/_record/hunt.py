@@ -255,13 +255,15 @@ class Hunt:
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
         self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._handles: list[Any] = [self._dist] if self._dist is not None else []
+        self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
+        # (both before the first name map: model.compile()'s slots build it, and it catches compiled parts)
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
             self._prepare_compiled(None)
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._traced = False  # our hooks were traced into a graph the hunt was not ready for: see _after_trace
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
-        self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
@@ -294,7 +296,6 @@ class Hunt:
 
         self._croot: CompiledRoot | None = None
         self._abandon = False  # a finding raised out of step(): the next iteration counts it (see _abandoned)
-        self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         self._pprobes: dict[int, GradProbe] = {}  # per watched optimizer: its parameters as step() begins
@@ -1223,12 +1224,11 @@ class Hunt:
         self._in_closure = opt
         try:
             self._check_step(i, opt)
-        except BaseException as exc:  # the step stops here: LBFGS may have moved the weights to a trial point
+        except NonFiniteError:  # the step stops here: LBFGS may have moved the weights to a trial point
             backup = self._step_backups.pop(i, None)
             if backup is not None:
                 backup.restore()
-            if isinstance(exc, NonFiniteError):
-                self._abandoned()
+            self._abandoned()
             raise
         finally:
             self._in_closure = None
