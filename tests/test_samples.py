@@ -107,8 +107,8 @@ def test_batches_the_loader_did_not_deliver_name_no_rows_of_another_batch() -> N
         again = iter(loader)
         next(again)
         x, y, _i = next(again)
-        for _ in range(2):
-            F.cross_entropy(model(x), y).backward()
+        for by_keyword in (False, True):  # (by keyword too: model(x=x))
+            F.cross_entropy(model(x=x) if by_keyword else model(x), y).backward()
             opt.step()
             opt.zero_grad()
     forward = {f.step: f.samples for f in hunt.findings if f.phase == "forward"}

@@ -658,7 +658,7 @@ class Hunt:
             if self._start.pending and self._root is not None:
                 self._start.capture(self._root, self._opts)
         if self._batches is not None:
-            self._batches.top_started(args)
+            self._batches.top_started()
         t = _capture_top(module, args)
         t.outside_at = len(log.outside)
         t.src = user_line()[0]
@@ -1444,7 +1444,7 @@ class Hunt:
         self._stack.clear()
         if self._backup is not None:
             self._backup.end_step()
-        batches = self._batches.take() if self._batches is not None else None
+        batches = self._batches.take(log.tops) if self._batches is not None else None
         self._pending.clear()
         # no optimizer: the gradients are checked here; with one, also when its step() never came
         # after a backward (the loop left with an exception, clip_grad_norm_'s error_if_nonfinite)

@@ -94,7 +94,7 @@ class LoaderIndices:
         self.last: Batch | None = None  # the batch the loop received last
         self._last_tensors: list[weakref.ref[torch.Tensor]] = []  # its tensors, as the loader returned them
         self._last_used = False  # a step that ended worked on it
-        self._tops: list[Batch | None] = []  # the batch current at each top-level call of the step
+        self._tops: list[tuple[Batch | None, bool]] = []  # per top-level call of the step: the batch current then, and whether a step already worked on it
         self._loader: DataLoader[Any] | None = loader
         self._attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
         self._inner = getattr(loader, self._attr)
@@ -119,25 +119,30 @@ class LoaderIndices:
         self._last_tensors = [weakref.ref(t) for _, t in tensors(batch)]
         self._last_used = False
 
-    def top_started(self, args: Any = ()) -> None:
-        """A top-level call of the watched model began: it works on the last batch received, unless
-        a step that ended already did and the call is not given that batch's own tensors: batches
-        the loader did not deliver (``itertools.cycle(loader)`` replays its first pass, a cached
-        list, synthetic ones) were named by the rows of the last batch it did deliver."""
-        last = self.last
-        if last is not None and self._last_used:
-            given = {id(t) for _, t in tensors(args)}
-            if not any((t := r()) is not None and id(t) in given for r in self._last_tensors):
-                last = None  # unknown: no samples, rather than another batch's rows
-        self._tops.append(last)
+    def top_started(self) -> None:
+        """A top-level call of the watched model began: it works on the last batch received."""
+        self._tops.append((self.last, self._last_used))
 
-    def take(self) -> list[Batch | None]:
-        """The step ended: the batch of each of its top-level calls."""
+    def take(self, calls: Sequence[Any] = ()) -> list[Batch | None]:
+        """The step ended: the batch of each of its top-level calls (``calls``: the step's `Top`s).
+        A batch a step that ended already worked on is this call's only when the call was given
+        that batch's own tensors (the same batch trained on again, by position or keyword):
+        batches the loader did not deliver (``itertools.cycle(loader)`` replays its first pass, a
+        cached list, synthetic ones) were named by the rows of the last batch it did deliver."""
         tops, self._tops = self._tops, []
+        mine = {id(t) for r in self._last_tensors if (t := r()) is not None}
+        out: list[Batch | None] = []
+        for i, (batch, used) in enumerate(tops):
+            if batch is not None and used and batch is self.last:
+                top = calls[i] if i < len(calls) else None
+                given = tensors((top.args, top.kwargs or {})) if top is not None else ()
+                if not any(id(t) in mine for _, t in given):
+                    batch = None  # unknown: no samples, rather than another batch's rows
+            out.append(batch)
         last = self.last
-        if last is not None and any(b is last for b in tops):
+        if last is not None and any(b is last for b, _ in tops):
             self._last_used = True
-        return tops
+        return out
 
     def close(self) -> None:
         loader, self._loader = self._loader, None
