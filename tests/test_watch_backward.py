@@ -694,3 +694,26 @@ def test_a_gradient_named_by_its_node_in_the_second_micro_batch_has_that_calls_n
     f = ei.value.finding
     assert (f.phase, f.module, f.op, f.cause, f.step) == ("backward", module, "SqrtBackward0", "created", 0)
     assert f.call == call
+
+
+def test_a_retry_of_the_same_batch_after_the_error_is_the_same_step() -> None:
+    # a loop that catches the error and runs the same batch again (a lower learning rate, say),
+    # then goes on to the next batch: a retry is the same step, the batch it gave up on counts
+    xs = _batches(bad_at=2, n=6)
+    xs[4][1, 2:] = xs[4][1, :2]
+    m = zoo.distnet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    raised = []
+    with nanhunt.watch(m, opt) as hunt:
+        for step, x in enumerate(xs):
+            for _attempt in range(2):
+                try:
+                    m(x).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    break
+                except nanhunt.NonFiniteError as e:
+                    raised.append((step, e.finding.step))
+                    opt.zero_grad()
+    assert raised == [(2, 2), (2, 2), (4, 4), (4, 4)]
+    assert hunt.step == 6 and all(torch.isfinite(p).all() for p in m.parameters())

@@ -296,6 +296,7 @@ class Hunt:
 
         self._croot: CompiledRoot | None = None
         self._abandon = False  # a finding raised out of step(): the next iteration counts it (see _abandoned)
+        self._hit_inputs: list[weakref.ref[torch.Tensor]] = []  # the last hit's top-level inputs (see _resumed)
         self._oprobes: list[OptimizerProbe] = []  # per watched optimizer: its parameters and state
         self._gprobes: dict[int, GradProbe] = {}  # per watched optimizer (-1: all of them, -2: the model's)
         self._pprobes: dict[int, GradProbe] = {}  # per watched optimizer: its parameters as step() begins
@@ -619,8 +620,6 @@ class Hunt:
         need, and records its `Top`. ``cap``: end a step that never ends past `_MAX_ENTRIES`.
         None when ``on_find`` closed the hunt meanwhile."""
         self._outside.off()
-        if self._abandon:
-            self._resumed()
         if self._later:  # optimizers added while torch ran their step hooks (see add_optimizer)
             later, self._later = self._later, []
             for opt in later:
@@ -1157,8 +1156,6 @@ class Hunt:
         if self._paused:
             return None
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
-        if self._abandon:
-            self._resumed()
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         self._owner = _get_ident()  # the thread that steps the optimizer owns the steps
         self._owner_thread = threading.current_thread()  # (a thread that ended owns nothing: see _take_step)
@@ -1236,17 +1233,22 @@ class Hunt:
 
     def _abandoned(self) -> None:
         """A finding raised out of ``step()`` before the update. A loop that catches it and goes on
-        starts its next iteration: then (`_resumed`) the abandoned one counts as a step, as a
-        skipped one does, so the next finding's step is the loop's own count (it fell one behind
-        for each resume). Until then ``hunt.step`` is the step that raised."""
+        to its next batch counts the abandoned step, as a skipped one is counted, so the next
+        finding's step is the loop's own count (it fell one behind for each resume); a retry of
+        the same batch (its tensors given again) is the same step. Decided at the next step's end
+        (`_resumed`); until then ``hunt.step`` is the step that raised."""
         self._abandon = True
-
-    def _resumed(self) -> None:
-        """The loop goes on after a step that raised (see `_abandoned`)."""
-        self._abandon = False
-        self.step += 1
         self._calls_before = {}
         self._round = set()
+
+    def _resumed(self, log: StepLog) -> None:
+        """The step after one that raised ends (see `_abandoned`): it counts the abandoned one
+        unless it was given the abandoned step's own input tensors again."""
+        self._abandon = False
+        gone = {id(t) for r in self._hit_inputs if (t := r()) is not None}
+        self._hit_inputs = []
+        if not any(id(t) in gone for top in log.tops for _, t in tensors((top.args, top.kwargs or {}))):
+            self.step += 1
 
     def _check_step(self, i: int, opt: torch.optim.Optimizer) -> None:
         if self._closed:
@@ -1464,6 +1466,8 @@ class Hunt:
             written = self._state.probe(log.tops[0], self._ignore)
             if written is not None:
                 log.vectors.append(written)
+        if self._abandon and (log.tops or log.vectors):
+            self._resumed(log)
         step = self.step
         prior = self._calls_before  # this log's calls are numbered after these
         if advance:
@@ -1501,6 +1505,8 @@ class Hunt:
                     return
             failed: Exception | None = None
             if bad:
+                self._hit_inputs = [weakref.ref(t) for top in log.tops
+                                    for _, t in tensors((top.args, top.kwargs or {}))]
                 self._paused = True
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
