@@ -1023,8 +1023,8 @@ class Hunt:
                 return
             if _functorch_level() is not None or _graph_task() != -1:
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
-            if _redirected(module):
-                return  # (as in _pre_other)
+            if _redirected(module, through=False):
+                return  # (as in _pre_other; a wrapper's call stays the top: sentinel hooks nothing inside it)
             got = self._begin_top(module, args, cap=False)
             if got is None:  # on_find closed the hunt
                 return
@@ -1890,15 +1890,23 @@ def _restores(on_find: Any) -> bool:
 _LIGHTNING = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
 
 
-def _redirected(module: nn.Module) -> bool:
+def _redirected(module: nn.Module, through: bool = True) -> bool:
     """Lightning's strategies (DDP, FSDP, DeepSpeed; Fabric's wrapped modules) call
     ``training_step`` through the model's ``forward``: for that one call they set the instance's
     ``forward`` to a ``wrapped_forward`` that puts the real one back and runs the step, whose own
     ``self(x)`` is the model's real call. That outer call is no call of the model: a replay of it
     runs the real forward with the step's arguments (a TypeError, the finding without origin)."""
-    fwd = module.__dict__.get("forward")
-    return (fwd is not None and getattr(fwd, "__name__", "") == "wrapped_forward"
-            and getattr(fwd, "__module__", "").startswith(_LIGHTNING))
+    m: Any = module
+    for _ in range(4 if through else 1):  # or the module a wrapper hands the call to (DDP's .module; Fabric's)
+        fwd = m.__dict__.get("forward")
+        if (fwd is not None and getattr(fwd, "__name__", "") == "wrapped_forward"
+                and getattr(fwd, "__module__", "").startswith(_LIGHTNING)):
+            return True
+        d = m.__dict__.get("_modules") or {}
+        m = d.get("module") or d.get("_forward_module") or m.__dict__.get("_original_module")
+        if not isinstance(m, nn.Module):
+            return False
+    return False
 
 
 def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
