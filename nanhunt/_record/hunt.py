@@ -572,8 +572,6 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
-        if not self._stack and _redirected(module):
-            return  # Lightning's strategies run training_step as the model's forward: its own call of the model is the top
         if not self._stack and _on_meta(module, args):
             # a model run on the meta device (a dry run for shapes or FLOPs) has no values to judge.
             # Nothing is pushed, so every call inside comes here again and stands aside too.
@@ -590,6 +588,8 @@ class Hunt:
                 return
             wrapper, module = module, orig
             self._compiled_buffer(args)
+        if not self._stack and _redirected(module):  # (a watched module's top-level call only: never an unwatched one's)
+            return  # Lightning's strategies run training_step as the model's forward: its own call of the model is the top
         if module._forward_hooks:  # the user's own forward hooks: probe after them
             self._late_hook(module)
         stack = self._stack
