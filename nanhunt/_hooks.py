@@ -65,6 +65,7 @@ class GlobalHooks:
             _module_mod.register_module_forward_pre_hook(pre),
             _module_mod.register_module_forward_hook(post, with_kwargs=True, always_call=True),
         ]
+        self._off: tuple[Any, Any] | None = None  # the hooks while `off`
         _ours.append(self)
         _quiet_compile_warning()
 
@@ -73,9 +74,32 @@ class GlobalHooks:
             h.remove()
             _module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles.clear()
+        self._off = None
         if self in _ours:
             _ours.remove(self)
             _restore_compile_warning()
+
+    def off(self) -> bool:
+        """Take both hooks out of torch's dicts for a while (`on` puts them back), only where they
+        are the only global forward hooks (so that putting them back keeps every hook's order):
+        module calls meanwhile take ``_call_impl``'s fast path. False when not taken off."""
+        pre, post = _module_mod._global_forward_pre_hooks, _module_mod._global_forward_hooks
+        if len(pre) != 1 or len(post) != 1 or len(self._handles) != 2:
+            return False
+        a, b = self._handles
+        hp, hf = pre.get(a.id), post.get(b.id)
+        if hp is None or hf is None:
+            return False
+        del pre[a.id], post[b.id]
+        self._off = (hp, hf)
+        return True
+
+    def on(self) -> None:
+        """Put the hooks `off` took out back (not after `remove`)."""
+        got, self._off = self._off, None
+        if got is not None and len(self._handles) == 2:
+            _module_mod._global_forward_pre_hooks[self._handles[0].id] = got[0]
+            _module_mod._global_forward_hooks[self._handles[1].id] = got[1]
 
 
 class ReplayHooks(GlobalHooks):

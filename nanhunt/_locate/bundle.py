@@ -126,8 +126,8 @@ def _tree(m: nn.Module) -> dict[str, Any]:
     attrs: dict[str, Any] = {}
     skipped: list[str] = []
     for k, v in m.__dict__.items():
-        if k in _MODULE_KEYS and k != "training":
-            continue
+        if k in _MODULE_KEYS and k != "training" or getattr(type(v), "__nanhunt__", False):
+            continue  # (a watching hunt's `forward` wrapper is no attribute of the module's)
         ok, enc = _attr(v)
         if ok:
             attrs[k] = enc

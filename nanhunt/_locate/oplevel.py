@@ -66,6 +66,7 @@ _NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
 _DEMO = os.path.join(_NANHUNT_DIR, "_cli", "demo.py")
 _OUTSIDE = os.path.join(_NANHUNT_DIR, "_record", "outside.py")
+_FORWARDS = os.path.join(_NANHUNT_DIR, "_record", "forwards.py")  # full mode's `forward` wrappers
 _USER, _SKIP, _STOP = 0, 1, 2
 _kinds: dict[str, int] = {}
 
@@ -76,7 +77,7 @@ def _kind(filename: str) -> int:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_NANHUNT_DIR):
             # the demo's model is "user" code; a pass-through outside-code mode is nobody's frame
-            k = _USER if path == _DEMO else (_SKIP if path == _OUTSIDE else _STOP)
+            k = _USER if path == _DEMO else (_SKIP if path in (_OUTSIDE, _FORWARDS) else _STOP)
         elif path.startswith(_TORCH_DIR) or filename.startswith("<frozen") or (
             path.startswith(_STDLIB_DIR) and "-packages" + os.sep not in path[len(_STDLIB_DIR):]
         ):

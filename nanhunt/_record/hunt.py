@@ -58,6 +58,7 @@ from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
 from .faults import InternalError, log_fault
+from .forwards import Forward, install, remove
 from .guard import SaveGuard
 from .history import History, stats
 from .options import Options
@@ -264,6 +265,13 @@ class Hunt:
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._traced = False  # our hooks were traced into a graph the hunt was not ready for: see _after_trace
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
+        # full mode: the global hooks, and the `Forward` wrappers that see the calls inside a
+        # top-level call while those hooks are off (see forwards.py)
+        self._global: GlobalHooks | None = None
+        self._fwds: dict[int, Forward] = {}  # id(module) -> the wrapper put on it (close() takes them off)
+        self._fwd_ok: list[Forward] | None = None  # the name map's wrappers; None: its calls are left to the hooks
+        self._inner = 0  # the owner thread's ident while a top-level call runs with the hooks off, else 0
+        self._arm: Call | None = None  # the top-level call just begun, whose own forward may take the hooks off
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
@@ -321,7 +329,8 @@ class Hunt:
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
             self._catch_compiled_root()
         if self._per_module:
-            self._handles.append(GlobalHooks(self._pre, self._post))
+            self._global = GlobalHooks(self._pre, self._post)
+            self._handles.append(self._global)
         else:
             self._handles.append(model.register_forward_pre_hook(_OnModule(self, "_root_pre"), with_kwargs=True))
             self._handles.append(model.register_forward_hook(_OnModule(self, "_root_post"), with_kwargs=True,
@@ -467,7 +476,101 @@ class Hunt:
             self._compiled_names()
         if self._per_module:
             self._catch_compiled_parts()
+            self._wrap(names)
         return names
+
+    def _wrap(self, names: dict[int, tuple[str, Any]]) -> None:
+        """Full mode: a `Forward` on every watched module, unless some part of the model runs
+        compiled (its hooks are traced into its graph: that path stays as it was)."""
+        mods = [m for _, r in names.values() if (m := r()) is not None]
+        self._fwd_ok = None
+        if (self._compiled is not None or self._cparts or self._root is None or any(
+                type(m).__name__ == "OptimizedModule" or isinstance(m, torch.jit.ScriptModule)
+                or getattr(m, "_compiled_call_impl", None) is not None for m in mods)):
+            return  # (a scripted part: its forward is TorchScript's; the hooks see its call)
+        ws = []
+        fwds = self._fwds
+        for m in mods:
+            w = fwds.get(id(m))
+            if w is None or w.ref() is not m:
+                fwds[id(m)] = w = install(self, m)
+            ws.append(w)
+        self._fwd_ok = ws
+
+    def _wrapped(self) -> bool:
+        """Is every watched module's ``forward`` still its `Forward` (none replaced since, none
+        compiled in place since)? Checked as each top-level call begins (~0.1 us a module)."""
+        ws = self._fwd_ok
+        if ws is None:
+            return False
+        for w in ws:
+            m = w.ref()
+            if m is None:
+                continue
+            d = m.__dict__
+            if d.get("forward") is not w or d.get("_compiled_call_impl") is not None:
+                return False
+        return True
+
+    def _enter(self, w: Forward) -> bool:
+        """The forward of the top-level call just begun (`_arm`) is starting: take the global hooks
+        off, so that the calls inside are seen by their wrappers (`_push`), when everything allows
+        it (True: `_leave` puts them back as that forward returns)."""
+        c, self._arm = self._arm, None
+        hooks = self._global
+        try:
+            stack = self._stack
+            if (hooks is not None and len(stack) == 1 and stack[0] is c and c is not None and c.module is w.ref()
+                    and not self._paused and self._names is not None and self._wrapped() and hooks.off()):
+                self._inner = _get_ident()
+                return True
+        except Exception as exc:
+            self._fault(exc, "the forward pre-hook")
+        return False
+
+    def _leave(self) -> None:
+        self._inner = 0
+        if self._global is not None:
+            self._global.on()  # before torch runs the top-level call's forward hooks: `_post` records it
+
+    def _push(self, w: Forward, args: tuple[Any, ...]) -> Call | None:
+        """A watched module called inside a top-level call that runs with the hooks off: what the
+        global pre-hook would do (`_pre`), the common call inlined. The `Call` pushed that the
+        wrapper pops (`_pop`), or None (then `_post` ends it, as the global hook would)."""
+        m = w.ref()
+        try:
+            names = self._names
+            stack = self._stack
+            if (m is not None and names is not None and stack and not m._forward_hooks and not self._paused
+                    and not REPLAYING and _tracing_state() is None and _functorch_level() is None):
+                e = names.get(id(m))
+                if e is not None and e[1]() is m:
+                    p = stack[-1]
+                    calls = self._log.calls
+                    i = len(calls)
+                    c = Call(m, e[0], -1, p.depth + 1, p.index, p.top, i - stack[0].index, i)
+                    calls.append(c)
+                    stack.append(c)
+                    return c
+        except Exception as exc:
+            self._fault(exc, "the forward pre-hook")
+            return None
+        if m is not None:
+            self._pre(m, args)
+        return None
+
+    def _pop(self, c: Call, m: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """The call `_push` pushed returned ``output``: what the global forward hook would do."""
+        try:
+            stack = self._stack
+            if stack and stack[-1] is c and not self._paused:
+                stack.pop()
+                self._done(c, m, args, kwargs, output)
+                return
+        except Exception as exc:
+            self._fault(exc, "the forward hook")
+            return
+        self._post(m, args, kwargs, output)
 
     def _compiled_names(self) -> None:
         """torch.compile traces _post_compiled: it looks slots up in a plain dict keyed by module
@@ -538,6 +641,9 @@ class Hunt:
         names = self._names
         if names is not None and id(parent) in names:
             self._names = None  # rebuilt at the next call
+            if self._inner and self._global is not None:  # the new module has no wrapper yet: the hooks see the rest
+                self._inner = 0
+                self._global.on()
 
     def _pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if _is_compiling() or self._paused or (REPLAYING and get_ident() in REPLAYING) or _tracing_state() is not None:
@@ -613,6 +719,8 @@ class Hunt:
         c = Call(module, e[0], -1, depth, parent, top, i - first, i)
         log.calls.append(c)
         stack.append(c)
+        if not depth and wrapper is None and self._fwd_ok is not None:
+            self._arm = c  # its forward, a `Forward`, may take the hooks off (see _enter)
 
     def _begin_top(self, module: nn.Module, args: tuple[Any, ...], *, cap: bool) -> tuple[StepLog, Top] | None:
         """A top-level call begins (both modes): it may end the previous step (no optimizer: each
@@ -736,62 +844,65 @@ class Hunt:
                         return
                     while stack[-1].module is not module:  # a child raised and was not unwound
                         stack.pop()
-            c = stack.pop()
-            if module._forward_hooks and id(module) in self._late:
-                self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
-                return  # (which also lets go of the step's thread)
-            elif c.depth and self._lean and type(output) is torch.Tensor:
-                # the common case, kept short: one plain tensor out of a call inside a watched call
-                # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
-                if type(module) in _PASSTHROUGH:
-                    return
-                log = self._log
-                i = c.index
-                calls = log.calls
-                dt = output.dtype
-                if i >= len(calls) or calls[i] is not c or dt not in _CHECKED or output.is_meta:
-                    return  # the step ended inside this call (a sync from another thread); not floating; no values
-                try:
-                    key = (id(output), output._version)
-                except RuntimeError:  # an inference tensor: no version counter
-                    key = (id(output), -1)
-                seen = log.probed
-                ref = seen.get(key)
-                if ref is not None and ref() is output:
-                    return  # handed on unchanged from a call already probed (containers, wrappers)
-                seen[key] = ref = _weakref(output)
-                sums = log.sums
-                mid = id(module)
-                small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
-                if small and mid in self._defer:  # probed with the others at the top-level call's return
-                    log.lazy.append((output, key[1], len(sums), mid))
-                    sums.append(None)
-                    if len(log.lazy) >= _LAZY_CAP:
-                        self._resolve(log)
-                else:
-                    grad = _grad_enabled()
-                    if grad:  # one switch instead of a detach
-                        _set_grad_enabled(False)
-                    try:
-                        sums.append(output.sum() if dt is _F32 else probe(output))
-                    except NotImplementedError:  # a nested tensor: no plain sum (probe sums its values)
-                        sums.append(probe(output))
-                    finally:
-                        if grad:
-                            _set_grad_enabled(True)
-                    if small and mid not in self._eager:  # on trial: is it written after it returns?
-                        log.trial.append((output, key[1], mid))
-                        if len(log.trial) >= _LAZY_CAP:
-                            self._resolve(log)
-                log.meta.append(_FWD0[i] if i < len(_FWD0) else _fwd0(i))
-                c.paths = _ONE_PATH
-                c.outs = ((ref, key[1]),)
-            else:
-                self._record(c, module, args, kwargs, output)
-            if not stack and not self._opts:
-                self._owner = None  # no optimizer: each root call is a step; any thread may take the next
+            self._done(stack.pop(), module, args, kwargs, output)
         except Exception as exc:
             self._fault(exc, "the forward hook")
+
+    def _done(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """A watched call ``c`` returned ``output`` (popped off the stack): probe its outputs."""
+        if module._forward_hooks and id(module) in self._late:
+            self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
+            return  # (which also lets go of the step's thread)
+        elif c.depth and self._lean and type(output) is torch.Tensor:
+            # the common case, kept short: one plain tensor out of a call inside a watched call
+            # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
+            if type(module) in _PASSTHROUGH:
+                return
+            log = self._log
+            i = c.index
+            calls = log.calls
+            dt = output.dtype
+            if i >= len(calls) or calls[i] is not c or dt not in _CHECKED or output.is_meta:
+                return  # the step ended inside this call (a sync from another thread); not floating; no values
+            try:
+                key = (id(output), output._version)
+            except RuntimeError:  # an inference tensor: no version counter
+                key = (id(output), -1)
+            seen = log.probed
+            ref = seen.get(key)
+            if ref is not None and ref() is output:
+                return  # handed on unchanged from a call already probed (containers, wrappers)
+            seen[key] = ref = _weakref(output)
+            sums = log.sums
+            mid = id(module)
+            small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
+            if small and mid in self._defer:  # probed with the others at the top-level call's return
+                log.lazy.append((output, key[1], len(sums), mid))
+                sums.append(None)
+                if len(log.lazy) >= _LAZY_CAP:
+                    self._resolve(log)
+            else:
+                grad = _grad_enabled()
+                if grad:  # one switch instead of a detach
+                    _set_grad_enabled(False)
+                try:
+                    sums.append(output.sum() if dt is _F32 else probe(output))
+                except NotImplementedError:  # a nested tensor: no plain sum (probe sums its values)
+                    sums.append(probe(output))
+                finally:
+                    if grad:
+                        _set_grad_enabled(True)
+                if small and mid not in self._eager:  # on trial: is it written after it returns?
+                    log.trial.append((output, key[1], mid))
+                    if len(log.trial) >= _LAZY_CAP:
+                        self._resolve(log)
+            log.meta.append(_FWD0[i] if i < len(_FWD0) else _fwd0(i))
+            c.paths = _ONE_PATH
+            c.outs = ((ref, key[1]),)
+        else:
+            self._record(c, module, args, kwargs, output)
+        if not self._stack and not self._opts:
+            self._owner = None  # no optimizer: each root call is a step; any thread may take the next
 
     def _resolve(self, log: StepLog) -> None:
         """Probe the step's deferred outputs now (`StepLog.resolve`) and learn from the trials:
@@ -1751,6 +1862,10 @@ class Hunt:
                 continue
             h.remove()
         self._handles.clear()
+        self._inner, self._arm, self._global, self._fwd_ok = 0, None, None, None
+        for w in self._fwds.values():
+            remove(w)
+        self._fwds.clear()
         self._cparts.clear()
         for h in self._late.values():
             h.remove()

@@ -1,0 +1,152 @@
+"""Full mode's per-module ``forward`` wrappers: the calls inside a top-level call, seen without
+torch's hook dispatch.
+
+Any global module hook puts every module call of the process on ``Module._call_impl``'s slow
+path: two empty global hooks cost ~19 K instructions a call on the benchmark MLP, more than the
+record they feed. So while a watched top-level call runs its own forward, full mode takes its two
+global hooks off (`GlobalHooks.off`, only while they are the only global module hooks) and sees
+the calls beneath it through an instance attribute ``forward`` on each watched module (a
+`Forward`), which keeps those calls on the fast path; the hooks go back on as that forward
+returns, before torch runs the top-level call's forward hooks. The hooks still see everything
+else, as before: the top-level call itself, calls between top-level calls (loss modules), and
+every call of a top-level call that cannot be wrapped (a compiled part, another global hook, a
+watched module whose ``forward`` is not its `Forward`: replaced since, Lightning's redirection).
+Then the wrappers stand aside. The record is the same either way: the wrapper calls the hunt's
+own pre/post code (`Hunt._pre`, `Hunt._post`), with the common call's push inlined.
+
+What a `Forward` changes for the user while the hunt is open: ``module.forward`` is an instance
+attribute (`inspect.signature` sees through it: ``__wrapped__``); close() takes it off again (a
+dormant pass-through stays where another wrapper was put on top of it since). A deep copy (an EMA
+copy) or a pickle of the module gets the module's own ``forward``, bound to the copy, never the
+wrapper; a shallow ``copy.copy`` of a module shares its ``__dict__`` values and would run the
+original's forward (as it shares its parameters and children, only its own plain attributes differ).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+import weakref
+from threading import get_ident
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Forward", "install", "remove"]
+
+_get_ident = get_ident
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one call), True while dynamo traces
+
+
+class Forward:
+    """``module.forward`` while a full-mode hunt is open (see the module docstring)."""
+
+    __slots__ = ("hunt", "ref", "func", "own", "__weakref__")
+    __nanhunt__ = True  # (bundles and reports leave it out of a module's attributes)
+
+    def __init__(self, hunt: Any, module: nn.Module, own: Any) -> None:
+        self.hunt = hunt
+        self.ref = weakref.ref(module)  # (no cycle: a module dropped from the model dies as before)
+        self.own = own  # the instance's own forward before (accelerate's, a user's), else None
+        self.func = type(module).forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        h = self.hunt
+        # (dynamo traces this as the module's forward: nothing it cannot trace before that test)
+        if h is None or not (h._inner or h._arm is not None) or _dynamo_compiling():
+            return self.run(args, kwargs)
+        if h._inner == _get_ident():  # a call inside the top-level call: recorded here
+            c = h._push(self, args)
+            m = self.ref()
+            try:
+                own = self.own
+                out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
+            except Exception:
+                h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
+                raise
+            if c is not None:
+                h._pop(c, m, args, kwargs, out)
+            else:
+                h._post(m, args, kwargs, out)
+            return out
+        if h._arm is not None and h._enter(self):  # the top-level call's own forward: the hooks come off
+            try:
+                return self.run(args, kwargs)
+            finally:
+                h._leave()
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The module's forward itself."""
+        own = self.own
+        if own is not None:
+            return own(*args, **kwargs)
+        m = self.ref()
+        if m is None:
+            raise RuntimeError("nanhunt: this forward belongs to a module that no longer exists (a shallow "
+                               "copy.copy of a watched module outlived it); use copy.deepcopy")
+        return self.func(m, *args, **kwargs)
+
+    # what the module's forward looks like to code that inspects it
+    @property
+    def __wrapped__(self) -> Any:
+        if self.own is not None:
+            return self.own
+        m = self.ref()
+        return types.MethodType(self.func, m) if m is not None else self.func
+
+    @property
+    def __self__(self) -> Any:
+        return self.ref()
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self.__wrapped__, "__name__", "forward")
+
+    # copies and pickles of the module get its own forward, never the wrapper
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self.own is not None:
+            return copy.deepcopy(self.own, memo)
+        m = self.ref()
+        return types.MethodType(self.func, copy.deepcopy(m, memo)) if m is not None else self.func
+
+    def __copy__(self) -> Any:
+        return self.__wrapped__
+
+    def __reduce__(self) -> Any:
+        # (nothing of nanhunt's in a pickle: the module's forward looked up again as it loads, or
+        # the instance's own forward of before)
+        if self.own is not None:
+            return (copy.copy, (self.own,))
+        m = self.ref()
+        return (getattr, (m, "forward")) if m is not None else (getattr, (self.func, "__call__"))
+
+    def __repr__(self) -> str:
+        return f"<nanhunt forward of {self.__wrapped__!r}>"
+
+
+def install(hunt: Any, module: nn.Module) -> Forward:
+    """Put the hunt's `Forward` on ``module`` (or return the one already there)."""
+    d = module.__dict__
+    cur = d.get("forward")
+    if isinstance(cur, Forward) and cur.hunt is hunt:
+        return cur
+    w = Forward(hunt, module, cur)
+    d["forward"] = w
+    return w
+
+
+def remove(w: Forward) -> None:
+    """Take ``w`` off its module (what was there before goes back); where something was put on
+    top of it since, it stays as a dormant pass-through."""
+    w.hunt = None
+    m = w.ref()
+    if m is None:
+        return
+    d = m.__dict__
+    if d.get("forward") is w:
+        if w.own is None:
+            del d["forward"]
+        else:
+            d["forward"] = w.own

@@ -1,0 +1,187 @@
+"""Full mode's `forward` wrappers (nanhunt/_record/forwards.py): the calls inside a top-level call
+run on torch's fast path (no global hook while they run), the record is the same, and what the
+user's module holds is the user's again at close — copies and pickles never carry the wrapper."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+import nanhunt
+from tests.zoo import Log, lognet, mlp
+
+
+class _SeesHooks(nn.Module):
+    """Notes, from inside a watched call, how many global forward hooks torch would run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(len(module_mod._global_forward_hooks) + len(module_mod._global_forward_pre_hooks))
+        return self.lin(x)
+
+
+def test_calls_inside_a_watched_call_run_without_global_hooks_and_are_still_recorded():
+    torch.manual_seed(0)
+    part = _SeesHooks()
+    model = nn.Sequential(nn.Linear(4, 4), part, nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        # inside the watched forward (from the second step: the first builds the name map), torch's
+        # fast path for every call; between calls the hunt's hooks are back on
+        assert part.seen[1:] == [0, 0] and _ours_on(hunt)
+        with torch.no_grad():
+            part.lin.weight[0, 0] = float("nan")
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    f = hunt.first
+    assert (f.phase, f.module, f.cause, f.step) == ("forward", "1.lin", "parameter", 3)
+    assert part.seen[3] == 0  # (the replays of the analysis come after: hooks of their own)
+
+
+def _ours_on(hunt) -> bool:
+    pre, post = hunt._global._handles
+    return pre.id in module_mod._global_forward_pre_hooks and post.id in module_mod._global_forward_hooks
+
+
+def test_close_gives_every_module_its_own_forward_back():
+    model = lognet()
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    with nanhunt.watch(model, on_find="record"):
+        model(torch.rand(4, 4))
+        assert all("forward" in m.__dict__ for m in model.modules())
+    for name, m in model.named_modules():
+        assert "forward" not in m.__dict__, name
+        assert m.__dict__.keys() == before[name].keys()
+
+
+def test_a_forward_set_on_the_instance_before_watch_is_kept_and_put_back():
+    model = mlp()
+    calls = []
+    orig = model[0].forward
+
+    def logged(x):
+        calls.append(x.shape)
+        return orig(x)
+
+    model[0].forward = logged  # what accelerate and others do
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.randn(2, 4))
+    assert model[0].__dict__["forward"] is logged and calls == [torch.Size([2, 4])]
+    assert hunt.findings == []
+
+
+def test_the_signature_of_a_watched_forward_is_the_modules():
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    want = inspect.signature(model.forward)
+    with nanhunt.watch(model, on_find="record"):
+        model(torch.randn(2, 3, 8))
+        assert inspect.signature(model.forward) == want  # Hugging Face's Trainer reads it to drop columns
+        assert model.forward.__name__ == "forward"
+
+
+def test_a_deep_copy_made_while_watched_runs_its_own_weights_and_carries_no_wrapper():
+    torch.manual_seed(0)
+    model = mlp()
+    with nanhunt.watch(model, on_find="record"):
+        model(torch.randn(2, 4))
+        ema = copy.deepcopy(model)  # an EMA / SWA copy
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    x = torch.randn(2, 4)
+    assert not torch.equal(ema(x), model(x))  # the copy computes with its own (halved) weights
+    for m in ema.modules():
+        fwd = m.__dict__.get("forward")
+        assert fwd is None or (getattr(fwd, "__self__", None) is m and not hasattr(type(fwd), "__nanhunt__"))
+
+
+def test_a_model_pickled_while_watched_loads_with_its_own_forward():
+    torch.manual_seed(0)
+    model = mlp()
+    with nanhunt.watch(model, on_find="record"):
+        model(torch.randn(2, 4))
+        data = pickle.dumps(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+    assert b"nanhunt" not in data
+    for loaded in (pickle.loads(data), torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        x = torch.randn(2, 4)
+        assert torch.equal(loaded(x), model(x))
+        assert all(getattr(m.__dict__.get("forward"), "__self__", m) is m for m in loaded.modules())
+
+
+def test_a_forward_replaced_after_watch_is_still_recorded_by_the_hooks():
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(1.0)  # log(1) = 0: finite
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.rand(4, 4))
+        inner = model[1]
+        inner.forward = lambda x: torch.log(x - 1)  # replaces the wrapper (log(0) = -inf): the hooks take over
+        model(torch.rand(4, 4))
+    f = hunt.first
+    assert f is not None and (f.module, f.cause, f.op, f.call) == ("1", "created", "aten.log.default", 0)
+    assert "forward" in inner.__dict__  # the user's own replacement stays
+
+
+class _GrowsAChild(nn.Module):
+    """Registers a new submodule during its own forward on the second call (a lazily built head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            self.head = Log0()
+        h = self.lin(x)
+        return self.head(h) if hasattr(self, "head") else h
+
+
+class Log0(nn.Module):
+    def forward(self, x):
+        return torch.log(x * 0)  # -inf
+
+
+def test_a_module_added_during_a_watched_forward_is_recorded_at_once():
+    model = _GrowsAChild()
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    f = hunt.first
+    assert f is not None and (f.module, f.cause, f.op) == ("head", "created", "aten.log.default")
+
+
+def test_an_exception_inside_a_wrapped_call_leaves_the_hunt_and_hooks_whole():
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("user bug")
+
+    model = nn.Sequential(nn.Linear(4, 4), Fails())
+    with nanhunt.watch(model, on_find="record") as hunt:
+        for _ in range(2):
+            try:
+                model(torch.randn(2, 4))
+            except ValueError:
+                pass
+        assert _ours_on(hunt) and not hunt._stack and not hunt._inner
+        model[1] = nn.Identity()
+        out = model(torch.randn(2, 4))
+    assert out.shape == (2, 4) and hunt.findings == [] and not hunt._stack
