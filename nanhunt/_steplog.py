@@ -288,9 +288,14 @@ class StepLog:
         self.handles: list[Any] = []
         self.ignored: set[tuple[int, int]] = set()
         self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
-        self.stats: list[torch.Tensor] = []  # sampled steps only: see _history
+        self.stats: list[torch.Tensor | int | None] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
-        self.stats_of: dict[tuple[int, int], torch.Tensor] = {}  # sampled steps: a probed output's statistics
+        # sampled steps: a probed output's statistics, or the row that will hold them (`stats_lazy`)
+        self.stats_of: dict[tuple[int, int], torch.Tensor | int] = {}
+        # sampled steps: (output, its version, its row in `stats`) computed together at the
+        # top-level call's return, one reduction per shape (`Hunt._resolve`); a row handed on from
+        # another (a container returning its child's output) is that row's index until then
+        self.stats_lazy: list[tuple[torch.Tensor, int, int]] = []
         self.root_calls = 0
         self.backward = False  # a gradient arrived at a top-level output (a backward ran)
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
@@ -444,6 +449,7 @@ class StepLog:
         self.stats.clear()
         self.stats_rows.clear()
         self.stats_of.clear()
+        self.stats_lazy.clear()
         self.pending.clear()
         self.outside.clear()
         self.seeds.clear()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,3 +66,53 @@ def test_geometric_growth_and_a_falling_loss_scale_are_warned():
     kinds = {w["kind"] for w in hunt.report.warnings}
     assert "scale_falling" in kinds
     assert any(w["kind"] == "growth" and w["module"] == "0" for w in hunt.report.warnings)
+
+
+class _BNThenInplaceReLU(nn.Module):
+    """BatchNorm's output written in place after it returns (ReLU(inplace)): its row must be the
+    BatchNorm's own numbers, not the ReLU's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.bn(self.lin(x)))
+
+
+def test_sampled_statistics_are_each_calls_own_numbers():
+    """The sampled rows are computed together at the top-level call's return: each must still be
+    what the call returned (a container's row is its child's, a passthrough has its own)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Sequential(nn.Linear(6, 6)), _BNThenInplaceReLU(),
+                          nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: list[dict[str, torch.Tensor]] = []
+
+    hunt = nanhunt.watch(model, optimizer=opt, on_find="record", history=8, stats_every=1)
+    try:
+        for _ in range(4):  # (the first: every module on trial; then the held ones, batched)
+            ref = copy.deepcopy(model)  # an unwatched twin: what each call returns, from its hooks
+            names = {m: n for n, m in ref.named_modules()}
+            got: dict[str, torch.Tensor] = {}
+            seen.append(got)
+            for m in ref.modules():
+                m.register_forward_hook(lambda m, a, out, got=got, names=names: got.__setitem__(names[m], out.detach().clone()))
+            x = torch.randn(16, 4)
+            ref(x)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        hist = hunt.report.history
+    finally:
+        hunt.close()
+    assert len(hist["steps"]) == 4
+    for col, outs in enumerate(seen):
+        for name, out in outs.items():
+            if name in ("", "3", "3.act"):  # (the ReLU writes the BatchNorm's tensor: theirs are its numbers after)
+                continue
+            i = hist["modules"].index(name)
+            assert hist["absmax"][i][col] == pytest.approx(out.abs().max().item(), rel=1e-5), (name, col)
+            assert hist["rms"][i][col] == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5), (name, col)

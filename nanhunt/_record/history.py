@@ -29,6 +29,17 @@ def stats(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([mn.float(), mx.float(), norm.float(), torch.count_nonzero(t).float()])
 
 
+def stats_of_rows(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`stats` of each of ``ts`` (same shape, float32, dense), one reduction each for all of them."""
+    with torch.no_grad():
+        flat = torch.stack([t.detach() for t in ts]).view(len(ts), -1)
+        # (on the CPU, aminmax and count_nonzero along a dim are ~10x slower than these: 1.7 ms
+        # against 0.3 ms for the benchmark MLP's 97 outputs. ceil(min(|x|, 1)): 0 for +-0, else 1; nan counted)
+        nonzero = flat.abs().clamp_(max=1.0).ceil_().nan_to_num_(1.0).sum(1)
+        out = torch.stack([flat.amin(1), flat.amax(1), torch.linalg.vector_norm(flat, dim=1), nonzero], 1)
+    return list(out.unbind(0))
+
+
 class History:
     """A bounded ring of sampled steps."""
 
@@ -36,9 +47,11 @@ class History:
         self._ring: deque[tuple[int, list[tuple[str, str, int]], torch.Tensor]] = deque(maxlen=max(maxlen, 0))
         self.scales: deque[tuple[int, Any]] = deque(maxlen=max(maxlen, 4))
 
-    def add(self, step: int, rows: list[tuple[str, str, int]], values: list[torch.Tensor]) -> None:
+    def add(self, step: int, rows: list[tuple[str, str, int]], values: list[Any]) -> None:
+        """``values``: a row's statistics, or the index of the row it repeats (handed on)."""
         if self._ring.maxlen and values:
-            self._ring.append((step, rows, torch.stack(values)))
+            vals = [v if isinstance(v, torch.Tensor) else values[v] for v in values]
+            self._ring.append((step, rows, torch.stack(vals)))
 
     def clear(self) -> None:
         self._ring.clear()

@@ -60,7 +60,7 @@ from .compiled import CompiledChecks, CompiledRoot, forget_compiled
 from .faults import InternalError, log_fault
 from .forwards import Forward, install, remove
 from .guard import SaveGuard
-from .history import History, stats
+from .history import History, stats, stats_of_rows
 from .options import Options
 from .outside import Outside, is_lib, user_line
 from .probe import Fused, GradProbe, OptimizerProbe
@@ -255,7 +255,7 @@ class Hunt:
         self._stats_every = o.stats_every
         self._per_module = o.mode != "sentinel"
         self._stats_on = self._per_module and o.history > 0
-        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._lean = not (self._ignored or self._grad_hooks)  # see _done
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         # (both before the first name map: model.compile()'s slots build it, and it catches compiled parts)
@@ -471,7 +471,7 @@ class Hunt:
         self._ignored = ignored
         self._defer.clear()  # ids are of live modules only from here on
         self._eager.clear()
-        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._lean = not (self._ignored or self._grad_hooks)  # see _done
         if self._compiled is not None:
             self._compiled_names()
         if self._per_module:
@@ -856,8 +856,6 @@ class Hunt:
         elif c.depth and self._lean and type(output) is torch.Tensor:
             # the common case, kept short: one plain tensor out of a call inside a watched call
             # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
-            if type(module) in _PASSTHROUGH:
-                return
             log = self._log
             i = c.index
             calls = log.calls
@@ -868,14 +866,28 @@ class Hunt:
                 key = (id(output), output._version)
             except RuntimeError:  # an inference tensor: no version counter
                 key = (id(output), -1)
+            mid = id(module)
+            stat = self._stats_on  # sampled steps: one heatmap row per call
+            if type(module) in _PASSTHROUGH:
+                if stat:  # (held for the batched statistics only once seen never to be written after it returns)
+                    lazy = mid in self._defer
+                    _add_stats(log, c.name, output, key, lazy=lazy)
+                    if not lazy and mid not in self._eager and dt is _F32 and key[1] >= 0:
+                        log.trial.append((output, key[1], mid))
+                        if len(log.trial) >= _LAZY_CAP:
+                            self._resolve(log)
+                return
             seen = log.probed
             ref = seen.get(key)
             if ref is not None and ref() is output:
+                if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                    _add_stats(log, c.name, output, key, handed_on=True)
                 return  # handed on unchanged from a call already probed (containers, wrappers)
             seen[key] = ref = _weakref(output)
             sums = log.sums
-            mid = id(module)
             small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
+            if stat:
+                _add_stats(log, c.name, output, key, lazy=small and mid in self._defer)
             if small and mid in self._defer:  # probed with the others at the top-level call's return
                 log.lazy.append((output, key[1], len(sums), mid))
                 sums.append(None)
@@ -909,11 +921,38 @@ class Hunt:
         a module whose output was never written after its call returned is deferred from now
         on; one whose output was, never again."""
         changed, kept = log.resolve()
+        if log.stats_lazy:
+            self._resolve_stats(log)
         if changed:
             self._eager.update(changed)
             self._defer.difference_update(changed)
         if kept:
             self._defer.update(m for m in kept if m not in self._eager)
+
+    def _resolve_stats(self, log: StepLog) -> None:
+        """Sampled steps: the statistics of the outputs held for them, one reduction per shape
+        (four per call cost ~20 us each on the CPU: a sampled step cost a third of a step more on
+        the benchmark MLP). Only outputs of modules seen never to write theirs after returning are
+        held (`_defer`); one written anyway is read as it is now (as its deferred probe is)."""
+        lazy, log.stats_lazy = log.stats_lazy, []
+        groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]] = {}
+        rows = log.stats
+        for t, ver, row in lazy:
+            if t._version != ver:
+                rows[row] = stats(t)
+                continue
+            g = groups.get(t.shape)
+            if g is None:
+                groups[t.shape] = g = ([], [])
+            g[0].append(row)
+            g[1].append(t)
+        for at, ts in groups.values():
+            try:
+                got = stats_of_rows(ts)
+            except RuntimeError:  # on several devices
+                got = [stats(t) for t in ts]
+            for row, st in zip(at, got):
+                rows[row] = st
 
     def _late_hook(self, module: nn.Module) -> None:
         """Make sure our per-module forward hook runs after every forward hook the user added."""
@@ -1439,7 +1478,7 @@ class Hunt:
         step = self.step
         self._count_step(i)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
-        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._lean = not (self._ignored or self._grad_hooks)  # see _done
         # Parameters and state are read every `optimizer_every` steps (1 in full mode, 10 in
         # sentinel, where reading three copies of the model each step would be most of its cost)
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
@@ -1593,7 +1632,7 @@ class Hunt:
                 before[k] = before.get(k, 0) + 1
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
-        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._lean = not (self._ignored or self._grad_hooks)  # see _done
         found: list[Finding] = []
         evaluation = False
         d = self._dist if collective else None
@@ -1888,7 +1927,7 @@ class Hunt:
         self._cnames = None
         self._odd = None  # (holds modules)
         self._ignored = set()
-        self._lean = not (self._stats_on or self._ignored or self._grad_hooks)  # see _post
+        self._lean = not (self._ignored or self._grad_hooks)  # see _done
         if self._compiled is not None and self._compiled.meta:
             forget_compiled()  # compiled graphs traced our hooks in: drop them with us
         self._compiled = None
@@ -1896,15 +1935,27 @@ class Hunt:
             self._write_report()
 
 
-def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int], handed_on: bool = False) -> None:
+def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int], handed_on: bool = False,
+               lazy: bool = False) -> None:
     """Sampled steps: one heatmap row of ``name``'s output ``t``. ``handed_on``: ``t`` is known to
     be the very tensor an earlier call returned (`StepLog.probed` said so): its numbers are reused.
-    Otherwise ``key`` may be a dead tensor's (ids are reused): the statistics are computed anew."""
+    Otherwise ``key`` may be a dead tensor's (ids are reused): the statistics are computed anew.
+    ``lazy``: computed with the others at the top-level call's return (a small float32 output of
+    a module seen, on trial, never to have its output written after returning: `Hunt._defer`;
+    see `Hunt._resolve_stats`)."""
     if t.numel():
         st = log.stats_of.get(key) if handed_on else None
         if st is None:
-            st = log.stats_of[key] = stats(t)
-        log.stats.append(st)
+            if (lazy and t.dtype is _F32 and key[1] >= 0 and type(t) is torch.Tensor and not t.is_nested
+                    and t.layout is torch.strided and t.numel() <= _LAZY_NUMEL):
+                st = log.stats_of[key] = len(log.stats)  # the row that will hold them
+                log.stats_lazy.append((t, key[1], st))
+                log.stats.append(None)
+            else:
+                log.stats.append(got := stats(t))
+                log.stats_of[key] = got
+        else:
+            log.stats.append(st)
         log.stats_rows.append((name, str(t.dtype)[6:], t.numel()))
 
 
