@@ -57,16 +57,20 @@ class Forward:
         if h is None or not (h._inner or h._arm is not None) or _dynamo_compiling():
             return self.run(args, kwargs)
         if h._inner == _get_ident():  # a call inside the top-level call: recorded here
-            c = h._push(self, args)
             m = self.ref()
+            if m is None:
+                return self.run(args, kwargs)
+            c = h._push(m, args)
             try:
                 own = self.own
                 out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
-            if c is not None:
-                h._pop(c, m, args, kwargs, out)
+            stack = h._stack
+            if c is not None and stack and stack[-1] is c and not h._paused:
+                stack.pop()  # (what the global forward hook would do: `Hunt._post`)
+                h._done_safe(c, m, args, kwargs, out)
             else:
                 h._post(m, args, kwargs, out)
             return out

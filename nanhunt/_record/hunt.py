@@ -533,15 +533,15 @@ class Hunt:
         if self._global is not None:
             self._global.on()  # before torch runs the top-level call's forward hooks: `_post` records it
 
-    def _push(self, w: Forward, args: tuple[Any, ...]) -> Call | None:
-        """A watched module called inside a top-level call that runs with the hooks off: what the
-        global pre-hook would do (`_pre`), the common call inlined. The `Call` pushed that the
-        wrapper pops (`_pop`), or None (then `_post` ends it, as the global hook would)."""
-        m = w.ref()
+    def _push(self, m: nn.Module, args: tuple[Any, ...]) -> Call | None:
+        """Watched module ``m`` called inside a top-level call that runs with the hooks off: what
+        the global pre-hook would do (`_pre`), the common call inlined. The `Call` pushed, which
+        its `Forward` pops and ends (`_done_safe`), or None (then `_post` ends it, as the global
+        hook would)."""
         try:
             names = self._names
             stack = self._stack
-            if (m is not None and names is not None and stack and not m._forward_hooks and not self._paused
+            if (names is not None and stack and not m._forward_hooks and not self._paused
                     and not REPLAYING and _tracing_state() is None and _functorch_level() is None):
                 e = names.get(id(m))
                 if e is not None and e[1]() is m:
@@ -555,22 +555,14 @@ class Hunt:
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
             return None
-        if m is not None:
-            self._pre(m, args)
+        self._pre(m, args)
         return None
 
-    def _pop(self, c: Call, m: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
-        """The call `_push` pushed returned ``output``: what the global forward hook would do."""
+    def _done_safe(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
         try:
-            stack = self._stack
-            if stack and stack[-1] is c and not self._paused:
-                stack.pop()
-                self._done(c, m, args, kwargs, output)
-                return
+            self._done(c, module, args, kwargs, output)
         except Exception as exc:
             self._fault(exc, "the forward hook")
-            return
-        self._post(m, args, kwargs, output)
 
     def _compiled_names(self) -> None:
         """torch.compile traces _post_compiled: it looks slots up in a plain dict keyed by module
