@@ -185,3 +185,14 @@ def test_an_exception_inside_a_wrapped_call_leaves_the_hunt_and_hooks_whole():
         model[1] = nn.Identity()
         out = model(torch.randn(2, 4))
     assert out.shape == (2, 4) and hunt.findings == [] and not hunt._stack
+
+
+def test_two_hunts_on_one_model_closed_in_either_order_leave_no_wrapper():
+    for first_closed in (0, 1):
+        model = lognet()
+        hunts = [nanhunt.watch(model, on_find="record") for _ in range(2)]
+        model(torch.rand(4, 4) + 0.5)
+        hunts[first_closed].close()
+        model(torch.rand(4, 4) + 0.5)
+        hunts[1 - first_closed].close()
+        assert all("forward" not in m.__dict__ for m in model.modules()), first_closed

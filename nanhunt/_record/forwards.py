@@ -150,7 +150,10 @@ def remove(w: Forward) -> None:
         return
     d = m.__dict__
     if d.get("forward") is w:
-        if w.own is None:
+        below = w.own
+        while isinstance(below, Forward) and below.hunt is None:  # another hunt's, closed before this one
+            below = below.own
+        if below is None:
             del d["forward"]
         else:
-            d["forward"] = w.own
+            d["forward"] = below

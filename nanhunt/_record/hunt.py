@@ -257,6 +257,13 @@ class Hunt:
         self._stats_on = self._per_module and o.history > 0
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
         self._handles: list[Any] = [self._dist] if self._dist is not None else []
+        # full mode: the global hooks, and the `Forward` wrappers that see the calls inside a
+        # top-level call while those hooks are off (see forwards.py; before the first name map)
+        self._global: GlobalHooks | None = None
+        self._fwds: dict[int, Forward] = {}  # id(module) -> the wrapper put on it (close() takes them off)
+        self._fwd_ok: list[Forward] | None = None  # the name map's wrappers; None: its calls are left to the hooks
+        self._inner = 0  # the owner thread's ident while a top-level call runs with the hooks off, else 0
+        self._arm: Call | None = None  # the top-level call just begun, whose own forward may take the hooks off
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         # (both before the first name map: model.compile()'s slots build it, and it catches compiled parts)
         self._compiled: CompiledChecks | None = None
@@ -265,13 +272,6 @@ class Hunt:
         forget_compiled()  # graphs compiled before watch() would silently skip the hooks
         self._traced = False  # our hooks were traced into a graph the hunt was not ready for: see _after_trace
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
-        # full mode: the global hooks, and the `Forward` wrappers that see the calls inside a
-        # top-level call while those hooks are off (see forwards.py)
-        self._global: GlobalHooks | None = None
-        self._fwds: dict[int, Forward] = {}  # id(module) -> the wrapper put on it (close() takes them off)
-        self._fwd_ok: list[Forward] | None = None  # the name map's wrappers; None: its calls are left to the hooks
-        self._inner = 0  # the owner thread's ident while a top-level call runs with the hooks off, else 0
-        self._arm: Call | None = None  # the top-level call just begun, whose own forward may take the hooks off
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
@@ -487,6 +487,9 @@ class Hunt:
         if (self._compiled is not None or self._cparts or self._root is None or any(
                 type(m).__name__ == "OptimizedModule" or isinstance(m, torch.jit.ScriptModule)
                 or getattr(m, "_compiled_call_impl", None) is not None for m in mods)):
+            for old in self._fwds.values():  # (put on before the model turned out to run compiled)
+                remove(old)
+            self._fwds.clear()
             return  # (a scripted part: its forward is TorchScript's; the hooks see its call)
         ws = []
         fwds = self._fwds
