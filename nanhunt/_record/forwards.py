@@ -11,8 +11,9 @@ returns, before torch runs the top-level call's forward hooks. The hooks still s
 else, as before: the top-level call itself, calls between top-level calls (loss modules), and
 every call of a top-level call that cannot be wrapped (a compiled part, another global hook, a
 watched module whose ``forward`` is not its `Forward`: replaced since, Lightning's redirection).
-Then the wrappers stand aside. The record is the same either way: the wrapper calls the hunt's
-own pre/post code (`Hunt._pre`, `Hunt._post`), with the common call's push inlined.
+Then the wrappers stand aside. The record is the same either way: the common call is pushed by
+`Hunt._push` and ended by `Hunt._done` (the code the hooks run), anything else goes through the
+hooks' own `Hunt._pre` and `Hunt._post`.
 
 What a `Forward` changes for the user while the hunt is open: ``module.forward`` is an instance
 attribute (`inspect.signature` sees through it: ``__wrapped__``); close() takes it off again (a
