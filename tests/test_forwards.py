@@ -196,3 +196,37 @@ def test_two_hunts_on_one_model_closed_in_either_order_leave_no_wrapper():
         model(torch.rand(4, 4) + 0.5)
         hunts[1 - first_closed].close()
         assert all("forward" not in m.__dict__ for m in model.modules()), first_closed
+
+
+def test_another_thread_calling_the_model_as_a_step_begins_never_mixes_into_it():
+    """The step's thread arms its top-level call for the wrappers; a thread that calls the model
+    right then (before the step's own forward starts) must not take it: its calls, a NaN among
+    them, are none of the step's."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Log(), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(1.0)  # log(1) = 0: finite, whatever the input
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    bad = torch.full((2, 4), float("nan"))
+    main = threading.get_ident()
+
+    def other_thread_runs(module, args):
+        if threading.get_ident() == main and not getattr(module, "_ran", False):
+            module._ran = True
+            t = threading.Thread(target=lambda: model(bad))
+            t.start()
+            t.join()
+
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        for i in range(3):
+            if i == 2:
+                handle = model.register_forward_pre_hook(other_thread_runs)
+            model(torch.rand(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        handle.remove()
+        calls = len(hunt._log.calls)
+    assert hunt.findings == [] and calls == 0

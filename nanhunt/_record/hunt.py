@@ -518,7 +518,10 @@ class Hunt:
     def _enter(self, w: Forward) -> bool:
         """The forward of the top-level call just begun (`_arm`) is starting: take the global hooks
         off, so that the calls inside are seen by their wrappers (`_push`), when everything allows
-        it (True: `_leave` puts them back as that forward returns)."""
+        it (True: `_leave` puts them back as that forward returns). Only the step's thread: a
+        call of the model from another thread meanwhile leaves the arm to it."""
+        if _get_ident() != self._owner:
+            return False
         c, self._arm = self._arm, None
         hooks = self._global
         try:
