@@ -853,7 +853,7 @@ class Hunt:
             return  # (which also lets go of the step's thread)
         elif c.depth and self._lean and type(output) is torch.Tensor:
             # the common case, kept short: one plain tensor out of a call inside a watched call
-            # (no sampled statistics this step, no ignored modules, no per-module gradient hooks)
+            # (no ignored modules, no per-module gradient hooks; on sampled steps its heatmap row too)
             log = self._log
             i = c.index
             calls = log.calls
