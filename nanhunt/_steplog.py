@@ -27,7 +27,7 @@ from ._tensors import Path, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
-    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots", "Buffers",
+    "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots", "Buffers", "add_to_group",
 ]
 
 
@@ -265,6 +265,15 @@ class Buffers:
 Vector = Grads | OptimState | CompiledSlots | Buffers
 
 
+def add_to_group(groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]], t: torch.Tensor, at: int) -> None:
+    """Group ``t`` (with its position ``at``) by shape: one stacked reduction per shape."""
+    g = groups.get(t.shape)
+    if g is None:
+        groups[t.shape] = g = ([], [])
+    g[0].append(at)
+    g[1].append(t)
+
+
 class StepLog:
     """Everything recorded since the last sync.
 
@@ -353,11 +362,7 @@ class StepLog:
                     sums[at] = t.sum()
                     self.late.add(at)  # (what it was at its call's return: a replay tells)
                     continue
-                g = groups.get(t.shape)
-                if g is None:
-                    groups[t.shape] = g = ([], [])
-                g[0].append(at)
-                g[1].append(t)
+                add_to_group(groups, t, at)
             for pos, ts in groups.values():
                 try:
                     v = torch.stack(ts).view(len(ts), -1).sum(1) if len(ts) > 1 else ts[0].sum().view(1)

@@ -52,7 +52,7 @@ from .._locate.damage import bad_state, damage
 from .._locate.outside import in_place
 from .._profile import span
 from .._report import Report
-from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top
+from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
 from .._tensors import NO_SPECIALS, Path, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
@@ -939,11 +939,7 @@ class Hunt:
             if t._version != ver:
                 rows[row] = stats(t)
                 continue
-            g = groups.get(t.shape)
-            if g is None:
-                groups[t.shape] = g = ([], [])
-            g[0].append(row)
-            g[1].append(t)
+            add_to_group(groups, t, row)
         for at, ts in groups.values():
             try:
                 got = stats_of_rows(ts)
