@@ -37,13 +37,16 @@ from torch import nn
 __all__ = ["Forward", "install", "remove"]
 
 _get_ident = get_ident
+_Tensor = torch.Tensor
+_tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
+_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one call), True while dynamo traces
 
 
 class Forward:
     """``module.forward`` while a full-mode hunt is open (see the module docstring)."""
 
-    __slots__ = ("hunt", "ref", "func", "own", "__weakref__")
+    __slots__ = ("hunt", "ref", "func", "own", "lean", "name", "__weakref__")
     __nanhunt__ = True  # (bundles and reports leave it out of a module's attributes)
 
     def __init__(self, hunt: Any, module: nn.Module, own: Any) -> None:
@@ -51,6 +54,8 @@ class Forward:
         self.ref = weakref.ref(module)  # (no cycle: a module dropped from the model dies as before)
         self.own = own  # the instance's own forward before (accelerate's, a user's), else None
         self.func = type(module).forward
+        self.lean = False  # its calls are only noted (`Hunt.lean_ok`), recorded at the next `Hunt._flush`
+        self.name = ""  # its qualified name (set with `lean`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         h = self.hunt
@@ -61,6 +66,28 @@ class Forward:
             m = self.ref()
             if m is None:
                 return self.run(args, kwargs)
+            ev = h._ev
+            if (ev is not None and self.lean and not m._forward_hooks and _tracing_state() is None
+                    and _functorch_level() is None):
+                # the lean path: the call is only noted (this wrapper, then its output and the
+                # output's version at return); `Hunt._flush` records it as `_push`/`_done` would
+                ev.append(self)
+                try:
+                    own = self.own
+                    out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
+                except Exception:
+                    h._lean_end(m, args, {}, None)
+                    raise
+                if type(out) is _Tensor:
+                    try:
+                        v = out._version
+                    except RuntimeError:  # an inference tensor: no version counter
+                        v = -1
+                    ev.append(out)
+                    ev.append(v)
+                else:  # (a tuple, a dict: recorded now, as its tensors may be written after it returns)
+                    h._lean_end(m, args, kwargs, out)
+                return out
             c = h._push(m, args)
             try:
                 own = self.own

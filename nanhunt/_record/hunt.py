@@ -36,6 +36,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
+from operator import attrgetter
 from threading import get_ident
 from typing import Any
 
@@ -85,7 +86,9 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _weakref = weakref.ref
+_VERSION = attrgetter("_version")
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
                      if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex) and d not in NO_SPECIALS)
 _ONE_PATH: tuple[Path] = ((),)  # the paths of a call with one tensor output
@@ -183,6 +186,29 @@ _PASSTHROUGH: frozenset[type[nn.Module]] = frozenset({
 })
 
 
+class _Counted:
+    """The calls of a step's earlier logs (an evaluation call, the cap, the other optimizers of a
+    round ended one and the step went on in a new log), counted per (evaluation pass?, module id)
+    only when a hit needs the numbers (`StepLog.number_calls`): with an optimizer every step ends
+    its log as step() begins and then starts counting anew, and counting its ~100 calls at each
+    step cost ~0.5 us a call."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, prior: _Counted | None = None, log: StepLog | None = None) -> None:
+        self.parts: list[tuple[list[Call], list[bool]]] = list(prior.parts) if prior is not None else []
+        if log is not None:
+            self.parts.append((list(log.calls), [not t.grad_enabled and not t.training for t in log.tops]))
+
+    def counts(self) -> dict[tuple[bool, int], int]:
+        out: dict[tuple[bool, int], int] = {}
+        for calls, evaluation in self.parts:
+            for c in calls:
+                k = (0 <= c.top < len(evaluation) and evaluation[c.top], id(c.module))
+                out[k] = out.get(k, 0) + 1
+        return out
+
+
 class NonFiniteWarning(RuntimeWarning):
     """Emitted for each finding when ``on_find="warn"``."""
 
@@ -249,7 +275,8 @@ class Hunt:
         self._history = History(o.history)
         self._grad_hooks = o.grad_hooks
         self._optimizer_every = o.optimizer_every
-        self._after_step: dict[int, dict[int, int]] = {}
+        # per optimizer: its parameters and their versions after its last step() (a dict on a hit: `_view`)
+        self._after_step: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
         self._bad_grads_step = -1
         self._round: set[int] = set()
         self._stats_every = o.stats_every
@@ -264,6 +291,10 @@ class Hunt:
         self._fwd_ok: list[Forward] | None = None  # the name map's wrappers; None: its calls are left to the hooks
         self._inner = 0  # the owner thread's ident while a top-level call runs with the hooks off, else 0
         self._arm: Call | None = None  # the top-level call just begun, whose own forward may take the hooks off
+        # the lean path (see forwards.py): the calls the wrappers noted, not yet recorded (`_flush`),
+        # and that list while the top-level call running with the hooks off may use it, else None
+        self._evbuf: list[Any] = []
+        self._ev: list[Any] | None = None
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
         # (both before the first name map: model.compile()'s slots build it, and it catches compiled parts)
         self._compiled: CompiledChecks | None = None
@@ -285,7 +316,7 @@ class Hunt:
         self._warned_step = -1
         self._step_lines: dict[int, str | None] = {}
         # calls per (evaluation pass?, module id) in this step's earlier logs (checked in parts)
-        self._calls_before: dict[tuple[bool, int], int] = {}
+        self._calls_before = _Counted()
 
         # protect and recover (see protect.py, samples.py, guard.py): ready before any hook can fire
         self.skipped: list[int] = []  # steps dropped by on_find="skip"
@@ -401,8 +432,13 @@ class Hunt:
             return tensor
         if _get_ident() != self._owner and not self._take_step():
             return tensor  # another thread owns the step
+        if self._evbuf and self._inner == _get_ident():  # (a check inside a forward: after the calls before it)
+            self._flush()
         try:
-            with self._outside.muted():
+            # (nanhunt's own reads: no torch function mode sees them, the loss-code recorder and a
+            # user's tensor subclass neither; a C-level guard, where taking the recorder off the
+            # mode stack and putting it back cost ~15 us a check)
+            with _NO_TORCH_FUNCTION():
                 log = self._log
                 log.sums.append(probe(tensor))
                 log.meta.append(Chk(name, tensor.detach()))
@@ -499,6 +535,7 @@ class Hunt:
                 fwds[id(m)] = w = install(self, m)
             ws.append(w)
         self._fwd_ok = ws
+        self._lean_flags()
 
     def _wrapped(self) -> bool:
         """Is every watched module's ``forward`` still its `Forward` (none replaced since, none
@@ -529,12 +566,17 @@ class Hunt:
             if (hooks is not None and len(stack) == 1 and stack[0] is c and c is not None and c.module is w.ref()
                     and not self._paused and self._names is not None and self._wrapped() and hooks.off()):
                 self._inner = _get_ident()
+                # (sampled steps take every call's statistics: the general record)
+                self._ev = self._evbuf if self._lean and not self._stats_on else None
                 return True
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
         return False
 
     def _leave(self) -> None:
+        if self._evbuf:
+            self._flush()
+        self._ev = None
         self._inner = 0
         if self._global is not None:
             self._global.on()  # before torch runs the top-level call's forward hooks: `_post` records it
@@ -544,6 +586,8 @@ class Hunt:
         the global pre-hook would do (`_pre`), the common call inlined. The `Call` pushed, which
         its `Forward` pops and ends (`_done_safe`), or None (then `_post` ends it, as the global
         hook would)."""
+        if self._evbuf:  # (what the lean path noted comes first)
+            self._flush()
         try:
             names = self._names
             stack = self._stack
@@ -563,6 +607,85 @@ class Hunt:
             return None
         self._pre(m, args)
         return None
+
+    def _flush(self) -> None:
+        """Record the calls that `Forward` wrappers only noted on their lean path (the wrapper as
+        the call began, then its output and the output's version as it returned), in order, as
+        `_push` and `_done` record a call: at the top-level call's return, and before anything
+        else touches the stack or the step's entries (a call that is not lean, ``hunt.check``, a
+        gradient hook, an exception, the step's end). Only on the thread that noted them."""
+        ev = self._evbuf
+        if not ev:
+            return
+        try:
+            stack = self._stack
+            log = self._log
+            calls, sums, meta, seen, defer = log.calls, log.sums, log.meta, log.probed, self._defer
+            first = stack[0].index if stack else 0
+            i, n = 0, len(ev)
+            while i < n and stack:
+                x = ev[i]
+                if type(x) is Forward:  # a call began
+                    p = stack[-1]
+                    k = len(calls)
+                    c = Call(x.ref(), x.name, -1, p.depth + 1, p.index, p.top, k - first, k)  # type: ignore[arg-type]  # (alive: it was called)
+                    calls.append(c)
+                    stack.append(c)
+                    i += 1
+                    continue
+                if len(stack) < 2:
+                    break  # (the step ended inside the top-level call: a sync from another thread)
+                # it returned: its output and that output's version then
+                c = stack.pop()
+                m = c.module
+                v = ev[i + 1]
+                i += 2
+                if type(m) in _PASSTHROUGH:
+                    continue  # (not probed: see _PASSTHROUGH; a lean step takes no statistics)
+                mid = id(m)
+                if (x.dtype is _F32 and v >= 0 and mid in defer and 0 < x.numel() <= _LAZY_NUMEL
+                        and not x.is_meta):  # `_done_tensor`'s deferred probe, inlined
+                    key = (id(x), v)
+                    ref = seen.get(key)
+                    if ref is not None and ref() is x:
+                        continue  # handed on unchanged from a call already probed (containers, wrappers)
+                    seen[key] = ref = _weakref(x)
+                    k = c.index
+                    log.lazy.append((x, v, len(sums), mid))
+                    sums.append(None)
+                    meta.append(_FWD0[k] if k < len(_FWD0) else _fwd0(k))
+                    c.paths = _ONE_PATH
+                    c.outs = ((ref, v),)
+                    if len(log.lazy) >= _LAZY_CAP:
+                        self._resolve(log)
+                else:
+                    self._done_tensor(c, m, x, v)
+        except Exception as exc:
+            self._ev = None
+            self._fault(exc, "the forward hook")
+        finally:
+            ev.clear()
+
+    def _lean_end(self, m: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        """A lean call returned something other than one tensor, or raised (``rest`` is then
+        ``(None,)``): recorded now, as the global hook records it."""
+        self._flush()
+        self._post(m, args, *rest)
+
+    def _lean_flags(self, changed: Any = None) -> None:
+        """Which wrappers take the lean path: those of modules deferred (seen never to write their
+        output after returning) and of passthrough modules (whose outputs are not probed)."""
+        fwds, names, defer = self._fwds, self._names, self._defer
+        if names is None:
+            return
+        for mid in (changed if changed is not None else list(fwds)):
+            w = fwds.get(mid)
+            e = names.get(mid)
+            if w is None or e is None:
+                continue
+            m = w.ref()
+            w.name = e[0]
+            w.lean = m is not None and e[1]() is m and (mid in defer or type(m) in _PASSTHROUGH)
 
     def _done_safe(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
         try:
@@ -640,6 +763,9 @@ class Hunt:
         if names is not None and id(parent) in names:
             self._names = None  # rebuilt at the next call
             if self._inner and self._global is not None:  # the new module has no wrapper yet: the hooks see the rest
+                if self._evbuf and self._inner == _get_ident():
+                    self._flush()
+                self._ev = None
                 self._inner = 0
                 self._global.on()
 
@@ -748,7 +874,7 @@ class Hunt:
                 # an iteration without step() (a GradScaler not given to watch() skipped it) that
                 # on_find="skip" dropped: a skipped step still counts, as the user's loop does
                 self.step += 1
-                self._calls_before = {}
+                self._calls_before = _Counted()
             log = self._log
         taken = None
         if log.tops:
@@ -828,6 +954,8 @@ class Hunt:
         if _is_compiling():
             self._post_compiled(module, output)
             return
+        if self._evbuf and self._inner == _get_ident():  # (what the lean path noted comes first)
+            self._flush()
         try:
             if output is _NO:  # the always-call path after an exception: (module, args, result)
                 output, kwargs = kwargs, {}
@@ -852,67 +980,73 @@ class Hunt:
             self._pending.append(c)  # recorded by _late_post, after the user's hooks ran
             return  # (which also lets go of the step's thread)
         elif c.depth and self._lean and type(output) is torch.Tensor:
-            # the common case, kept short: one plain tensor out of a call inside a watched call
-            # (no ignored modules, no per-module gradient hooks; on sampled steps its heatmap row too)
-            log = self._log
-            i = c.index
-            calls = log.calls
-            dt = output.dtype
-            if i >= len(calls) or calls[i] is not c or dt not in _CHECKED or output.is_meta:
-                return  # the step ended inside this call (a sync from another thread); not floating; no values
             try:
-                key = (id(output), output._version)
+                v = output._version
             except RuntimeError:  # an inference tensor: no version counter
-                key = (id(output), -1)
-            mid = id(module)
-            stat = self._stats_on  # sampled steps: one heatmap row per call
-            if type(module) in _PASSTHROUGH:
-                if stat:  # (held for the batched statistics only once seen never to be written after it returns)
-                    lazy = mid in self._defer
-                    _add_stats(log, c.name, output, key, lazy=lazy)
-                    if not lazy and mid not in self._eager and dt is _F32 and key[1] >= 0:
-                        log.trial.append((output, key[1], mid))
-                        if len(log.trial) >= _LAZY_CAP:
-                            self._resolve(log)
-                return
-            seen = log.probed
-            ref = seen.get(key)
-            if ref is not None and ref() is output:
-                if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
-                    _add_stats(log, c.name, output, key, handed_on=True)
-                return  # handed on unchanged from a call already probed (containers, wrappers)
-            seen[key] = ref = _weakref(output)
-            sums = log.sums
-            small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
-            if stat:
-                _add_stats(log, c.name, output, key, lazy=small and mid in self._defer)
-            if small and mid in self._defer:  # probed with the others at the top-level call's return
-                log.lazy.append((output, key[1], len(sums), mid))
-                sums.append(None)
-                if len(log.lazy) >= _LAZY_CAP:
-                    self._resolve(log)
-            else:
-                grad = _grad_enabled()
-                if grad:  # one switch instead of a detach
-                    _set_grad_enabled(False)
-                try:
-                    sums.append(output.sum() if dt is _F32 else probe(output))
-                except NotImplementedError:  # a nested tensor: no plain sum (probe sums its values)
-                    sums.append(probe(output))
-                finally:
-                    if grad:
-                        _set_grad_enabled(True)
-                if small and mid not in self._eager:  # on trial: is it written after it returns?
-                    log.trial.append((output, key[1], mid))
-                    if len(log.trial) >= _LAZY_CAP:
-                        self._resolve(log)
-            log.meta.append(_FWD0[i] if i < len(_FWD0) else _fwd0(i))
-            c.paths = _ONE_PATH
-            c.outs = ((ref, key[1]),)
+                v = -1
+            self._done_tensor(c, module, output, v)
+            return
         else:
             self._record(c, module, args, kwargs, output)
         if not self._stack and not self._opts:
             self._owner = None  # no optimizer: each root call is a step; any thread may take the next
+
+    def _done_tensor(self, c: Call, module: nn.Module, output: torch.Tensor, v: int) -> None:
+        """`_done`'s common case, kept short: one plain tensor ``output`` (its version ``v`` when
+        the call returned) out of a call inside a watched call (no ignored modules, no per-module
+        gradient hooks; on sampled steps its heatmap row too)."""
+        log = self._log
+        i = c.index
+        calls = log.calls
+        dt = output.dtype
+        if i >= len(calls) or calls[i] is not c or dt not in _CHECKED or output.is_meta:
+            return  # the step ended inside this call (a sync from another thread); not floating; no values
+        key = (id(output), v)
+        mid = id(module)
+        stat = self._stats_on  # sampled steps: one heatmap row per call
+        if type(module) in _PASSTHROUGH:
+            if stat:  # (held for the batched statistics only once seen never to be written after it returns)
+                lazy = mid in self._defer
+                _add_stats(log, c.name, output, key, lazy=lazy)
+                if not lazy and mid not in self._eager and dt is _F32 and key[1] >= 0:
+                    log.trial.append((output, key[1], mid))
+                    if len(log.trial) >= _LAZY_CAP:
+                        self._resolve(log)
+            return
+        seen = log.probed
+        ref = seen.get(key)
+        if ref is not None and ref() is output:
+            if stat:  # a container handing on its child's output keeps its heatmap row: the same numbers
+                _add_stats(log, c.name, output, key, handed_on=True)
+            return  # handed on unchanged from a call already probed (containers, wrappers)
+        seen[key] = ref = _weakref(output)
+        sums = log.sums
+        small = dt is _F32 and key[1] >= 0 and 0 < output.numel() <= _LAZY_NUMEL
+        if stat:
+            _add_stats(log, c.name, output, key, lazy=small and mid in self._defer)
+        if small and mid in self._defer:  # probed with the others at the top-level call's return
+            log.lazy.append((output, key[1], len(sums), mid))
+            sums.append(None)
+            if len(log.lazy) >= _LAZY_CAP:
+                self._resolve(log)
+        else:
+            grad = _grad_enabled()
+            if grad:  # one switch instead of a detach
+                _set_grad_enabled(False)
+            try:
+                sums.append(output.sum() if dt is _F32 else probe(output))
+            except NotImplementedError:  # a nested tensor: no plain sum (probe sums its values)
+                sums.append(probe(output))
+            finally:
+                if grad:
+                    _set_grad_enabled(True)
+            if small and mid not in self._eager:  # on trial: is it written after it returns?
+                log.trial.append((output, key[1], mid))
+                if len(log.trial) >= _LAZY_CAP:
+                    self._resolve(log)
+        log.meta.append(_FWD0[i] if i < len(_FWD0) else _fwd0(i))
+        c.paths = _ONE_PATH
+        c.outs = ((ref, key[1]),)
 
     def _resolve(self, log: StepLog) -> None:
         """Probe the step's deferred outputs now (`StepLog.resolve`) and learn from the trials:
@@ -926,6 +1060,8 @@ class Hunt:
             self._defer.difference_update(changed)
         if kept:
             self._defer.update(m for m in kept if m not in self._eager)
+        if (changed or kept) and self._fwds:
+            self._lean_flags([*changed, *kept])
 
     def _resolve_stats(self, log: StepLog) -> None:
         """Sampled steps: the statistics of the outputs held for them, one reduction per shape
@@ -1102,6 +1238,8 @@ class Hunt:
         return i
 
     def _on_grad(self, log: StepLog, i: int, g: torch.Tensor | None) -> None:
+        if self._evbuf and self._inner == _get_ident():  # (a backward inside a forward: after the calls before it)
+            self._flush()
         try:
             if (g is None or log is not self._log or self._paused or not is_checked(g) or _is_wrapped(g)
                     or (REPLAYING and get_ident() in REPLAYING)):
@@ -1382,7 +1520,7 @@ class Hunt:
         the same batch (its tensors given again) is the same step. Decided at the next step's end
         (`_resumed`); until then ``hunt.step`` is the step that raised."""
         self._abandon = True
-        self._calls_before = {}
+        self._calls_before = _Counted()
         self._round = set()
 
     def _resumed(self, log: StepLog) -> None:
@@ -1477,7 +1615,8 @@ class Hunt:
         # sentinel, where reading three copies of the model each step would be most of its cost)
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
         # optimizer's writes from the user's.
-        self._after_step[i] = {id(p): p._version for g in opt.param_groups for p in g["params"]}
+        ps = [p for g in opt.param_groups for p in g["params"]]
+        self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
         if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
             op = self._oprobes[i]
@@ -1528,7 +1667,7 @@ class Hunt:
         self._round.add(i)
         if len(self._round) == len(self._opts):
             self.step += 1
-            self._calls_before = {}
+            self._calls_before = _Counted()
             self._round = set()
 
     def _wrap_scaler(self, scaler: Any) -> None:
@@ -1583,6 +1722,11 @@ class Hunt:
         watched optimizer's step, which every rank runs; elsewhere each rank judges its own.
         """
         self._outside.off()
+        if self._evbuf:  # (a step ended inside a top-level call: what its calls noted is part of it)
+            if self._inner == _get_ident():
+                self._flush()
+            self._evbuf.clear()
+        self._ev = None
         if self._traced:
             self._after_trace()
         self._resolve(self._log)
@@ -1616,14 +1760,11 @@ class Hunt:
         prior = self._calls_before  # this log's calls are numbered after these
         if advance:
             self.step += 1
-            self._calls_before = {}
+            self._calls_before = _Counted()
         elif log.calls:  # the step goes on in a new log (an evaluation call, the cap, the other
             # optimizers of a round): its calls keep counting from here; `_count_step` starts anew
             # when the round's last optimizer has stepped
-            self._calls_before = before = dict(prior)
-            for c in log.calls:
-                k = (log.evaluation(c), id(c.module))
-                before[k] = before.get(k, 0) + 1
+            self._calls_before = _Counted(prior, log)
         self._history.add(step, list(log.stats_rows), log.stats)
         self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
@@ -1654,7 +1795,7 @@ class Hunt:
                 self._paused = True
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
-                        found = locate(self._view(log, step, prior))
+                        found = locate(self._view(log, step, prior.counts()))
                     if batches is not None and self._batches is not None:
                         found = self._batches.fill(found, log, batches)
                 except Exception as e:  # the other ranks still wait for this rank's findings
@@ -1834,7 +1975,8 @@ class Hunt:
         return StepView(
             log=log, step=step, root=self._root, names=names, ignored=ignored,
             mode=self.mode, replay=self.replay, rank=self.rank, optimizers=tuple(self._opts),
-            after_step=self._after_step, steps_applied=self._steps_applied,
+            after_step={i: dict(zip(map(id, ps), vs)) for i, (ps, vs) in self._after_step.items()},
+            steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
             bundle=self._bundle_path if not self.findings else None,
             breakpoint=not self.findings and (self.on_find == "breakpoint" or getattr(self.on_find, "breakpoint", False)),
@@ -1895,7 +2037,8 @@ class Hunt:
                 continue
             h.remove()
         self._handles.clear()
-        self._inner, self._arm, self._global, self._fwd_ok = 0, None, None, None
+        self._inner, self._arm, self._global, self._fwd_ok, self._ev = 0, None, None, None, None
+        self._evbuf.clear()
         for w in self._fwds.values():
             remove(w)
         self._fwds.clear()

@@ -28,7 +28,6 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Iterator
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
@@ -226,7 +225,7 @@ class _FastPath:
                 or torch.compiler.is_compiling() or torch.overrides._get_current_function_mode() is not m
                 or any(_watches(o, module) for o in _SWITCH.active)):
             return
-        recs = [o for o in _SWITCH.active if not o.quiet and not o.busy()]
+        recs = [o for o in _SWITCH.active if not o.busy()]
         self.rng = torch.get_rng_state() if any(o.fresh for o in recs) else None
         self.inside = module
         torch._C._pop_torch_function_stack()
@@ -244,7 +243,7 @@ class _FastPath:
             return
         outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, torch.Tensor)]
         src, fn = user_line()
-        for o in [o for o in _SWITCH.active if not o.quiet and not o.busy()]:
+        for o in [o for o in _SWITCH.active if not o.busy()]:
             o._record(module, args, kwargs, output, outs, "", self.rng, src, fn)
 
 
@@ -400,7 +399,6 @@ class Outside(TorchFunctionMode):
         self._hunt = weakref.ref(hunt)
         self.stale = False  # passes everything through (see _Switch.off, close)
         self.closed = False
-        self.quiet = 0
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
         _SWITCH.sweep()
 
@@ -412,21 +410,6 @@ class Outside(TorchFunctionMode):
         """A root call returned: code from here on is outside every watched call."""
         self.fresh = True
         _SWITCH.turn_on(self)
-
-    @contextlib.contextmanager
-    def muted(self) -> Iterator[None]:
-        """nanhunt's own tensor work in code where the mode is on (``hunt.check``): off the stack
-        for its duration (a pop and a push: cheaper than passing each call through)."""
-        was_on = _SWITCH.on is not None
-        if was_on:
-            _SWITCH.off()
-        self.quiet += 1
-        try:
-            yield
-        finally:
-            self.quiet -= 1
-            if was_on:
-                _SWITCH.resume()
 
     def off(self) -> None:
         _SWITCH.leave(self)
@@ -452,7 +435,7 @@ class Outside(TorchFunctionMode):
             return func(*args, **kwargs)  # not recorded, as module calls there are not (their tensors are wrapped)
         if _own_code(sys._getframe(1).f_code.co_filename):
             return func(*args, **kwargs)  # nanhunt's own work (another hunt's hooks): nobody's outside code
-        recs = [m for m in _SWITCH.active if not m.quiet and not m.busy()]
+        recs = [m for m in _SWITCH.active if not m.busy()]
         if not recs:
             return func(*args, **kwargs)
         frame = _user_frame(1)
