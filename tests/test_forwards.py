@@ -5,6 +5,7 @@ user's module holds is the user's again at close — copies and pickles never ca
 from __future__ import annotations
 
 import copy
+import math
 import inspect
 import io
 import pickle
@@ -230,3 +231,98 @@ def test_another_thread_calling_the_model_as_a_step_begins_never_mixes_into_it()
         handle.remove()
         calls = len(hunt._log.calls)
     assert hunt.findings == [] and calls == 0
+
+
+class _Pair(nn.Module):
+    """Returns a tuple: its call takes the general record between lean ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, y.detach()
+
+
+class _SoftLog(nn.Module):
+    """log(softplus(.)): softplus underflows to 0 for a very negative input, and log(0) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.sp = nn.Softplus()
+        self.log = Log()
+
+    def forward(self, x):
+        return self.log(self.sp(self.lin(x)))
+
+
+class _LeanNet(nn.Module):
+    def __init__(self, check=None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.pair = _Pair()
+        self.soft = _SoftLog()
+        self.head = nn.Linear(8, 1)
+        self.check = check
+
+    def forward(self, x):
+        h, _ = self.pair(self.inp(x))
+        h = self.soft(h)
+        if self.check is not None:
+            self.check(h, "inside")  # a hunt.check inside the forward, after the calls that made h
+        h = self.soft(h)  # called twice: the second is call 1
+        return self.head(h)
+
+
+def _train_lean(model, hunt, opt, bad_step: int) -> None:
+    for step in range(bad_step + 1):
+        torch.manual_seed(step)
+        x = torch.randn(16, 4) * (1e4 if step == bad_step else 1.0)  # huge inputs: softplus underflows
+        if step == bad_step:  # by now the wrappers only note their calls (the lean path)
+            lean = sorted(n for n in (w.name for w in hunt._fwds.values() if w.lean))
+            assert {"inp", "soft.lin", "soft.sp", "soft.log", "head"} <= set(lean)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_the_lean_path_records_what_the_hooks_record():
+    torch.manual_seed(0)
+    model = _LeanNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        _train_lean(model, hunt, opt, bad_step=4)
+    f = hunt.first
+    assert (f.phase, f.module, f.call, f.step, f.cause, f.value) == ("forward", "soft.log", 0, 4, "created", -math.inf)
+    assert f.op == "aten.log.default"
+    # the same run with the hooks recording every call (no wrappers: a global hook of another kind is there)
+    torch.manual_seed(0)
+    model2 = _LeanNet()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1e-3)
+    other = module_mod.register_module_forward_hook(lambda *a: None)
+    try:
+        with nanhunt.watch(model2, optimizer=opt2, on_find="record", history=0) as hunt2:
+            for step in range(5):
+                torch.manual_seed(step)
+                model2(torch.randn(16, 4) * (1e4 if step == 4 else 1.0)).sum().backward()
+                opt2.step()
+                opt2.zero_grad()
+    finally:
+        other.remove()
+    g = hunt2.first
+    assert (g.module, g.call, g.step, g.index, g.value, g.op) == (f.module, f.call, f.step, f.index, f.value, f.op)
+
+
+def test_a_check_inside_a_lean_forward_comes_after_the_calls_before_it():
+    torch.manual_seed(0)
+    hunt_box = []
+    model = _LeanNet(check=lambda t, name: hunt_box[0].check(t, name))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        hunt_box.append(hunt)
+        _train_lean(model, hunt, opt, bad_step=3)
+    # the module that made the -inf comes first; the check of the same values after it
+    assert [(f.phase, f.module) for f in hunt.findings[:1]] == [("forward", "soft.log")]
+    assert any(f.phase == "check" and f.module == "inside" for f in hunt.findings)
