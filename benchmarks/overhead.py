@@ -374,6 +374,9 @@ def _mem_child(model_name: str, name: str, device: str, steps: int = 4) -> None:
     torch.set_num_threads(2)
     if model_name == "gpt2":
         import transformers  # noqa: F401  (imports are not training memory)
+    # nor are nanhunt's own modules, imported on first use by watch() (~10 MB of Python code and
+    # torch submodules: they counted as +11 % of the MLP's 88 MB before the model was built)
+    import nanhunt._record.hunt  # noqa: F401
     base = _rss_bytes()
     bench = build(model_name, device)
     with variant(name, bench) as hunt:
