@@ -5,9 +5,9 @@ user's module holds is the user's again at close — copies and pickles never ca
 from __future__ import annotations
 
 import copy
-import math
 import inspect
 import io
+import math
 import pickle
 
 import torch

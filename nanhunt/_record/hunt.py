@@ -2039,6 +2039,8 @@ class Hunt:
         self._handles.clear()
         self._inner, self._arm, self._global, self._fwd_ok, self._ev = 0, None, None, None, None
         self._evbuf.clear()
+        self._calls_before = _Counted()  # (its calls hold their modules)
+        self._after_step = {}  # (the parameters)
         for w in self._fwds.values():
             remove(w)
         self._fwds.clear()
