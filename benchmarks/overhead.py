@@ -366,7 +366,12 @@ def measure_peak(model_name: str, name: str, device: str, steps: int = 4) -> flo
         del bench
         return float(peak)
     cmd = [sys.executable, os.path.abspath(__file__), "--_mem", model_name, name, "--device", device]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+    # glibc's mmap threshold adapts to the allocation history, so whether a freed activation went
+    # back to the OS or stayed in the heap varied between identical runs: the CNN's peak moved by
+    # 25 MB (+/-10 %). A fixed threshold maps every tensor past 128 KiB on its own and returns it at
+    # free: peak RSS is then the peak of what was alive, repeatable to ~0.3 MB.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True, env=env)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["peak"])
 
 
