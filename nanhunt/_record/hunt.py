@@ -566,8 +566,7 @@ class Hunt:
             if (hooks is not None and len(stack) == 1 and stack[0] is c and c is not None and c.module is w.ref()
                     and not self._paused and self._names is not None and self._wrapped() and hooks.off()):
                 self._inner = _get_ident()
-                # (sampled steps take every call's statistics: the general record)
-                self._ev = self._evbuf if self._lean and not self._stats_on else None
+                self._ev = self._evbuf if self._lean else None
                 return True
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
@@ -621,6 +620,7 @@ class Hunt:
             stack = self._stack
             log = self._log
             calls, sums, meta, seen, defer = log.calls, log.sums, log.meta, log.probed, self._defer
+            stats = self._stats_on
             first = stack[0].index if stack else 0
             i, n = 0, len(ev)
             while i < n and stack:
@@ -640,8 +640,11 @@ class Hunt:
                 m = c.module
                 v = ev[i + 1]
                 i += 2
+                if stats:  # a sampled step: each call's statistics too (see `_lean_flags`)
+                    self._done_tensor(c, m, x, v)
+                    continue
                 if type(m) in _PASSTHROUGH:
-                    continue  # (not probed: see _PASSTHROUGH; a lean step takes no statistics)
+                    continue  # (not probed: see _PASSTHROUGH)
                 mid = id(m)
                 if (x.dtype is _F32 and v >= 0 and mid in defer and 0 < x.numel() <= _LAZY_NUMEL
                         and not x.is_meta):  # `_done_tensor`'s deferred probe, inlined
@@ -674,10 +677,13 @@ class Hunt:
 
     def _lean_flags(self, changed: Any = None) -> None:
         """Which wrappers take the lean path: those of modules deferred (seen never to write their
-        output after returning) and of passthrough modules (whose outputs are not probed)."""
+        output after returning) and of passthrough modules (whose outputs are not probed), but on
+        a sampled step (`_stats_on`) only deferred ones: a passthrough output's statistics are
+        read as it returns unless it is known never to be written after that."""
         fwds, names, defer = self._fwds, self._names, self._defer
         if names is None:
             return
+        loose = not self._stats_on
         for mid in (changed if changed is not None else list(fwds)):
             w = fwds.get(mid)
             e = names.get(mid)
@@ -685,7 +691,15 @@ class Hunt:
                 continue
             m = w.ref()
             w.name = e[0]
-            w.lean = m is not None and e[1]() is m and (mid in defer or type(m) in _PASSTHROUGH)
+            w.lean = m is not None and e[1]() is m and (mid in defer or (loose and type(m) in _PASSTHROUGH))
+
+    def _set_stats_on(self) -> None:
+        """Is the step about to begin a sampled one (`stats_every`)? The lean wrappers follow."""
+        on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
+        if on is not self._stats_on:
+            self._stats_on = on
+            if self._fwds:
+                self._lean_flags()
 
     def _done_safe(self, c: Call, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
         try:
@@ -1609,7 +1623,7 @@ class Hunt:
             self._damage = damage(self._root, self._opts)
         step = self.step
         self._count_step(i)
-        self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
+        self._set_stats_on()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
         # Parameters and state are read every `optimizer_every` steps (1 in full mode, 10 in
         # sentinel, where reading three copies of the model each step would be most of its cost)
@@ -1766,7 +1780,7 @@ class Hunt:
             # when the round's last optimizer has stepped
             self._calls_before = _Counted(prior, log)
         self._history.add(step, list(log.stats_rows), log.stats)
-        self._stats_on = self._per_module and self.history > 0 and self.step % self._stats_every == 0
+        self._set_stats_on()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
         found: list[Finding] = []
         evaluation = False
