@@ -15,6 +15,13 @@ Then the wrappers stand aside. The record is the same either way: the common cal
 `Hunt._push` and ended by `Hunt._done` (the code the hooks run), anything else goes through the
 hooks' own `Hunt._pre` and `Hunt._post`.
 
+The lean path: a wrapper whose module is known never to write its output after returning (or a
+passthrough module, whose output is not probed; `Hunt._lean_flags`) only notes its call in one list
+(itself as the call begins, its output and the output's version as it returns: ~1 us), and
+`Hunt._flush` records the noted calls in order as `_push`/`_done` record one, at the top-level
+call's return or before anything else touches the step's record. An output other than one tensor,
+or an exception, is recorded at once (after a flush), as the hooks record it.
+
 What a `Forward` changes for the user while the hunt is open: ``module.forward`` is an instance
 attribute (`inspect.signature` sees through it: ``__wrapped__``); close() takes it off again (a
 dormant pass-through stays where another wrapper was put on top of it since). A deep copy (an EMA
@@ -54,7 +61,7 @@ class Forward:
         self.ref = weakref.ref(module)  # (no cycle: a module dropped from the model dies as before)
         self.own = own  # the instance's own forward before (accelerate's, a user's), else None
         self.func = type(module).forward
-        self.lean = False  # its calls are only noted (`Hunt.lean_ok`), recorded at the next `Hunt._flush`
+        self.lean = False  # its calls are only noted (`Hunt._lean_flags`), recorded at the next `Hunt._flush`
         self.name = ""  # its qualified name (set with `lean`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -76,7 +83,7 @@ class Forward:
                     own = self.own
                     out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
                 except Exception:
-                    h._lean_end(m, args, {}, None)
+                    h._lean_end(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                     raise
                 if type(out) is _Tensor:
                     try:
