@@ -326,3 +326,78 @@ def test_a_check_inside_a_lean_forward_comes_after_the_calls_before_it():
     # the module that made the -inf comes first; the check of the same values after it
     assert [(f.phase, f.module) for f in hunt.findings[:1]] == [("forward", "soft.log")]
     assert any(f.phase == "check" and f.module == "inside" for f in hunt.findings)
+
+
+class _Block(nn.Module):
+    """A container (never lean: it hands on its child's output) around lean children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.soft = _SoftLog()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.soft(x))
+
+
+def _records(monkeypatch, model, extra_hook: bool) -> tuple[list, int]:
+    """Each step's record (calls and entries) as `_end_step` releases it, and how many calls the
+    lean path noted (another global hook keeps the hooks on: every call goes through them)."""
+    from nanhunt import _steplog
+    from nanhunt._record.hunt import Hunt
+
+    seen: list = []
+    noted = [0]
+    release, flush = _steplog.StepLog.release, Hunt._flush
+
+    def keep(log):
+        seen.append(([(c.name, c.depth, c.parent, c.top, c.ordinal, c.index, len(c.outs)) for c in log.calls],
+                     [(type(e).__name__, getattr(e, "call", None), getattr(e, "out", None)) for e in log.meta],
+                     [s is None for s in log.sums]))
+        release(log)
+
+    def counted(hunt):
+        noted[0] += sum(type(x).__name__ == "Forward" for x in hunt._evbuf)
+        flush(hunt)
+
+    monkeypatch.setattr(_steplog.StepLog, "release", keep)
+    monkeypatch.setattr(Hunt, "_flush", counted)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    other = module_mod.register_module_forward_hook(lambda *a: None) if extra_hook else None
+    try:
+        with nanhunt.watch(model, optimizer=opt, on_find="record", history=4):
+            for step in range(12):  # (steps 0 and 10 are sampled: statistics too)
+                torch.manual_seed(step)
+                model(torch.randn(16, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        if other is not None:
+            other.remove()
+        monkeypatch.setattr(_steplog.StepLog, "release", release)
+        monkeypatch.setattr(Hunt, "_flush", flush)
+    return seen, noted[0]
+
+
+def test_the_lean_path_writes_the_same_record_as_the_hooks(monkeypatch):
+    # containers that are never lean around lean children, and a call that returns a tuple amid them
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), _Block(), _PairFirst(), _Block(), nn.Linear(8, 1))
+
+    lean, noted = _records(monkeypatch, model(), extra_hook=False)
+    hooked, noted_hooked = _records(monkeypatch, model(), extra_hook=True)
+    assert noted > 50 and noted_hooked == 0  # (the first run's calls went the lean way, the second's never)
+    assert len(lean) >= 12
+    assert lean == hooked  # calls (name, depth, parent, top-level call, ordinal, index), entries, deferred probes
+
+
+class _PairFirst(nn.Module):
+    """A tuple's first element, from a call that returns a tuple (recorded at once amid lean calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Pair()
+
+    def forward(self, x):
+        return self.pair(x)[0]

@@ -102,6 +102,8 @@ class Forward:
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
+            if h._evbuf:  # the lean calls inside it are recorded first (its children, before it)
+                h._flush()
             stack = h._stack
             if c is not None and stack and stack[-1] is c and not h._paused:
                 stack.pop()  # (what the global forward hook would do: `Hunt._post`)
