@@ -401,3 +401,29 @@ class _PairFirst(nn.Module):
 
     def forward(self, x):
         return self.pair(x)[0]
+
+
+def test_mode_ops_names_each_op_by_the_call_it_ran_in(monkeypatch):
+    # mode="ops" probes every aten op into the step's record under the innermost watched call on
+    # the stack as it runs: its wrappers must never take the lean path, which stacks calls later
+    # (they do not: ops mode hooks every module's gradients, and the lean path needs none)
+    from nanhunt import _steplog
+
+    seen: list = []
+    release = _steplog.StepLog.release
+
+    def keep(log):
+        seen.extend(log.calls[e.call].name for e in log.meta
+                    if type(e).__name__ == "Op" and e.op == "aten.log.default" and e.call >= 0)
+        release(log)
+
+    monkeypatch.setattr(_steplog.StepLog, "release", keep)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _Block(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", mode="ops"):
+        for _ in range(4):
+            model(torch.randn(16, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen and set(seen) == {"1.soft.log"}

@@ -566,7 +566,7 @@ class Hunt:
             if (hooks is not None and len(stack) == 1 and stack[0] is c and c is not None and c.module is w.ref()
                     and not self._paused and self._names is not None and self._wrapped() and hooks.off()):
                 self._inner = _get_ident()
-                self._ev = self._evbuf if self._lean else None
+                self._ev = self._evbuf if self._lean else None  # (not with grad_hooks: mode="ops" has them)
                 return True
         except Exception as exc:
             self._fault(exc, "the forward pre-hook")
@@ -1109,6 +1109,8 @@ class Hunt:
             hooks.move_to_end(h.id)  # type: ignore[attr-defined]
 
     def _late_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if self._evbuf and self._inner == _get_ident():  # (a user's hook that called watched modules)
+            self._flush()
         try:
             if output is _NO:
                 output, kwargs = kwargs, {}
