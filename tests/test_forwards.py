@@ -427,3 +427,42 @@ def test_mode_ops_names_each_op_by_the_call_it_ran_in(monkeypatch):
             opt.step()
             opt.zero_grad()
     assert seen and set(seen) == {"1.soft.log"}
+
+
+class _Mends(nn.Module):
+    """log(softplus(.)) whose -inf the module mends in place right after its child returned, on
+    long batches only (short ones never write the child's output after it returns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.sp = nn.Softplus()
+        self.log = Log()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.log(self.sp(self.lin(x)))
+        if len(h) > 1000:
+            h.nan_to_num_(neginf=0.0)  # (the -inf from log is gone by the time the forward returns)
+        return self.head(h)
+
+
+def test_a_large_output_mended_in_place_after_it_returned_is_still_judged_as_it_returned():
+    # the child's short outputs got it deferred (lean); then a long batch makes its output large,
+    # and log(0) there (softplus(-200) underflows to 0) is mended in place by the parent: the
+    # output is judged as it was when the child returned
+    torch.manual_seed(0)
+    model = _Mends()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        for step in range(5):
+            x = torch.randn(16 if step < 4 else 4096, 4)
+            if step == 4:
+                with torch.no_grad():
+                    model.lin.weight.zero_()
+                    model.lin.bias.fill_(-200.0)
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.value) == ("forward", "log", 4, -math.inf)

@@ -41,10 +41,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Forward", "install", "remove"]
+__all__ = ["Forward", "install", "remove", "LAZY_NUMEL"]
 
 _get_ident = get_ident
 _Tensor = torch.Tensor
+_F32 = torch.float32
+# outputs up to this many elements (float32) are probed together at the top-level call's return
+# (`Hunt._done_tensor`'s deferred probes): only those wait for `Hunt._flush`
+LAZY_NUMEL = 1 << 14
 _tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one call), True while dynamo traces
@@ -85,14 +89,16 @@ class Forward:
                 except Exception:
                     h._lean_end(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                     raise
-                if type(out) is _Tensor:
+                if type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL:
                     try:
                         v = out._version
                     except RuntimeError:  # an inference tensor: no version counter
                         v = -1
                     ev.append(out)
                     ev.append(v)
-                else:  # (a tuple, a dict: recorded now, as its tensors may be written after it returns)
+                else:
+                    # recorded now: a tuple's or a dict's tensors, a large or half-precision output
+                    # (probed at once, not deferred) may be written in place after it returns
                     h._lean_end(m, args, kwargs, out)
                 return out
             c = h._push(m, args)

@@ -59,7 +59,7 @@ from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
 from .faults import InternalError, log_fault
-from .forwards import Forward, install, remove
+from .forwards import LAZY_NUMEL, Forward, install, remove
 from .guard import SaveGuard
 from .history import History, stats, stats_of_rows
 from .options import Options
@@ -167,7 +167,7 @@ def _fwd0(i: int) -> Fwd:
 # are probed together at the top-level call's return, once their module was seen, for one whole
 # call of the root, never to have its output written in place after returning (a ReLU(inplace)
 # after a BatchNorm): until then, and for every other output, the probe is taken at once.
-_LAZY_NUMEL = 1 << 14  # elements
+_LAZY_NUMEL = LAZY_NUMEL  # elements (forwards.py: the lean path notes only such outputs)
 _LAZY_CAP = 256  # outputs held at most (<= 16 MiB)
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
