@@ -466,3 +466,33 @@ def test_a_large_output_mended_in_place_after_it_returned_is_still_judged_as_it_
             opt.zero_grad()
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.value) == ("forward", "log", 4, -math.inf)
+
+
+class _Peek(nn.Module):
+    """Notes how many outputs wait for the lean path's flush as it is called."""
+
+    def __init__(self, box: list) -> None:
+        super().__init__()
+        self.box = box
+
+    def forward(self, x):
+        if self.box and self.box[0] is not None:
+            self.box.append(sum(isinstance(e, torch.Tensor) for e in self.box[0]._evbuf))
+        return x * 1.0
+
+
+def test_the_lean_path_holds_a_bounded_number_of_outputs():
+    from nanhunt._record.forwards import NOTED_CAP
+
+    box: list = [None]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(300)], _Peek(box), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        for step in range(4):
+            box[0] = hunt if step == 3 else None
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    waiting = box[1:]
+    assert waiting and 0 < waiting[0] <= NOTED_CAP // 3  # (300 calls before it: some flushed on the way)

@@ -49,6 +49,7 @@ _F32 = torch.float32
 # outputs up to this many elements (float32) are probed together at the top-level call's return
 # (`Hunt._done_tensor`'s deferred probes): only those wait for `Hunt._flush`
 LAZY_NUMEL = 1 << 14
+NOTED_CAP = 3 * 128  # list items: at most 128 outputs wait for `Hunt._flush` (<= 8 MiB)
 _tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one call), True while dynamo traces
@@ -96,6 +97,8 @@ class Forward:
                         v = -1
                     ev.append(out)
                     ev.append(v)
+                    if len(ev) >= NOTED_CAP:  # (the list holds its outputs: recorded, they are held as deferred probes)
+                        h._flush()
                 else:
                     # recorded now: a tuple's or a dict's tensors, a large or half-precision output
                     # (probed at once, not deferred) may be written in place after it returns
