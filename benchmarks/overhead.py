@@ -76,7 +76,7 @@ TITLES = {
     "hf": "HF DebugUO",
 }
 TARGETS = {"gpt2": 1.05, "cnn": 1.05, "mlp": 1.15}
-SENTINEL_TARGET = 1.01
+SENTINEL_TARGETS = {"gpt2": 1.01, "cnn": 1.01, "mlp": 1.03}  # (the MLP is hook-bound: 98 calls in a few ms)
 # (steps timed per block, rounds) by default and with --quick
 STEPS = {"gpt2": 2, "cnn": 5, "mlp": 30}
 QUICK_STEPS = {"gpt2": 1, "cnn": 2, "mlp": 10}
@@ -687,7 +687,7 @@ def render(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append("## Targets met?")
     for name, r in models.items():
-        for v, target in (("full", TARGETS[name]), ("sentinel", SENTINEL_TARGET)):
+        for v, target in (("full", TARGETS[name]), ("sentinel", SENTINEL_TARGETS[name])):
             x = r["ratio"][v]
             ok = x <= target
             lines.append(f"  {'yes' if ok else 'NO '}  {name:5} {v:8} x{x:.3f} (target <= {target:.2f}"
