@@ -11,6 +11,7 @@ import math
 import pickle
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_mod
 
@@ -496,3 +497,77 @@ def test_the_lean_path_holds_a_bounded_number_of_outputs():
             opt.zero_grad()
     waiting = box[1:]
     assert waiting and 0 < waiting[0] <= NOTED_CAP // 3  # (300 calls before it: some flushed on the way)
+
+
+class _Swaps(nn.Module):
+    """Registers a new child in the middle of its own forward (a schedule swapping a Dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.0)
+        self.swap = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.swap:
+            self.drop = nn.Dropout(0.0)
+        return torch.log(F.softplus(h))  # -inf where h << 0: softplus underflows
+
+
+class _Parent(nn.Module):
+    def __init__(self, child: nn.Module, mend: bool = False) -> None:
+        super().__init__()
+        self.a = child
+        self.out = nn.Linear(8, 4)
+        self.mend = mend
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.mend and torch.is_inference_mode_enabled():
+            h.nan_to_num_(neginf=0.0)  # (gone once the forward returns)
+        return self.out(h)
+
+
+def _eye(model: _Parent) -> _Parent:
+    with torch.no_grad():
+        model.a.lin.weight.copy_(torch.eye(8))
+        model.a.lin.bias.zero_()
+    return model
+
+
+def test_a_child_registered_mid_forward_leaves_the_running_call_recorded():
+    # the lean path ends inside a's call (a new child: the hooks take the rest); a's own output is
+    # still judged as it returns
+    torch.manual_seed(0)
+    model = _eye(_Parent(_Swaps()))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        for step in range(5):
+            model.a.swap = step == 4
+            model(torch.randn(4, 8) - (200.0 if step == 4 else 0.0)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert (f.phase, f.module, f.step, f.value, f.op, f.cause) == (
+        "forward", "a", 4, -math.inf, "aten.log.default", "created")
+
+
+def test_an_inference_pass_output_is_judged_as_it_returns():
+    # inference tensors have no version counter: such an output is probed as it returns, not
+    # later, when the parent may have mended it in place
+    torch.manual_seed(0)
+    model = _eye(_Parent(_Swaps(), mend=True))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", history=0) as hunt:
+        for step in range(5):
+            if step == 4:
+                model.eval()
+                with torch.inference_mode():
+                    model(torch.randn(4, 8) - 200.0)
+                model.train()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.value) == ("forward", "a", -math.inf)

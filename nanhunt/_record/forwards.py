@@ -90,18 +90,17 @@ class Forward:
                 except Exception:
                     h._lean_end(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                     raise
-                if type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL:
-                    try:
-                        v = out._version
-                    except RuntimeError:  # an inference tensor: no version counter
-                        v = -1
+                if (type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL
+                        and not out.is_inference() and h._ev is ev):
                     ev.append(out)
-                    ev.append(v)
+                    ev.append(out._version)
                     if len(ev) >= NOTED_CAP:  # (the list holds its outputs: recorded, they are held as deferred probes)
                         h._flush()
                 else:
-                    # recorded now: a tuple's or a dict's tensors, a large or half-precision output
-                    # (probed at once, not deferred) may be written in place after it returns
+                    # recorded now: a tuple's or a dict's tensors, a large, half-precision or
+                    # inference output (probed at once, not deferred) may be written in place after
+                    # it returns; and after the lean path ended during the call (a child registered,
+                    # the step ended), the hooks record the rest
                     h._lean_end(m, args, kwargs, out)
                 return out
             c = h._push(m, args)

@@ -686,8 +686,11 @@ class Hunt:
         loose = not self._stats_on
         for mid in (changed if changed is not None else list(fwds)):
             w = fwds.get(mid)
+            if w is None:
+                continue
             e = names.get(mid)
-            if w is None or e is None:
+            if e is None:  # (a module no longer in the model: the hooks ignore its calls, as they ignore any other)
+                w.lean = False
                 continue
             m = w.ref()
             w.name = e[0]
