@@ -79,38 +79,32 @@ class Forward:
             if m is None:
                 return self.run(args, kwargs)
             ev = h._ev
-            if (ev is not None and self.lean and not m._forward_hooks and _tracing_state() is None
-                    and _functorch_level() is None):
-                # the lean path: the call is only noted (this wrapper, then its output and the
-                # output's version at return); `Hunt._flush` records it as `_push`/`_done` would
+            lean = (ev is not None and self.lean and not m._forward_hooks and _tracing_state() is None
+                    and _functorch_level() is None)
+            if lean:  # the lean path: the call is only noted; `Hunt._flush` records it as `_push` would
                 ev.append(self)
-                try:
-                    own = self.own
-                    out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
-                except Exception:
-                    h._lean_end(m, args, None)  # (as torch's always-called hook: the stack unwinds)
-                    raise
-                if (type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL
-                        and not out.is_inference() and h._ev is ev):
-                    ev.append(out)
-                    ev.append(out._version)
-                    if len(ev) >= NOTED_CAP:  # (the list holds its outputs: recorded, they are held as deferred probes)
-                        h._flush()
-                else:
-                    # recorded now: a tuple's or a dict's tensors, a large, half-precision or
-                    # inference output (probed at once, not deferred) may be written in place after
-                    # it returns; and after the lean path ended during the call (a child registered,
-                    # the step ended), the hooks record the rest
-                    h._lean_end(m, args, kwargs, out)
-                return out
-            c = h._push(m, args)
+                c = None
+            else:
+                c = h._push(m, args)
             try:
                 own = self.own
                 out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
-            if h._evbuf:  # the lean calls inside it are recorded first (its children, before it)
+            if (lean and type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL
+                    and not out.is_inference() and h._ev is ev):
+                ev.append(out)  # its output and that output's version at return
+                ev.append(out._version)
+                if len(ev) >= NOTED_CAP:  # (the list holds its outputs)
+                    h._flush()
+                return out
+            # recorded now, as the global hook records a call: a call that is not lean; a lean one
+            # whose output is probed at once, not deferred (a tuple's or a dict's tensors, a large,
+            # half-precision or inference output: it may be written in place after it returns), or
+            # during which the lean path ended (a child registered, the step ended). The lean calls
+            # inside it are recorded first (its children, before it)
+            if h._evbuf:
                 h._flush()
             stack = h._stack
             if c is not None and stack and stack[-1] is c and not h._paused:
