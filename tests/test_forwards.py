@@ -298,18 +298,14 @@ def test_the_lean_path_records_what_the_hooks_record():
     f = hunt.first
     assert (f.phase, f.module, f.call, f.step, f.cause, f.value) == ("forward", "soft.log", 0, 4, "created", -math.inf)
     assert f.op == "aten.log.default"
-    # the same run with the hooks recording every call (no wrappers: a global hook of another kind is there)
+    # the same run with the hooks recording every call (another global hook keeps them on)
     torch.manual_seed(0)
     model2 = _LeanNet()
     opt2 = torch.optim.SGD(model2.parameters(), lr=1e-3)
     other = module_mod.register_module_forward_hook(lambda *a: None)
     try:
         with nanhunt.watch(model2, optimizer=opt2, on_find="record", history=0) as hunt2:
-            for step in range(5):
-                torch.manual_seed(step)
-                model2(torch.randn(16, 4) * (1e4 if step == 4 else 1.0)).sum().backward()
-                opt2.step()
-                opt2.zero_grad()
+            _train_lean(model2, hunt2, opt2, bad_step=4)
     finally:
         other.remove()
     g = hunt2.first
@@ -339,6 +335,17 @@ class _Block(nn.Module):
 
     def forward(self, x):
         return self.norm(self.soft(x))
+
+
+class _PairFirst(nn.Module):
+    """A tuple's first element, from a call that returns a tuple (recorded at once amid lean calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = _Pair()
+
+    def forward(self, x):
+        return self.pair(x)[0]
 
 
 def _records(monkeypatch, model, extra_hook: bool) -> tuple[list, int]:
@@ -393,17 +400,6 @@ def test_the_lean_path_writes_the_same_record_as_the_hooks(monkeypatch):
     assert lean == hooked  # calls (name, depth, parent, top-level call, ordinal, index), entries, deferred probes
 
 
-class _PairFirst(nn.Module):
-    """A tuple's first element, from a call that returns a tuple (recorded at once amid lean calls)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pair = _Pair()
-
-    def forward(self, x):
-        return self.pair(x)[0]
-
-
 def test_mode_ops_names_each_op_by_the_call_it_ran_in(monkeypatch):
     # mode="ops" probes every aten op into the step's record under the innermost watched call on
     # the stack as it runs: its wrappers must never take the lean path, which stacks calls later
@@ -414,20 +410,20 @@ def test_mode_ops_names_each_op_by_the_call_it_ran_in(monkeypatch):
     release = _steplog.StepLog.release
 
     def keep(log):
-        seen.extend(log.calls[e.call].name for e in log.meta
-                    if type(e).__name__ == "Op" and e.op == "aten.log.default" and e.call >= 0)
+        seen.extend((e.op, log.calls[e.call].name) for e in log.meta
+                    if type(e).__name__ == "Op" and e.op in ("aten.log.default", "aten.relu.default") and e.call >= 0)
         release(log)
 
     monkeypatch.setattr(_steplog.StepLog, "release", keep)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), _Block(), nn.Linear(8, 1))
+    model = nn.Sequential(nn.Linear(4, 8), _Block(), nn.ReLU(), nn.Linear(8, 1))  # (ReLU: a passthrough)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with nanhunt.watch(model, optimizer=opt, on_find="record", mode="ops"):
         for _ in range(4):
             model(torch.randn(16, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-    assert seen and set(seen) == {"1.soft.log"}
+    assert set(seen) == {("aten.log.default", "1.soft.log"), ("aten.relu.default", "2")}
 
 
 class _Mends(nn.Module):
