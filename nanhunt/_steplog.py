@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._tensors import Path, stack_probes
+from ._tensors import Path, grain, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
@@ -265,11 +265,20 @@ class Buffers:
 Vector = Grads | OptimState | CompiledSlots | Buffers
 
 
-def add_to_group(groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]], t: torch.Tensor, at: int) -> None:
-    """Group ``t`` (with its position ``at``) by shape: one stacked reduction per shape."""
-    g = groups.get(t.shape)
+def add_to_group(groups: dict[Any, tuple[list[int], list[torch.Tensor]]], t: torch.Tensor, at: int,
+                 cut: int = 0) -> None:
+    """Group ``t`` (with its position ``at``) by shape: one stacked reduction per shape.
+
+    On the CPU a group is cut before its stack reaches ``cut`` elements (`_tensors.grain`), so the
+    stack and its reduction run on the calling thread: waking the intra-op pool for the benchmark
+    MLP's 73 same-shape outputs (150k elements) cost ~280 us a step, more than the work."""
+    shape = t.shape
+    g = groups.get(shape)
     if g is None:
-        groups[t.shape] = g = ([], [])
+        groups[shape] = g = ([], [])
+    elif cut and (len(g[1]) + 1) * t.numel() >= cut and t.is_cpu:
+        groups[(shape, len(groups))] = g  # full: kept under a key of its own
+        groups[shape] = g = ([], [])
     g[0].append(at)
     g[1].append(t)
 
@@ -354,7 +363,8 @@ class StepLog:
             return changed, kept
         self.lazy = []
         sums = self.sums
-        groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]] = {}
+        groups: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}
+        cut = grain()
         with torch.no_grad():
             for t, ver, at, mid in lazy:
                 if t._version != ver:
@@ -362,7 +372,7 @@ class StepLog:
                     sums[at] = t.sum()
                     self.late.add(at)  # (what it was at its call's return: a replay tells)
                     continue
-                add_to_group(groups, t, at)
+                add_to_group(groups, t, at, cut)
             for pos, ts in groups.values():
                 try:
                     v = torch.stack(ts).view(len(ts), -1).sum(1) if len(ts) > 1 else ts[0].sum().view(1)

@@ -22,10 +22,19 @@ from torch.nn.parameter import is_lazy
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided", "same", "shape_of", "SPARSE",
+    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain",
 ]
 
 _F32 = torch.float32
+# ATen's at::internal::GRAIN_SIZE: a `cat`, `stack` or reduction of fewer elements runs on the
+# calling thread; one of more wakes the intra-op thread pool, which costs more than a probe's work
+GRAIN = 32768
+
+
+def grain() -> int:
+    """How many elements one probe's copy or reduction on the CPU may reach before it is cut in
+    two (0: never cut; one intra-op thread, nothing to wake)."""
+    return GRAIN if torch.get_num_threads() > 1 else 0
 SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 Path = tuple[Any, ...]

@@ -197,3 +197,94 @@ def test_more_small_outputs_than_are_held_at_once():
         assert len(hunt._defer) == 300
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.cause, f.step) == ("forward", "280", "parameter", 2)
+
+
+# ----------------------------------------------------------------- probes cut below ATen's grain
+# With an intra-op thread pool the probes' copies and reductions are cut in pieces that run on the
+# calling thread (`_tensors.grain`); with one thread they are not. Either way a value in any piece
+# must be found at its own entry.
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+class PaddedSoftmax(nn.Module):
+    """Softmax over features under a padding mask the loop sets each step (``module.pad = ...``):
+    a sample whose positions are all padded is a row of -inf, which softmax makes NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pad: torch.Tensor | None = None
+
+    def forward(self, x):
+        return x.masked_fill(self.pad, float("-inf")).softmax(-1)
+
+
+def _deep(n: int = 40, at: int = 33) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64),
+                            PaddedSoftmax() if i == at else nn.GELU()) for i in range(n)]
+    return nn.Sequential(*blocks, nn.Linear(64, 64))
+
+
+def test_a_late_block_of_a_deep_model_is_found_where_its_probe_is_cut(threads):
+    """80 same-shape outputs (164k elements) are several pieces with a thread pool; the masked
+    softmax of block 33, fed a fully padded sample at step 3 (its output deferred by then), is
+    found at its own call and element."""
+    model = _deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    soft = model[33][2]
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for step in range(5):
+            pad = torch.zeros(32, 64, dtype=torch.bool)
+            if step == 3:
+                pad[5] = True
+            soft.pad = pad
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if hunt.findings:
+                break
+    f = hunt.first
+    assert f is not None, "a NaN from a fully padded row was missed"
+    assert (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "33.2", 3, (5, 0), "created"), f
+
+
+def test_an_optimizer_update_in_a_late_piece_is_found_at_its_parameter(threads):
+    """Adam with eps=0 on a deep model whose loss reads 7 of the head's 64 outputs: the head's
+    other rows have 0 gradient, 0/0 at the first step. The head is the 81st of 82 parameters (its
+    state in the last pieces of the probe)."""
+    model = _deep(at=-1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
+    x, y = torch.randn(32, 64), torch.randn(32, 7)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        torch.nn.functional.mse_loss(model(x)[:, :7], y).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.tensor, f.step, f.index) == ("optimizer", "40", "weight", 0, (7, 0)), f
+
+
+def test_a_fused_probe_flags_each_tensor_in_whichever_piece_it_lies(threads):
+    from nanhunt._record.probe import fused_probe
+    from nanhunt._tensors import GRAIN
+
+    torch.manual_seed(0)
+    ts = [torch.randn(64, 64) for _ in range(40)] + [torch.randn(64) for _ in range(40)] + [torch.randn(300, 300)]
+    clean = fused_probe(ts)
+    assert bool(torch.isfinite(clean.summary).all()) and not any(clean.flags())
+    ts[37][3, 5] = float("nan")
+    ts[71][2] = float("inf")
+    got = fused_probe(ts)
+    assert not bool(torch.isfinite(got.summary).all())
+    assert [i for i, b in enumerate(got.flags()) if b] == [37, 71]
+    if threads > 1:  # each piece is below the grain: its copy and sum never wake the pool
+        from nanhunt._record.probe import _plan
+        plan = _plan(ts)
+        assert plan.groups is not None and len(plan.groups) > 2
+        assert all(sum(ts[i].numel() for i in g) < GRAIN for g in plan.groups)

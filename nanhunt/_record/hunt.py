@@ -54,7 +54,7 @@ from .._locate.outside import in_place
 from .._profile import span
 from .._report import Report
 from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
-from .._tensors import NO_SPECIALS, Path, is_checked, optimizer_tensors, probe, tensors, version
+from .._tensors import NO_SPECIALS, Path, grain, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -1080,13 +1080,14 @@ class Hunt:
         the benchmark MLP). Only outputs of modules seen never to write theirs after returning are
         held (`_defer`); one written anyway is read as it is now (as its deferred probe is)."""
         lazy, log.stats_lazy = log.stats_lazy, []
-        groups: dict[torch.Size, tuple[list[int], list[torch.Tensor]]] = {}
+        groups: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}
         rows = log.stats
+        cut = grain()
         for t, ver, row in lazy:
             if t._version != ver:
                 rows[row] = stats(t)
                 continue
-            add_to_group(groups, t, row)
+            add_to_group(groups, t, row, cut)
         for at, ts in groups.values():
             try:
                 got = stats_of_rows(ts)

@@ -20,12 +20,12 @@ from operator import is_
 
 import torch
 
-from .._tensors import local, optimizer_tensors
+from .._tensors import grain, local, optimizer_tensors
 
 __all__ = ["fused_probe", "Fused", "GradProbe", "OptimizerProbe"]
 
 _F32 = torch.float32
-_SMALL = 1 << 16  # elements: below this a tensor joins the flat copy (measured: see benchmarks/README.md)
+_ALONE = 1 << 16  # elements (one thread): from this size a tensor is summed alone, not copied (see benchmarks/README.md)
 
 
 class Fused:
@@ -61,24 +61,39 @@ class _Plan:
     """How to probe a list of tensors, by position: worked out once for a list whose tensors keep
     their shapes, dtypes and devices (see `OptimizerProbe`, `GradProbe`)."""
 
-    __slots__ = ("groups", "rest")
+    __slots__ = ("groups", "rest", "cut")
 
-    def __init__(self, groups: list[list[int]] | None, rest: list[int]) -> None:
+    def __init__(self, groups: list[list[int]] | None, rest: list[int], cut: int) -> None:
         self.groups = groups  # small float32 tensors by trailing shape (one `cat` each); None: not all on the CPU
         self.rest = rest  # summed one by one: large, 0-dim, other dtypes
+        self.cut = cut  # `_tensors.grain()` when planned: a group's size limit (0: none)
 
 
 def _plan(tensors: list[torch.Tensor]) -> _Plan:
-    groups: dict[tuple[int, ...], list[int]] = {}
+    cut = grain()
+    limit = cut or _ALONE + 1
+    groups: dict[tuple[int, ...], list[list[int]]] = {}
+    sizes: dict[tuple[int, ...], int] = {}
     rest: list[int] = []
     for i, t in enumerate(tensors):
         if not t.is_cpu:
-            return _Plan(None, [])
-        if t.dtype is _F32 and t.dim() and t.numel() <= _SMALL:
-            groups.setdefault(t.shape[1:], []).append(i)  # `cat` joins these without a view each
+            return _Plan(None, [], cut)
+        n = t.numel()
+        if t.dtype is _F32 and t.dim() and n < limit:
+            # `cat` joins these without a view each. With a thread pool a group is cut before it
+            # reaches ATen's grain, so its copy and sum run on this thread: waking the pool for
+            # them cost more than the work (a 98-parameter AdamW's 294 tensors, two threads:
+            # 323 us a step as one group, 185 us cut, measured in the step)
+            key = t.shape[1:]
+            chunks = groups.setdefault(key, [[]])
+            if cut and sizes.get(key, 0) + n >= cut:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(i)
+            sizes[key] = sizes.get(key, 0) + n
         else:
             rest.append(i)
-    return _Plan(list(groups.values()), rest)
+    return _Plan([c for cs in groups.values() for c in cs if c], rest, cut)
 
 
 def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
@@ -111,7 +126,7 @@ class GradProbe:
     def probe(self, params: Sequence[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor | Fused:
         if any(type(g).__name__ == "DTensor" for g in grads[:1]):  # FSDP2: local shards, planned each time
             return fused_probe(grads)
-        if self._plan is None or not _same(params, self._params):
+        if self._plan is None or not _same(params, self._params) or self._plan.cut != grain():
             self._plan = _plan(grads)
             self._params = list(params)
         return _run(self._plan, grads)
@@ -158,7 +173,12 @@ class OptimizerProbe:
 
     def probe(self) -> torch.Tensor | Fused:
         """The probe of `current()`'s tensors (call `current()` first)."""
-        return _run(self._plan, self.tensors) if self._plan is not None else fused_probe(self.tensors)
+        plan = self._plan
+        if plan is None:
+            return fused_probe(self.tensors)
+        if plan.cut != grain():  # the intra-op thread count changed
+            plan = self._plan = _plan(self.tensors)
+        return _run(plan, self.tensors)
 
 
 def _same(a: Sequence[object], b: Sequence[object]) -> bool:
