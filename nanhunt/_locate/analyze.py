@@ -336,10 +336,13 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             # and probed only then: not this call's finding; the entries after it tell who wrote it
             return None
         first = _first_bad_forward(r, ctx.view.ignored)
-        seen = {x.ordinal for x in log.calls if x.top == c.top}
-        if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in seen
-                and _within(r, first, c.ordinal)):
-            # the log saw only this call (compiled graph, or no hook inside): the replay sees deeper
+        probed = {x.ordinal for x in log.calls if x.top == c.top and x.paths}
+        if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in probed
+                and first.done < rc.done):
+            # the replay's first non-finite output is of a call that ended before this one and whose
+            # output the log never probed: a call the log did not see (compiled graph, no hook
+            # inside) or a passthrough module's (not probed on the hot path), which a NaN from
+            # its parent's own code (log(y) before a ReLU) reached first. The replay sees deeper
             rc, path = first, first.outputs[first.out_bad.index(True)][0]
             name, module, call = rc.name, rc.module, _call_index(ctx, c.top, rc)
             tensor = None
