@@ -116,3 +116,32 @@ def test_sampled_statistics_are_each_calls_own_numbers():
             i = hist["modules"].index(name)
             assert hist["absmax"][i][col] == pytest.approx(out.abs().max().item(), rel=1e-5), (name, col)
             assert hist["rms"][i][col] == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5), (name, col)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sampled_statistics_of_many_outputs_equal_each_outputs_own(threads):
+    """A sampled step reads many same-shape outputs in one reduction per statistic; each row must
+    be what that output's own statistics are: zeros (+0, -0) not counted, subnormals, infinities
+    and NaN counted as non-zero."""
+    from nanhunt._record.history import stats, stats_of_rows
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        ts = [torch.randn(32, 64) for _ in range(15)]
+        ts[1][0, :7] = 0.0
+        ts[2][3, :5] = -0.0
+        ts[3][1, 1] = 1e-45  # a subnormal: non-zero
+        ts[4][2, 2] = float("inf")
+        ts[5][2, 3] = float("-inf")
+        ts[6][4, 4] = float("nan")
+        rows = stats_of_rows(ts)
+        for t, row in zip(ts, rows):
+            one = stats(t)
+            assert row[3].item() == one[3].item() == torch.count_nonzero(t).item()
+            assert torch.allclose(row[:3], one[:3], equal_nan=True)
+        assert rows[1][3].item() == 32 * 64 - 7 and rows[2][3].item() == 32 * 64 - 5
+        assert rows[6][3].item() == 32 * 64
+    finally:
+        torch.set_num_threads(before)
