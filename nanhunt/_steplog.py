@@ -304,7 +304,7 @@ class StepLog:
         self.tensors: list[TensorInfo] = []
         self.keys: dict[tuple[int, int], int] = {}
         self.handles: list[Any] = []
-        self.ignored: set[tuple[int, int]] = set()
+        self.ignored: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: an ignored module's outputs
         self.probed: dict[tuple[int, int], Any] = {}  # (id, version) -> weakref: probed this step
         self.stats: list[torch.Tensor | int | None] = []  # sampled steps only: see _history
         self.stats_rows: list[tuple[str, str, int]] = []
@@ -337,6 +337,13 @@ class StepLog:
             n = counts.get(k, 0)
             c.call = n
             counts[k] = n + 1
+
+    def is_ignored(self, t: torch.Tensor) -> bool:
+        """``t`` (this very tensor, at this version) is an ignored module's output of this step.
+        (By identity: a key alone, ids being reused once a tensor is freed, made a later module's
+        output look ignored, and its NaN was never probed.)"""
+        ref = self.ignored.get((id(t), -1 if t.is_inference() else t._version))
+        return ref is not None and ref() is t
 
     def evaluation(self, c: Call) -> bool:
         """``c`` is part of an evaluation pass: its top-level call ran without gradients in eval mode."""

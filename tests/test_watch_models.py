@@ -232,3 +232,41 @@ def test_lazy_modules_watched_before_their_first_call(mode: str, tmp_path: Any) 
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "3", 0, "created")
     if mode != "sentinel":
         assert f.op == "aten.log.default"
+
+
+class _MaskThenWork(nn.Module):
+    """A mask module (ignored) whose output is freed right after use, then real work: the next
+    outputs may take the mask's freed object id (with version 0 too)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.mask = zoo.CausalMask()
+        self.lin = nn.Linear(d, d)
+        self.log = zoo.Log()
+        self.shift = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = (x @ x.transpose(-1, -2) + self.mask(x)[None]).softmax(-1)  # (the mask object dies here)
+        return self.log(self.lin(s @ x) - self.shift)
+
+
+def test_an_ignored_outputs_reused_id_does_not_hide_a_later_modules_nan() -> None:
+    """An ignored module's outputs were remembered by (id, version) alone: once the mask tensor
+    was freed, a later module's output could take its id and was skipped as ignored, and its NaN
+    was never found (silently, every step after the first)."""
+    torch.manual_seed(0)
+    m = _MaskThenWork()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(2, 5, 8)
+    missed = []
+    for trial in range(20):  # ids are reused by chance: many steps make it near certain
+        with nanhunt.watch(m, opt, on_find="record", ignore=["*mask"]) as hunt:
+            for step in range(3):
+                m.shift = 100.0 if step == 2 else -100.0
+                m(x).nan_to_num().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        f = hunt.first
+        if f is None or (f.phase, f.module, f.step, f.cause) != ("forward", "log", 2, "created"):
+            missed.append((trial, f))
+    assert not missed, missed[:3]

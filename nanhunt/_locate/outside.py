@@ -374,7 +374,7 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
         return bool(ins) and all(_feeds(a) and _foreign(log, a, grads, depth + 1) for a in ins)
     key = (id(x), -1 if x.is_inference() else x._version)
     ref = log.probed.get(key)
-    if key in log.ignored or (ref is not None and ref() is x):
+    if log.is_ignored(x) or (ref is not None and ref() is x):
         return False
     return not any(r() is x for c in log.calls for r, _ in c.outs)
 
@@ -433,7 +433,7 @@ def _model_made(log: StepLog, x: torch.Tensor) -> bool:
     module made."""
     if x.grad_fn is None or producer(log.outside, x) is not None:
         return False
-    return (id(x), -1 if x.is_inference() else x._version) not in log.ignored
+    return not log.is_ignored(x)
 
 
 def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tensor, x: torch.Tensor) -> Finding:

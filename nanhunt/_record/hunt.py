@@ -1161,9 +1161,10 @@ class Hunt:
                 key = (id(t), -1 if t.is_inference() else t._version)
                 if ignored:
                     if skip:
-                        log.ignored.add(key)
+                        log.ignored[key] = weakref.ref(t)
                         continue
-                    if key in log.ignored:
+                    r = log.ignored.get(key)
+                    if r is not None and r() is t:
                         continue
                 ref = seen.get(key)
                 if ref is not None and ref() is t:
