@@ -28,6 +28,7 @@ from ._tensors import Path, grain, stack_probes
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
     "Fwd", "Chk", "Bwd", "Op", "Out", "OutRec", "Grads", "OptimState", "CompiledSlots", "Buffers", "add_to_group",
+    "PASSTHROUGH",
 ]
 
 
@@ -263,6 +264,21 @@ class Buffers:
 
 
 Vector = Grads | OptimState | CompiledSlots | Buffers
+
+
+# Modules whose output can be non-finite only if their input is: their outputs are not probed
+# (a memory pass each) when they run inside a watched module. A non-finite input was either
+# probed as the output of the module that made it, or is caught further on (the next module, the
+# enclosing one, the gradients) and localised by the replay, which checks every call (the analysis
+# reads it too: a passthrough call hands on what it was given, an ignored module's mask included).
+# (Not here: anything that scales (SELU, LeakyReLU/PReLU with a slope that may exceed 1) or writes a
+# user constant (Threshold), which can overflow or write an infinity from finite inputs.)
+PASSTHROUGH: frozenset[type[nn.Module]] = frozenset({
+    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid, nn.Softsign, nn.GELU,
+    nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.Hardswish,
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Identity,
+})
 
 
 def add_to_group(groups: dict[Any, tuple[list[int], list[torch.Tensor]]], t: torch.Tensor, at: int,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from tests import zoo
 
 
 class LogThenReLU(nn.Module):
@@ -362,3 +363,39 @@ def test_a_passthrough_modules_forward_replaced_after_watch_is_blamed_for_what_i
         del relu.forward
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "2", 2, "created"), f
+
+
+class PooledMaskAttention(nn.Module):
+    """An ignored causal -inf mask goes through a max-pool (a passthrough module: not probed), as a
+    view, into attention; from step 2 the block's Log child takes the log of a negative value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask = zoo.CausalMask()
+        self.pool = nn.MaxPool1d(1)
+        self.lin = nn.Linear(8, 8)
+        self.log = zoo.Log()
+        self.poison = False
+
+    def forward(self, x):
+        m = self.pool(self.mask(x)[None])[0]
+        s = (x @ x.transpose(-1, -2)) / 8 ** 0.5 + m
+        return self.log(self.lin(s.softmax(-1) @ x) - (10.0 if self.poison else -100.0))
+
+
+def test_an_ignored_mask_handed_on_by_a_passthrough_module_is_not_the_finding():
+    """The replay's first non-finite output is the pool's (the ignored mask, pooled): it hands on
+    what it was given, so the finding is the Log's own, not the pool's nor the root's."""
+    torch.manual_seed(0)
+    model = PooledMaskAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 5, 8)
+    with nanhunt.watch(model, opt, on_find="record", ignore=["*mask"]) as hunt:
+        for step in range(3):
+            model.poison = step == 2
+            model(x).nan_to_num().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause, f.reproducible) == ("forward", "log", 2, "created", True), f
+    assert f.op is not None and "log" in f.op, f

@@ -15,7 +15,22 @@ import torch
 from torch import nn
 
 from .._finding import Finding
-from .._steplog import Buffers, Bwd, Chk, CompiledSlots, Fwd, Grads, Op, OptimState, Out, StepLog, StepView, Top, given
+from .._steplog import (
+    PASSTHROUGH,
+    Buffers,
+    Bwd,
+    Chk,
+    CompiledSlots,
+    Fwd,
+    Grads,
+    Op,
+    OptimState,
+    Out,
+    StepLog,
+    StepView,
+    Top,
+    given,
+)
 from .._tensors import (
     Path,
     dtype_name,
@@ -336,7 +351,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             # and probed only then: not this call's finding; the entries after it tell who wrote it
             return None
         first = _first_bad_forward(r, ctx.view.ignored)
-        probed = {x.ordinal for x in log.calls if x.top == c.top and x.paths}
+        calls = log.calls
+        probed = {calls[e.call].ordinal for e in log.meta if type(e) is Fwd and calls[e.call].top == c.top}
         if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in probed
                 and first.done < rc.done):
             # the replay's first non-finite output is of a call that ended before this one and whose
@@ -422,17 +438,34 @@ def _within(r: Replay, rc: ReplayCall, ordinal: int) -> bool:
 
 def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> ReplayCall | None:
     """The first call (in completion order) with a non-finite output that is not an ignored
-    module's, nor an ignored module's output handed on unchanged by a parent."""
+    module's, nor an ignored module's output handed on unchanged by a parent or through a
+    passthrough module (a max-pool of an ignored -inf mask: its non-finite inputs were all
+    ignored ones)."""
     passed: set[int] = set()
+    mask_data: set[int] = set()  # the storages of ignored outputs: a view of one (mask[None]) is that mask
     r.read_outputs()
     for o in r.order:
         c = r.calls[o]
         if c.module in ignored:
             passed.update(id(t) for _, t in c.outputs)
+            mask_data.update(_storage(t) for _, t in c.outputs)
             continue
         if any(b and id(t) not in passed for b, (_, t) in zip(c.out_bad, c.outputs)):
+            if (mask_data and type(c.module) in PASSTHROUGH and any(c.in_bad)
+                    and all(_storage(t) in mask_data for b, (_, t) in zip(c.in_bad, c.inputs) if b)):
+                passed.update(id(t) for _, t in c.outputs)  # it handed on what it was given
+                mask_data.update(_storage(t) for _, t in c.outputs)
+                continue
             return c
     return None
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where ``t``'s values live (its views share it), or its id where it has no plain storage."""
+    try:
+        return t.untyped_storage().data_ptr() if t.layout is torch.strided else id(t)
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage)
+        return id(t)
 
 
 

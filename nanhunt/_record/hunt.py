@@ -53,6 +53,7 @@ from .._locate.damage import bad_state, damage
 from .._locate.outside import in_place
 from .._profile import span
 from .._report import Report
+from .._steplog import PASSTHROUGH as _PASSTHROUGH
 from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
 from .._tensors import NO_SPECIALS, Path, grain, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
@@ -172,18 +173,6 @@ _LAZY_CAP = 256  # outputs held at most (<= 16 MiB)
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
-# Modules whose output can be non-finite only if their input is: their outputs are not probed
-# (a memory pass each) when they run inside a watched module. A non-finite input was either
-# probed as the output of the module that made it, or is caught further on (the next module, the
-# enclosing one, the gradients) and localised by the replay, which checks every call.
-# (Not here: anything that scales (SELU, LeakyReLU/PReLU with a slope that may exceed 1) or writes a
-# user constant (Threshold), which can overflow or write an infinity from finite inputs.)
-_PASSTHROUGH: frozenset[type[nn.Module]] = frozenset({
-    nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Tanh, nn.Sigmoid, nn.Hardsigmoid, nn.Softsign, nn.GELU,
-    nn.SiLU, nn.Mish, nn.ELU, nn.CELU, nn.Hardswish,
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d, nn.Flatten, nn.Unflatten, nn.Identity,
-})
 
 
 class _Counted:
