@@ -294,6 +294,17 @@ def test_a_fused_probe_flags_each_tensor_in_whichever_piece_it_lies(threads):
 # ------------------------------------ a NaN from a parent's own code, through a passthrough child
 
 
+def _poisoned_at_step_2(model, opt, poisoned, loss, x, **watch):
+    """Three training steps under a hunt, ``poisoned.poison`` set on the last: its first finding."""
+    with nanhunt.watch(model, opt, on_find="record", **watch) as hunt:
+        for step in range(3):
+            poisoned.poison = step == 2
+            loss(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    return hunt.first
+
+
 class LogThroughPassthrough(nn.Module):
     """Its own code takes the log of a convolution (NaN where it is negative, from step 2 on),
     then a passthrough child (ReLU or MaxPool: not probed on the hot path) hands it to a probed
@@ -324,13 +335,7 @@ def test_a_nan_from_a_parents_code_through_a_passthrough_child_is_the_parents(mo
     model = nn.Sequential(block, nn.Flatten(), nn.Linear(8 * 8 * 8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(4, 3, 8, 8)
-    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
-        for step in range(3):
-            block.poison = step == 2
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    f = hunt.first
+    f = _poisoned_at_step_2(model, opt, block, lambda out: out.square().mean(), x=x, mode=mode)
     assert f is not None
     assert (f.phase, f.module, f.step, f.cause, f.reproducible) == ("forward", "0", 2, "created", True), f
     assert f.op is not None and "log" in f.op, f
@@ -390,12 +395,6 @@ def test_an_ignored_mask_handed_on_by_a_passthrough_module_is_not_the_finding():
     model = PooledMaskAttention()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(2, 5, 8)
-    with nanhunt.watch(model, opt, on_find="record", ignore=["*mask"]) as hunt:
-        for step in range(3):
-            model.poison = step == 2
-            model(x).nan_to_num().sum().backward()
-            opt.step()
-            opt.zero_grad()
-    f = hunt.first
+    f = _poisoned_at_step_2(model, opt, model, lambda out: out.nan_to_num().sum(), x=x, ignore=["*mask"])
     assert f is not None and (f.phase, f.module, f.step, f.cause, f.reproducible) == ("forward", "log", 2, "created", True), f
     assert f.op is not None and "log" in f.op, f
