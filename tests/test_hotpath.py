@@ -398,3 +398,90 @@ def test_an_ignored_mask_handed_on_by_a_passthrough_module_is_not_the_finding():
     f = _poisoned_at_step_2(model, opt, model, lambda out: out.nan_to_num().sum(), x=x, ignore=["*mask"])
     assert f is not None and (f.phase, f.module, f.step, f.cause, f.reproducible) == ("forward", "log", 2, "created", True), f
     assert f.op is not None and "log" in f.op, f
+
+
+# ------------------------------- an intended -inf mask through an unprobed call is not the NaN's start
+
+
+class _Fc(nn.Linear):
+    """A linear layer that can fail once (``flaky``: a racy kernel the replay does not repeat)."""
+
+    flaky = False
+
+    def forward(self, x):
+        y = super().forward(x)
+        if _Fc.flaky:
+            _Fc.flaky = False
+            y = y.clone()
+            y.view(-1)[3] = float("nan")
+        return y
+
+
+class _MaskedBlock(nn.Module):
+    written = False  # the block writes a NaN into its child's output after the child returned
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.fc = nn.Linear(d, 3 * d), nn.Linear(d, d), _Fc(d, d)
+
+    def forward(self, x, m):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        x = x + self.proj(((q @ k.transpose(-1, -2)) / 4 + m).softmax(-1) @ v)
+        y = self.fc(x)
+        if _MaskedBlock.written:
+            y.view(-1)[3] = float("nan")
+        return x + y
+
+
+class _MaskHookGPT(nn.Module):
+    """The root builds a causal -inf mask in its own code and hands it through ``mask_hook`` (an
+    nn.Identity hook point, as GPT-style code has: a passthrough call, never probed) or a plain
+    function; every row keeps a key, so attention is finite."""
+
+    def __init__(self, identity: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mask_hook = nn.Identity() if identity else (lambda t: t)
+        self.blocks = nn.ModuleList([_MaskedBlock(), _MaskedBlock()])
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        m = self.mask_hook(torch.full((t, t), float("-inf")).triu(1))
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x, m)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("overflow", ("blocks.1.fc", "created", "aten.addmm.default", True)),   # weights 1e38: addmm overflows
+    ("written", ("blocks.0", "created", "aten.copy_.default", True)),       # the caller's in-place write
+    ("flaky", ("blocks.0.fc", "unknown", None, False)),                     # not repeated by the replay
+])
+@pytest.mark.parametrize("identity", [True, False], ids=["identity-hook", "function"])
+def test_an_intended_mask_through_an_identity_hook_point_changes_no_finding(fault, expected, identity):
+    """After the fix for a parent's log(y) through a ReLU, the mask's Identity call (the replay's
+    first non-finite output, never probed) took every later forward finding: the root 'created'
+    the overflow, the in-place write; the flaky NaN became the mask's '-inf, reproduced'."""
+    torch.manual_seed(0)
+    model = _MaskHookGPT(identity)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 50, (2, 6))
+    try:
+        with nanhunt.watch(model, opt, on_find="record") as hunt:
+            for step in range(3):
+                if step == 2:
+                    if fault == "overflow":
+                        with torch.no_grad():
+                            model.blocks[1].fc.weight.fill_(1e38)
+                    _MaskedBlock.written = fault == "written"
+                    _Fc.flaky = fault == "flaky"
+                torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        _MaskedBlock.written = _Fc.flaky = False
+    f = hunt.first
+    assert f is not None and (f.phase, f.step) == ("forward", 2), f
+    assert (f.module, f.cause, f.op, f.reproducible) == expected, f

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -350,15 +351,28 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             # finite when the call returned, written in place after (the caller's own code: y.mul_(1e39)),
             # and probed only then: not this call's finding; the entries after it tell who wrote it
             return None
-        first = _first_bad_forward(r, ctx.view.ignored)
         calls = log.calls
         probed = {calls[e.call].ordinal for e in log.meta if type(e) is Fwd and calls[e.call].top == c.top}
+        at = rc
+
+        def elsewhere(x: ReplayCall) -> bool:
+            """An earlier call the log never probed whose non-finite output never comes into this
+            one (an intended -inf mask through an nn.Identity): not where this NaN began."""
+            return (at is not None and x is not at and x.ordinal not in probed and x.done < at.done
+                    and not _within(r, x, at.ordinal) and not _feeds(r, x, at, probed))
+
+        first = _first_bad_forward(r, ctx.view.ignored, elsewhere)
         if (first is not None and rc is not None and first.ordinal != c.ordinal and first.ordinal not in probed
-                and first.done < rc.done):
-            # the replay's first non-finite output is of a call that ended before this one and whose
-            # output the log never probed: a call the log did not see (compiled graph, no hook
-            # inside) or a passthrough module's (not probed on the hot path), which a NaN from
-            # its parent's own code (log(y) before a ReLU) reached first. The replay sees deeper
+                and first.done < rc.done and (_within(r, first, c.ordinal) or (
+                    again is not None and is_bad(again) and _feeds(r, first, rc, probed)))):
+            # the replay's first non-finite output is of a call that ended before this one, whose
+            # output the log never probed, and that made this one's: a call inside it the log did
+            # not see (compiled graph, no hook inside), or an unprobed call (a passthrough module:
+            # not probed on the hot path) whose output came into it, directly or through other
+            # unprobed calls (a NaN from the parent's own log(y), through a ReLU, into a conv).
+            # Not an unprobed call whose non-finite output goes elsewhere (an intended -inf mask
+            # through an nn.Identity), nor when this call's value did not come back non-finite
+            # (not reproducible). The replay sees deeper
             rc, path = first, first.outputs[first.out_bad.index(True)][0]
             name, module, call = rc.name, rc.module, _call_index(ctx, c.top, rc)
             tensor = None
@@ -427,6 +441,27 @@ def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | No
     return rc if rc.module is module else None
 
 
+def _feeds(r: Replay, first: ReplayCall, rc: ReplayCall, probed: set[int]) -> bool:
+    """Does ``first``'s output reach ``rc`` as one of the inputs that feed a NaN on (NaN or +inf:
+    `ReplayCall.in_fed`; an intended -inf mask does not), the very tensor, directly or through
+    calls the log never probed (a ReLU then a MaxPool)? Code between the calls (anything but a
+    watched call) ends the trail: then it is not known to."""
+    made = {id(t): c for c in r.calls if c.done < rc.done for _, t in c.outputs}
+    todo = [t for b, (_, t) in zip(rc.in_fed, rc.inputs) if b]
+    seen: set[int] = set()
+    while todo:
+        t = todo.pop()
+        p = made.get(id(t))
+        if p is None or p.ordinal in seen:
+            continue
+        if p is first:
+            return True
+        seen.add(p.ordinal)
+        if p.ordinal not in probed:
+            todo.extend(x for b, (_, x) in zip(p.in_fed, p.inputs) if b)
+    return False
+
+
 def _within(r: Replay, rc: ReplayCall, ordinal: int) -> bool:
     p = rc.parent
     while p >= 0:
@@ -436,11 +471,12 @@ def _within(r: Replay, rc: ReplayCall, ordinal: int) -> bool:
     return False
 
 
-def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> ReplayCall | None:
+def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module] = frozenset(),
+                       skip: Callable[[ReplayCall], bool] | None = None) -> ReplayCall | None:
     """The first call (in completion order) with a non-finite output that is not an ignored
     module's, nor an ignored module's output handed on unchanged by a parent or through a
     passthrough module (a max-pool of an ignored -inf mask: its non-finite inputs were all
-    ignored ones)."""
+    ignored ones), nor one ``skip`` leaves out."""
     passed: set[int] = set()
     mask_data: set[int] = set()  # the storages of ignored outputs: a view of one (mask[None]) is that mask
     r.read_outputs()
@@ -455,6 +491,8 @@ def _first_bad_forward(r: Replay, ignored: set[nn.Module] | frozenset[nn.Module]
                     and all(_storage(t) in mask_data for b, (_, t) in zip(c.in_bad, c.inputs) if b)):
                 passed.update(id(t) for _, t in c.outputs)  # it handed on what it was given
                 mask_data.update(_storage(t) for _, t in c.outputs)
+                continue
+            if skip is not None and skip(c):
                 continue
             return c
     return None
