@@ -506,7 +506,6 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
-
 def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCall, Path]:
     """Cause at ``rc``; when fed in, climb to the innermost enclosing call that made it.
 

@@ -174,7 +174,6 @@ _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past 
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
 
-
 class _Counted:
     """The calls of a step's earlier logs (an evaluation call, the cap, the other optimizers of a
     round ended one and the step went on in a new log), counted per (evaluation pass?, module id)
@@ -1152,8 +1151,7 @@ class Hunt:
                     if skip:
                         log.ignored[key] = weakref.ref(t)
                         continue
-                    r = log.ignored.get(key)
-                    if r is not None and r() is t:
+                    if log.is_ignored(t):
                         continue
                 ref = seen.get(key)
                 if ref is not None and ref() is t:

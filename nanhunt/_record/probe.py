@@ -93,7 +93,7 @@ def _plan(tensors: list[torch.Tensor]) -> _Plan:
             sizes[key] = sizes.get(key, 0) + n
         else:
             rest.append(i)
-    return _Plan([c for cs in groups.values() for c in cs if c], rest, cut)
+    return _Plan([c for cs in groups.values() for c in cs], rest, cut)
 
 
 def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
