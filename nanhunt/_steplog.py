@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._tensors import Path, grain, stack_probes
+from ._tensors import Path, grain, poison, stack_probes
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
@@ -433,8 +433,9 @@ class StepLog:
         self.chunks = [([new[p] for p in pos], v) for pos, v in self.chunks]
         self.lazy = [(t, ver, new[p], mid) for t, ver, p, mid in self.lazy]
 
-    def bad_flag(self) -> torch.Tensor | None:
-        """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
+    def poison(self) -> torch.Tensor | None:
+        """A device-side 0-dim float, NaN iff some recorded value is non-finite (else 0; see
+        `_tensors.poison`), or None when nothing was recorded. No host read here."""
         self.resolve()
         sums = self.probes()
         vecs = [sums] if sums is not None else []
@@ -443,14 +444,16 @@ class StepLog:
         if not vecs:
             return None
         try:
-            return ~torch.isfinite(torch.cat(vecs) if len(vecs) > 1 else vecs[0]).all()  # one device: 3-4 dispatches
+            return poison(torch.cat(vecs) if len(vecs) > 1 else vecs[0])  # one device: 3 dispatches
         except RuntimeError:  # probes on several devices (model parallel)
             pass
-        parts = [torch.isfinite(v).all() for v in vecs]
-        if len(parts) == 1:
-            return ~parts[0]
-        dev = parts[0].device
-        return ~torch.stack([p.to(dev, non_blocking=True) for p in parts]).all()
+        dev = vecs[0].device
+        return torch.stack([poison(v).to(dev, non_blocking=True) for v in vecs]).sum()
+
+    def bad_flag(self) -> torch.Tensor | None:
+        """A device-side 0-dim bool: is any recorded value non-finite? No host read here."""
+        p = self.poison()
+        return None if p is None else torch.isnan(p)
 
     def bad_flags(self) -> tuple[list[bool], list[list[bool]]]:
         """After a hit: which entries are non-finite (more syncs, allowed now)."""

@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain",
+    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad",
 ]
 
 _F32 = torch.float32
@@ -201,6 +201,20 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.sum(dtype=_F32)
+
+
+def poison(v: torch.Tensor) -> torch.Tensor:
+    """A 0-dim tensor on ``v``'s device: NaN iff ``v`` (probes, a float vector) holds a non-finite
+    value, else 0. Each element is multiplied by 0 before the sum, so finite values never overflow
+    into a false alarm. Two dispatches where ``~isfinite(v).all()`` is seven (``isfinite`` alone
+    is abs, ne, eq, mul and a copy): the step's sync runs cold, after the model's own work."""
+    return v.mul(0).sum()
+
+
+def any_bad(v: torch.Tensor) -> bool:
+    """Does the vector ``v`` hold a non-finite value? (One host read; see `poison`.)"""
+    x = poison(v).item()
+    return x != x
 
 
 def stack_probes(ts: list[torch.Tensor]) -> torch.Tensor:

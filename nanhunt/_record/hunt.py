@@ -55,7 +55,7 @@ from .._profile import span
 from .._report import Report
 from .._steplog import PASSTHROUGH as _PASSTHROUGH
 from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
-from .._tensors import NO_SPECIALS, Path, grain, is_checked, optimizer_tensors, probe, tensors, version
+from .._tensors import NO_SPECIALS, Path, any_bad, grain, is_checked, optimizer_tensors, probe, tensors, version
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -1647,7 +1647,7 @@ class Hunt:
         summary = vec if isinstance(vec, torch.Tensor) else vec.summary
         if self.distributed or not summary.is_cpu:
             return False
-        if not bool(torch.isfinite(summary).all()):
+        if any_bad(summary):
             self._end_step(advance=False)  # judges it (and whatever else the log holds) now
         elif self._known_bad:
             self._forget_known()
@@ -1774,9 +1774,9 @@ class Hunt:
         evaluation = False
         d = self._dist if collective else None
         try:
-            flag = log.bad_flag()
-            cuda = flag is not None and flag.is_cuda
             if d is not None:  # one small all_reduce on nanhunt's own group, folded into the step's sync
+                flag = log.bad_flag()
+                cuda = flag is not None and flag.is_cuda
                 with span("nanhunt::sync", cuda):
                     bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
                 if not agreed[0]:
@@ -1784,8 +1784,10 @@ class Hunt:
             else:
                 if self._dist is not None:
                     self._dist.forget()
+                flag = log.poison()
+                cuda = flag is not None and flag.is_cuda
                 with span("nanhunt::sync", cuda):
-                    bad = flag is not None and bool(flag)  # the step's one host read
+                    bad = flag is not None and (x := flag.item()) != x  # the step's one host read: NaN
                 if not bad:
                     if self._known_bad and any(isinstance(e, OptimState) for _, e in log.vectors):
                         self._forget_known()  # (the parameters and state it read were finite)
