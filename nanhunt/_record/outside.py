@@ -201,23 +201,37 @@ class _FastPath:
     outside call (replayed as itself); modules a hunt watches are left to their hunt."""
 
     def __init__(self) -> None:
-        self.handles: list[Any] = []
+        self.ids: tuple[int, int] | None = None  # (pre-hook, hook): torch's handle ids, taken once
+        self.live = False  # the hooks are in torch's dicts
         self.inside: Any = None  # the fast-path module whose call runs with the recorder off
         self.rng: torch.Tensor | None = None
 
     def on(self) -> None:
-        if not self.handles:
-            self.handles = [module_mod.register_module_forward_pre_hook(self._pre),
-                            module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
+        # put in and taken out by their ids at every root call, as registering and removing them
+        # would (each goes last among the global hooks), without a handle and its weakrefs each time
+        if self.live:
+            return
+        if self.ids is None:
+            self.ids = (module_mod.register_module_forward_pre_hook(self._pre).id,
+                        module_mod.register_module_forward_hook(self._post, with_kwargs=True, always_call=True).id)
+        else:
+            a, b = self.ids
+            module_mod._global_forward_pre_hooks[a] = self._pre
+            module_mod._global_forward_hooks[b] = self._post
+            module_mod._global_forward_hooks_with_kwargs[b] = True
+            module_mod._global_forward_hooks_always_called[b] = True
+        self.live = True
 
     def off(self) -> None:
         if self.inside is not None:
             return  # inside the call: its post-hook puts things back, then the next off() removes these
-        if self.handles:
-            for h in self.handles:
-                h.remove()
-                module_mod._global_forward_hooks_with_kwargs.pop(h.id, None)
-            self.handles = []
+        if self.live and self.ids is not None:
+            a, b = self.ids
+            module_mod._global_forward_pre_hooks.pop(a, None)
+            module_mod._global_forward_hooks.pop(b, None)
+            module_mod._global_forward_hooks_with_kwargs.pop(b, None)
+            module_mod._global_forward_hooks_always_called.pop(b, None)
+            self.live = False
 
     def _pre(self, module: Any, args: Any) -> None:
         m = _SWITCH.on
