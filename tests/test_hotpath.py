@@ -485,3 +485,38 @@ def test_an_intended_mask_through_an_identity_hook_point_changes_no_finding(faul
     f = hunt.first
     assert f is not None and (f.phase, f.step) == ("forward", 2), f
     assert (f.module, f.cause, f.op, f.reproducible) == expected, f
+
+
+def test_poison_is_nan_exactly_when_a_value_is_non_finite():
+    from nanhunt._tensors import any_bad, poison
+
+    big = torch.full((4,), 3e38)  # finite, but their sum overflows float32
+    assert poison(big).item() == 0 and not any_bad(big)
+    assert not any_bad(torch.full((4,), 60000.0, dtype=torch.float16))
+    assert not any_bad(torch.zeros(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        v = torch.tensor([1.0, bad, -2.0])
+        assert torch.isnan(poison(v)) and any_bad(v)
+        assert any_bad(v.half()) and any_bad(v.double())
+
+
+def test_finite_probes_that_add_up_past_float32s_range_raise_no_alarm(monkeypatch):
+    """The step's sync reads one value for all probes: finite probes whose total overflows
+    (large activations checked in several places) must not start an analysis."""
+    from nanhunt._record import hunt as hunt_mod
+
+    ran: list[int] = []
+    real = hunt_mod.locate
+    monkeypatch.setattr(hunt_mod, "locate", lambda view: ran.append(1) or real(view))
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, model[0].in_features)
+    with nanhunt.watch(model, optimizer=opt, on_find="raise") as h:
+        for _ in range(3):
+            loss = model(x).square().mean()
+            for name in ("a", "b", "c"):
+                h.check(torch.full((20000,), 1e34), name)  # each sums to 2e38: finite; together 6e38
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert not ran and h.first is None
