@@ -472,7 +472,7 @@ STAGES = {
     "check() (probe)": (hunt_mod, "probe"),
     "optimizer pre-hook (fused probe)": (hunt_mod.GradProbe, "probe"),
     "optimizer post-hook (state)": (hunt_mod.OptimizerProbe, "current"),
-    "step end (sync)": (StepLog, "bad_flag"),
+    "step end (sync)": (StepLog, "poison"),
 }
 
 
