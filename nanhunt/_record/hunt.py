@@ -415,8 +415,10 @@ class Hunt:
             raise TypeError(f"hunt.check() name must be a str, got {type(name).__name__}")
         if self._closed and not self._open("hunt.check()"):
             return tensor
-        if (self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor) or _is_wrapped(tensor)
-                or tensor.is_meta):  # (meta: a shape-only placeholder of a dry run, no values)
+        with _NO_TORCH_FUNCTION():  # (the loss-code recorder, on here, need not see these reads: ~3 us each)
+            skip = (self._paused or (REPLAYING and get_ident() in REPLAYING) or not is_checked(tensor)
+                    or _is_wrapped(tensor) or tensor.is_meta)  # (meta: a shape-only placeholder of a dry run, no values)
+        if skip:
             return tensor
         if _get_ident() != self._owner and not self._take_step():
             return tensor  # another thread owns the step

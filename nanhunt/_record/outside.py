@@ -47,6 +47,23 @@ __all__ = ["Outside", "user_line", "is_lib"]
 
 _BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward})
 _PASS = frozenset({torch.autograd.grad})
+
+
+def _profiler_ops() -> frozenset[Any]:
+    """``record_function``'s ops (``Optimizer.step()`` enters one before its hooks run, while the
+    recorder is still on): the profiler's bookkeeping, never the user's computation."""
+    out: set[Any] = set()
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        try:
+            packet = getattr(torch.ops.profiler, name)
+            out.update([packet, *(getattr(packet, o) for o in packet.overloads())])
+        except (AttributeError, RuntimeError):  # (not in this build of torch)
+            continue
+    return frozenset(out)
+
+
+_UNRECORDED = _profiler_ops()
+_OP_TYPES = frozenset(type(f) for f in _UNRECORDED)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
@@ -443,7 +460,8 @@ class Outside(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
-        if self.stale or torch.compiler.is_compiling() or (REPLAYING and get_ident() in REPLAYING):
+        if (self.stale or (type(func) in _OP_TYPES and func in _UNRECORDED) or torch.compiler.is_compiling()
+                or (REPLAYING and get_ident() in REPLAYING)):
             return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
         if _functorch_level() is not None:  # inside torch.func transforms (vmap/grad, per-sample gradients):
             return func(*args, **kwargs)  # not recorded, as module calls there are not (their tensors are wrapped)
