@@ -150,6 +150,22 @@ def test_loss_function_outside_the_model() -> None:
     assert "0/0" in f.hint
 
 
+def test_loss_code_inside_record_function_under_the_profiler_is_found_at_its_line() -> None:
+    """record_function's own ops (the user's ranges, Optimizer.step()'s) pass the loss-code
+    recorder by; the user's ops inside a range are still its own."""
+    y = torch.zeros(6, dtype=torch.long)
+
+    def loss_fn(o: torch.Tensor, _y: Any, i: int) -> torch.Tensor:
+        with torch.autograd.profiler.record_function("my_loss"):
+            return positives_loss(o, y, i)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        f = run_steps(model(), loss_fn)
+    assert f.module == "<outside>" and f.phase == "forward" and f.cause == "created"
+    assert f.op == "aten.div.Tensor" and same_source(f.source, line("div-by-count"))
+    assert any(e.name == "my_loss" for e in prof.events())
+
+
 @pytest.mark.parametrize("inplace_relu", [False, True])
 def test_an_overflow_written_in_place_into_the_models_output_is_found_at_its_op(inplace_relu: bool) -> None:
     # the outside replay started from the output as it is now (already inf): the in-place op saw a
