@@ -56,6 +56,7 @@ from . import nodes as _nodes
 from . import oplevel as _oplevel
 from . import optim as _optim
 from . import outside as _outside
+from .checkpoint import all_bad
 from .replay import Replay, ReplayCall, replay_top
 
 __all__ = ["analyze"]
@@ -77,6 +78,14 @@ class _Ctx:
         self.stopped = False  # on_find="breakpoint" stopped already
         self.facts: dict[int, dict[str, Any]] = {}  # per finding: the numbers its hint is chosen from
         self.bundled = False  # the repro bundle was written (or its writing failed, with a warning)
+        self._sentinel: list[Finding] | None = None  # `sentinel_findings`, once
+
+    def sentinel_findings(self) -> list[Finding]:
+        """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
+        place the forward's finding)."""
+        if self._sentinel is None:
+            self._sentinel = _sentinel_findings(self)
+        return self._sentinel
 
     def param_owner(self, p: torch.Tensor) -> tuple[str, str, nn.Module | None]:
         if self._params is None:
@@ -200,6 +209,11 @@ def analyze(view: StepView) -> list[Finding]:
         elif kind == "chk":
             f = _check_finding(ctx, i)
         elif kind == "bwd":
+            if view.mode == "sentinel" and any(g.phase == "forward" for g in ctx.sentinel_findings()):
+                # the replayed forward went non-finite first (its finding goes first, below): the
+                # backward only carries it on, as in full mode. (Replaying the backward as well
+                # made a sentinel hit cost two more forwards and a backward.)
+                continue
             f = _backward_finding(ctx, i, sbad)
         if f is not None:
             out.append(f)
@@ -211,7 +225,7 @@ def analyze(view: StepView) -> list[Finding]:
     if ((view.mode == "sentinel" and not any(f.phase == "forward" and f.module != _outside.OUTSIDE for f in out))
             or (compiled and not any(f.phase in ("forward", "backward") for f in out))):
         # (its backward replay only where no backward finding was made: one per phase)
-        got = [f for f in _sentinel_findings(ctx) if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
+        got = [f for f in ctx.sentinel_findings() if f.phase == "forward" or not any(g.phase == f.phase for g in out)]
         if out_rec >= 0:  # an outside value was found: only a model forward made before it goes first
             fwd = next((f for f in got if f.phase == "forward"), None)
             got = []
@@ -1050,8 +1064,9 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         after = view.after_step.get(i, {})
         # a parameter written since its last step() (by the user: its version moved, or the loop's
         # own code wrote it in place, p.data[3] = nan, which moves none) is not the optimizer's doing
-        flags = [is_bad(t) and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
-                 for (p, sk), t in zip(items, tens)]
+        bad = set(all_bad(tens))  # (one fused read, then exact checks of the hits: a read per tensor cost ~5 ms for 300)
+        flags = [j in bad and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
+                 for j, (p, sk) in enumerate(items)]
         if any(flags):
             return _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
     return None
