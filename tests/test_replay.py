@@ -285,3 +285,22 @@ def test_a_replay_runs_the_users_forward_to_its_end():
     watched, hunt = run(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, watched))
     assert hunt.first is not None and hunt.first.module == "hp" and hunt.first.op == "aten.log.default", hunt.first
+
+
+def test_a_replayed_calls_output_is_judged_finite_exactly():
+    """Each replayed call's "all finite when it returned" flag: exact for every value (a sum of
+    large finite values that overflows is still finite), any floating or complex dtype, any layout
+    of strides."""
+    from nanhunt._locate.replay import _all_finite
+
+    big = torch.full((4, 3), 3e38)
+    assert bool(_all_finite(big)) and bool(_all_finite(big.t())) and bool(_all_finite(big.half().clamp(-6e4, 6e4)))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            t = torch.ones(5, 4, dtype=dtype)
+            t[3, 1] = bad
+            assert not bool(_all_finite(t)) and not bool(_all_finite(t.t()[1:])), (bad, dtype)
+        z = torch.ones(3, dtype=torch.complex64)
+        z[1] = complex(bad, 0.0)
+        assert not bool(_all_finite(z))
+    assert bool(_all_finite(torch.ones(3, dtype=torch.complex64)))
