@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad",
+    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "real_view",
 ]
 
 _F32 = torch.float32
@@ -199,8 +199,14 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     if t.dtype is _F32:
         return t.sum()
     if t.is_complex():
-        t = torch.view_as_real(t)
+        t = real_view(t)
     return t.sum(dtype=_F32)
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as floats (last dimension: real, imaginary). A lazily conjugated one (a
+    module returning ``x.conj()``) is resolved first: ``view_as_real`` refuses it."""
+    return torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
 
 
 def poison(v: torch.Tensor) -> torch.Tensor:
@@ -243,14 +249,14 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
     with torch.no_grad():
         t = values(t).detach()
         if t.is_complex():
-            parts = torch.view_as_real(t)
+            parts = real_view(t)
             bad = ~torch.isfinite(parts)
             mask = bad.any(-1)
             vals = torch.where(bad[..., 0], parts[..., 0], parts[..., 1])
         else:
             mask = ~torch.isfinite(t)
             vals = t
-        r = torch.view_as_real(t) if t.is_complex() else t  # complex: both parts count
+        r = real_view(t) if t.is_complex() else t  # complex: both parts count
         counts = {
             "nan": int(torch.isnan(r).sum()),
             "+inf": int((r == math.inf).sum()),

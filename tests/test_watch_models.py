@@ -270,3 +270,36 @@ def test_an_ignored_outputs_reused_id_does_not_hide_a_later_modules_nan() -> Non
         if f is None or (f.phase, f.module, f.step, f.cause) != ("forward", "log", 2, "created"):
             missed.append((trial, f))
     assert not missed, missed[:3]
+
+
+class _Conj(nn.Module):
+    """A spectral block's FFT, conjugated: a lazy conj view (torch's view_as_real refuses it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.fft(x).conj()
+
+
+class _Real(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.fft.ifft(z).real
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_module_returning_a_conjugate_view_is_watched_and_replayed(mode: str) -> None:
+    """A spectral block whose module returns ``fft(x).conj()``: full mode's sampled statistics
+    and the replay read it (once resolved) instead of failing; the NaN born later is found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Conj(), _Real(), nn.Linear(8, 4), zoo.Log())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 8)
+    with nanhunt.watch(model, optimizer=opt, mode=mode, on_find="record") as hunt:
+        for _ in range(3):
+            out = model(x)
+            out.nan_to_num().pow(2).mean().backward()
+            hunt.check(out.sum(), "out")
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.cause, f.op) == ("forward", "4", "created", "aten.log.default"), str(f)
+    assert f.reproducible

@@ -19,7 +19,20 @@ from torch import nn
 
 from .._hooks import ReplayHooks, replaying
 from .._steplog import Top, given
-from .._tensors import Path, is_bad, own_tensors, poison, probe, same, stack_probes, strided, tensors, values, version
+from .._tensors import (
+    Path,
+    is_bad,
+    own_tensors,
+    poison,
+    probe,
+    real_view,
+    same,
+    stack_probes,
+    strided,
+    tensors,
+    values,
+    version,
+)
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful", "as_it_is"]
 
@@ -136,7 +149,7 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     iff one is not), in two passes and one temporary where ``isfinite(t).all()`` makes five and
     three (a replay checks every call's outputs: on a CNN's large activations that was a sixth
     of a hit's analysis). Complex as its real view: torch has no sum of complex32."""
-    p = poison(torch.view_as_real(t) if t.is_complex() else t)
+    p = poison(real_view(t) if t.is_complex() else t)
     return p == p
 
 

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from .._finding import Finding
 from .._steplog import Chk, StepLog
-from .._tensors import format_path, is_checked, tensors, version
+from .._tensors import format_path, is_checked, real_view, tensors, version
 
 __all__ = ["LoaderIndices"]
 
@@ -221,7 +221,7 @@ def _bad_rows(ts: list[torch.Tensor], n: int) -> list[int]:
                 continue
             r = t.detach()
             if r.is_complex():
-                r = torch.view_as_real(r)
+                r = real_view(r)
             rb = (~torch.isfinite(r)).reshape(n, -1).any(1).cpu()
             bad = rb if bad is None else (bad | rb)
     return [] if bad is None else bad.nonzero().flatten().tolist()
