@@ -145,3 +145,18 @@ def test_sampled_statistics_of_many_outputs_equal_each_outputs_own(threads):
         assert rows[6][3].item() == 32 * 64
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_sampled_step_with_a_row_still_unfilled_is_dropped_not_the_hunt():
+    """A call another thread was still making when this thread's step() ended the step leaves its
+    statistics row unfilled (None): that sample is left out of the history; the hunt goes on (it
+    raised an internal error and switched itself off)."""
+    from nanhunt._record.history import History
+
+    h = History(4)
+    row = torch.tensor([0.0, 1.0, 1.0, 2.0])
+    h.add(0, [("a", "float32", 2), ("b", "float32", 2)], [row, 0])  # (b hands on a's output)
+    h.add(1, [("a", "float32", 2), ("b", "float32", 2)], [row, None])
+    h.add(2, [("a", "float32", 2), ("b", "float32", 2)], [row])
+    assert [s for s, _, _ in h._ring] == [0]
+    assert h.to_dict()["steps"] == [0]

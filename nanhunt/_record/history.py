@@ -52,7 +52,13 @@ class History:
     def add(self, step: int, rows: list[tuple[str, str, int]], values: list[Any]) -> None:
         """``values``: a row's statistics, or the index of the row it repeats (handed on)."""
         if self._ring.maxlen and values:
-            vals = [v if isinstance(v, torch.Tensor) else values[v] for v in values]
+            got = [v if isinstance(v, torch.Tensor) or v is None else values[v] for v in values]
+            vals = [v for v in got if isinstance(v, torch.Tensor)]
+            if len(vals) != len(got) or len(vals) != len(rows):
+                # a row whose statistics never came: a call another thread was still making when
+                # this thread's step() ended the step (see Hunt's ownership of steps): that
+                # sample is dropped, not the hunt (it raised an internal error and switched off)
+                return
             self._ring.append((step, rows, torch.stack(vals)))
 
     def clear(self) -> None:
