@@ -594,6 +594,54 @@ def test_a_teachers_native_fast_path_in_loss_code_is_bit_identical(mode: str) ->
     assert float(plain[1][2, 5].abs().sum()) == 0.0  # the fast path's padded row: zeros
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's nested-tensor and fast-path remarks
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_teacher_called_by_another_thread_during_the_loops_teacher_call_is_untouched(mode: str) -> None:
+    """The loop's unwatched teacher runs with the outside recorder set aside; another thread
+    (an evaluation worker) calls the same teacher meanwhile. Its return must not put the loop's
+    recorder on that thread (its fast path then computed otherwise) nor take it from the loop
+    (whose loss-code log(0) then went unfound)."""
+    import threading
+
+    torch.manual_seed(0)
+    teacher = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2).eval()
+    student = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    x = torch.randn(4, 7, 16)
+    with torch.no_grad():
+        ref = teacher(x)
+    seen: list[Any] = []
+    main = threading.current_thread()
+
+    def other() -> None:
+        with torch.no_grad():
+            seen.append(teacher(x))
+        seen.append(torch._C._len_torch_function_stack())
+
+    def inside(module: nn.Module, args: Any) -> None:  # the loop's teacher call is under way
+        if threading.current_thread() is main and not seen:
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+
+    handle = teacher.layers[0].register_forward_pre_hook(inside)
+    try:
+        with nanhunt.watch(student, opt, mode=mode, on_find="record") as hunt:
+            out = student(x)
+            with torch.no_grad():
+                target = teacher(x)
+            loss = ((out - target) ** 2).mean() + torch.log(out.detach() * 0).mean()  # @log-of-zero
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        handle.remove()
+    assert len(seen) == 2 and zoo.bit_equal(seen[0], ref) and seen[1] == 0, seen[1:]
+    f = hunt.first
+    assert f is not None and f.module == "<outside>" and f.op == "aten.log.default", str(f)
+    assert same_source(f.source, line("log-of-zero"))
+
+
 def _info_nce(z: torch.Tensor) -> torch.Tensor:
     z = z.float()  # "keep the loss in float32": autocast still runs the matmul in float16
     sim = z @ z.T / 0.07

@@ -221,6 +221,7 @@ class _FastPath:
         self.ids: tuple[int, int] | None = None  # (pre-hook, hook): torch's handle ids, taken once
         self.live = False  # the hooks are in torch's dicts
         self.inside: Any = None  # the fast-path module whose call runs with the recorder off
+        self.thread = 0  # ... on this thread
         self.rng: torch.Tensor | None = None
 
     def on(self) -> None:
@@ -259,11 +260,12 @@ class _FastPath:
         recs = [o for o in _SWITCH.active if not o.busy()]
         self.rng = torch.get_rng_state() if any(o.fresh for o in recs) else None
         self.inside = module
+        self.thread = get_ident()
         torch._C._pop_torch_function_stack()
 
     def _post(self, module: Any, args: Any, kwargs: Any, output: Any = None) -> None:
-        if self.inside is not module:
-            return
+        if self.inside is not module or self.thread != get_ident():
+            return  # (another thread's call of the same module: the mode is this thread's to put back)
         self.inside = None
         m = _SWITCH.on
         if m is not None:
