@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
-    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "real_view",
+    "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "read_nan", "real_view",
 ]
 
 _F32 = torch.float32
@@ -198,14 +198,15 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     t = values(t).detach()  # cheaper than a no_grad context per call
     if t.dtype is _F32:
         return t.sum()
-    if t.is_complex():
-        t = real_view(t)
-    return t.sum(dtype=_F32)
+    return real_view(t).sum(dtype=_F32)
 
 
 def real_view(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as floats (last dimension: real, imaginary). A lazily conjugated one (a
-    module returning ``x.conj()``) is resolved first: ``view_as_real`` refuses it."""
+    """``t``'s values as real numbers: a complex tensor as floats (last dimension: real,
+    imaginary), a lazily conjugated one (a module returning ``x.conj()``) resolved first
+    (``view_as_real`` refuses it); any other tensor as it is."""
+    if not t.is_complex():
+        return t
     return torch.view_as_real(t.resolve_conj() if t.is_conj() else t)
 
 
@@ -217,10 +218,15 @@ def poison(v: torch.Tensor) -> torch.Tensor:
     return v.mul(0).sum()
 
 
+def read_nan(p: torch.Tensor) -> bool:
+    """Is the 0-dim ``p`` NaN? (One host read: a `poison`'s answer.)"""
+    x = p.item()
+    return x != x
+
+
 def any_bad(v: torch.Tensor) -> bool:
     """Does the vector ``v`` hold a non-finite value? (One host read; see `poison`.)"""
-    x = poison(v).item()
-    return x != x
+    return read_nan(poison(v))
 
 
 def stack_probes(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -256,7 +262,7 @@ def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict
         else:
             mask = ~torch.isfinite(t)
             vals = t
-        r = real_view(t) if t.is_complex() else t  # complex: both parts count
+        r = real_view(t)  # complex: both parts count
         counts = {
             "nan": int(torch.isnan(r).sum()),
             "+inf": int((r == math.inf).sum()),

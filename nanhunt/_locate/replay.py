@@ -149,7 +149,7 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     iff one is not), in two passes and one temporary where ``isfinite(t).all()`` makes five and
     three (a replay checks every call's outputs: on a CNN's large activations that was a sixth
     of a hit's analysis). Complex as its real view: torch has no sum of complex32."""
-    p = poison(real_view(t) if t.is_complex() else t)
+    p = poison(real_view(t))
     return p == p
 
 

@@ -22,8 +22,7 @@ __all__ = ["History", "stats"]
 def stats(t: torch.Tensor) -> torch.Tensor:
     """``[min, max, l2, nonzeros]`` as float32 on ``t``'s device, outside autograd."""
     t = values(t).detach()
-    if t.is_complex():
-        t = real_view(t)
+    t = real_view(t)
     mn, mx = torch.aminmax(t)
     norm = torch.linalg.vector_norm(t, dtype=torch.float32) if t.dtype.itemsize < 4 else torch.linalg.vector_norm(t)
     return torch.stack([mn.float(), mx.float(), norm.float(), torch.count_nonzero(t).float()])

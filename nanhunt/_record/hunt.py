@@ -55,7 +55,18 @@ from .._profile import span
 from .._report import Report
 from .._steplog import PASSTHROUGH as _PASSTHROUGH
 from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
-from .._tensors import NO_SPECIALS, Path, any_bad, grain, is_checked, optimizer_tensors, probe, tensors, version
+from .._tensors import (
+    NO_SPECIALS,
+    Path,
+    any_bad,
+    grain,
+    is_checked,
+    optimizer_tensors,
+    probe,
+    read_nan,
+    tensors,
+    version,
+)
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
@@ -1582,7 +1593,7 @@ class Hunt:
             gp = self._pprobes[i] = GradProbe()  # (a parameter has its gradient's shape: the same plan)
         got = gp.probe(params, params)
         vec: torch.Tensor | None = got if isinstance(got, torch.Tensor) else (  # (Fused: on the CPU)
-            None if bool(torch.isfinite(got.summary).all()) else torch.stack([probe(p) for p in params]))
+            None if not any_bad(got.summary) else torch.stack([probe(p) for p in params]))
         self._before[i] = (self._steps_applied + 1, params, vec)
 
     def _grad_probe(self, key: int) -> GradProbe:
@@ -1789,7 +1800,7 @@ class Hunt:
                 flag = log.poison()
                 cuda = flag is not None and flag.is_cuda
                 with span("nanhunt::sync", cuda):
-                    bad = flag is not None and (x := flag.item()) != x  # the step's one host read: NaN
+                    bad = flag is not None and read_nan(flag)  # the step's one host read
                 if not bad:
                     if self._known_bad and any(isinstance(e, OptimState) for _, e in log.vectors):
                         self._forget_known()  # (the parameters and state it read were finite)

@@ -20,7 +20,7 @@ from operator import is_
 
 import torch
 
-from .._tensors import grain, local, optimizer_tensors, real_view
+from .._tensors import any_bad, grain, local, optimizer_tensors, real_view
 
 __all__ = ["fused_probe", "Fused", "GradProbe", "OptimizerProbe"]
 
@@ -43,7 +43,7 @@ class Fused:
         """Which tensors are non-finite (after a hit: reads back). All clear when the summary was
         finite when probed, whatever was written into the tensors since (the user's own writes
         between an optimizer step and the next sync are judged by the next probes, not this one)."""
-        if bool(torch.isfinite(self.summary).all()):
+        if not any_bad(self.summary):
             return [False] * len(self.tensors)
         return (~torch.isfinite(_per_tensor(self.tensors))).tolist()
 
@@ -107,7 +107,7 @@ def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
         for i in plan.rest:
             t = tensors[i]
             sums.append(t.sum() if t.dtype is _F32 else
-                        (real_view(t) if t.is_complex() else t).sum(dtype=_F32))
+                        real_view(t).sum(dtype=_F32))
         sums += [(torch.cat([tensors[i] for i in g]) if len(g) > 1 else tensors[g[0]]).sum() for g in groups]
         return Fused(torch.stack(sums), tensors)
 
@@ -195,7 +195,7 @@ def _per_tensor(tensors: list[torch.Tensor]) -> torch.Tensor:
         try:
             with torch.no_grad():
                 return torch.stack([
-                    t.sum() if t.dtype is _F32 else (real_view(t) if t.is_complex() else t).sum(dtype=_F32)
+                    t.sum() if t.dtype is _F32 else real_view(t).sum(dtype=_F32)
                     for t in tensors
                 ])
         except RuntimeError:  # tensors on several devices
@@ -205,12 +205,12 @@ def _per_tensor(tensors: list[torch.Tensor]) -> torch.Tensor:
         groups.setdefault((t.device, t.dtype), []).append(i)
     with torch.no_grad():
         if len(groups) == 1:
-            ts = [real_view(t) if t.is_complex() else t for t in tensors]
+            ts = [real_view(t) for t in tensors]
             return torch.stack(torch._foreach_norm(ts, 2, dtype=_F32))
         dev = tensors[0].device
         out = torch.empty(len(tensors), dtype=_F32, device=dev)
         for (d, _), idx in groups.items():
-            ts = [real_view(tensors[i]) if tensors[i].is_complex() else tensors[i] for i in idx]
+            ts = [real_view(tensors[i]) for i in idx]
             norms = torch.stack(torch._foreach_norm(ts, 2, dtype=_F32)).to(dev, non_blocking=True)
             out[torch.tensor(idx, device=dev)] = norms
         return out

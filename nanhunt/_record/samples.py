@@ -220,8 +220,7 @@ def _bad_rows(ts: list[torch.Tensor], n: int) -> list[int]:
             if not is_checked(t) or t.dim() == 0 or t.shape[0] != n or t.is_meta:
                 continue
             r = t.detach()
-            if r.is_complex():
-                r = real_view(r)
+            r = real_view(r)
             rb = (~torch.isfinite(r)).reshape(n, -1).any(1).cpu()
             bad = rb if bad is None else (bad | rb)
     return [] if bad is None else bad.nonzero().flatten().tolist()
