@@ -106,6 +106,9 @@ class TensorInfo:
     grad: torch.Tensor | None = None  # kept only for gradients arriving at a top-level output
     keep_grad: bool = False
     ref: Any = None
+    # (a top-level output's) top-level calls begun and outside calls recorded when its gradient
+    # arrived: what of the step came before that backward (see analyze's `_earlier_backward`)
+    arrived: tuple[int, int] | None = None
 
 
 # ------------------------------------------------------------------ entries (one probe each)

@@ -221,3 +221,46 @@ def test_a_forward_born_nan_costs_sentinel_no_backward_replay(case: str, monkeyp
         f0.step, "forward", EXPECTED[case][1], EXPECTED[case][4])
     for found in (sentinel, full):  # the backward only carried the forward's NaN on: no finding of its own
         assert not any(f.phase == "backward" and f.step == f0.step for f in found), [str(f) for f in found]
+
+
+def _accumulate(mode: str, on_find: str, backward_between: bool) -> list[Any]:
+    """Two micro-batches into one step of a siamese distance: micro-batch 0 has a row with equal
+    halves (sqrt at 0: its backward makes nan gradients, its forward is finite); micro-batch 1
+    holds a NaN from the data (a forward finding, fed in: `proj` is called twice a forward)."""
+    model = zoo.distnet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x0, x1 = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    x0[1, 2:] = x0[1, :2]
+    x1[2, 0] = float("nan")
+    found: list[Any] = []
+    try:
+        with nanhunt.watch(model, optimizer=opt, on_find=on_find, mode=mode) as hunt:
+            if backward_between:  # the usual accumulation loop
+                model(x0).pow(2).mean().backward()
+                model(x1).pow(2).mean().backward()
+            else:  # both forwards first, one backward
+                (model(x0).pow(2).mean() + model(x1).pow(2).mean()).backward()
+            opt.step()
+        found = hunt.findings
+    except nanhunt.NonFiniteError as e:
+        found = [e.finding]
+    return found
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_earlier_micro_batchs_backward_goes_before_a_later_micro_batchs_forward(mode: str) -> None:
+    """Gradient accumulation: the first non-finite value of the step is micro-batch 0's backward
+    (sqrt at 0), made before micro-batch 1's forward met a NaN from its data. The later forward's
+    finding used to take the step, and the backward that came first was never named. When both
+    forwards run before one backward, the forward's NaN came first and stays first."""
+    raised = _accumulate(mode, "raise", backward_between=True)
+    assert len(raised) == 1
+    f = raised[0]
+    assert (f.phase, f.module, f.tensor, f.cause, f.call) == ("backward", "dist", "grad_input[0]", "created", 0), str(f)
+    recorded = _accumulate(mode, "record", backward_between=True)
+    assert [(x.phase, x.module, x.call, x.cause) for x in recorded[:2]] == [
+        ("backward", "dist", 0, "created"), ("forward", "proj", 2, "input")], [str(x) for x in recorded]
+    together = _accumulate(mode, "record", backward_between=False)
+    assert (together[0].phase, together[0].module, together[0].call) == ("forward", "proj", 2), str(together[0])
+    assert not any(x.phase == "backward" for x in together), [str(x) for x in together]

@@ -258,6 +258,8 @@ def analyze(view: StepView) -> list[Finding]:
             fb = _outside.backward_finding(log, ctx.step)
             if fb is not None:
                 out.append(fb)
+    if grads_bad:
+        _earlier_backward(ctx, out, earlier, out_rec)
     for (_vec, entry), flags in zip(log.vectors, vbad):
         if isinstance(entry, Grads) and any(flags):
             f = _grad_finding(ctx, entry, flags, earlier=bool(out))
@@ -272,6 +274,44 @@ def analyze(view: StepView) -> list[Finding]:
                       f"{f0.module or '<model>'}) is not a watched module's forward call that a replay "
                       "reproduced, the one thing a bundle holds", stacklevel=2)
     return found
+
+
+def _earlier_backward(ctx: _Ctx, out: list[Finding], earlier: int, out_rec: int) -> None:
+    """Gradient accumulation: the step's forward finding is in a later micro-batch, and an
+    earlier micro-batch's backward, which ran before it, made non-finite gradients of its own (a
+    sqrt at 0): that backward's finding goes first, in order of occurrence (the forward's goes
+    after it). Without it the later forward's finding took the step, and the backward that came
+    first was never named. Read from each earlier top-level call's backward replay; only where
+    its output's gradient arrived before the forward finding's call began (or before the outside
+    call that made it)."""
+    log = ctx.log
+    first = next((f for f in out[earlier:] if f.phase == "forward"), None)
+    if first is None or any(f.phase == "backward" for f in out):
+        return
+    if first.module == _outside.OUTSIDE:
+        if out_rec < 0:
+            return
+        before = sum(1 for t in log.tops if t.outside_at <= out_rec)  # top-level calls begun before it
+
+        def preceded(a: tuple[int, int]) -> bool:
+            return a[1] <= out_rec
+    else:
+        where = ctx.where.get(id(first))
+        if where is None:
+            return
+        before = where[1]
+
+        def preceded(a: tuple[int, int]) -> bool:
+            return a[0] <= before  # the forward finding's call had not begun
+    for j in range(min(before, len(log.tops))):
+        top = log.tops[j]
+        arrived = [a for k in top.out_keys if (a := log.tensors[k].arrived) is not None]
+        if not arrived or not preceded(min(arrived)):
+            continue
+        fb = _backward_from_replay(ctx, j, ctx.replay(j, backward=True))
+        if fb is not None:
+            out.insert(out.index(first), fb)
+            return
 
 
 def _users_class(ctx: _Ctx, f: Finding) -> Finding:

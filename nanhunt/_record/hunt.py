@@ -1265,6 +1265,7 @@ class Hunt:
             info = log.tensors[i]
             if info.keep_grad:
                 info.grad = g
+                info.arrived = (len(log.tops), len(log.outside))
         except Exception as exc:
             self._fault(exc, "a gradient hook")
 
