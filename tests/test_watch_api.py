@@ -505,3 +505,54 @@ def test_copying_or_pickling_a_hunt_is_refused_at_once(when: str) -> None:
                 copier({"trainer": [hunt]} if copier is not copy.copy else hunt)
     finally:
         hunt.close()
+
+
+def _hand_update(model: nn.Module, how: str) -> None:
+    with torch.no_grad():
+        if how == "p -= lr * p.grad":
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+        elif how == "p.data.add_":
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.01)
+        else:
+            ps = list(model.parameters())
+            torch._foreach_add_(ps, [p.grad for p in ps], alpha=-0.01)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data.add_", "_foreach_add_"])
+def test_a_hand_written_update_without_an_optimizer_is_judged_before_it_writes(how: str, mode: str) -> None:
+    """watch(model) and an SGD update by hand: the step used to be judged at the model's next call,
+    after the update had written the NaN gradients into every weight; the replay then ran on
+    those weights (sentinel blamed the first Linear's parameters for a log(0) two modules later,
+    full mode could not tell the cause) and raise mode let the weights be written. Now the first
+    in-place write into a parameter after a backward judges the step, before it runs."""
+    m = zoo.lognet()
+    with torch.no_grad():
+        m.lin.weight.zero_()
+        m.lin.bias.zero_()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, mode=mode):
+        m(_zero_batch()).sum().backward()
+        _hand_update(m, how)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.step) == ("forward", "log", "created", 0), str(f)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "the update wrote a NaN gradient"
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode: str) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with nanhunt.watch(m, on_find="record", mode=mode) as hunt:
+        for step in range(3):
+            x = torch.randn(4, 8)
+            if step == 1:
+                x[0, 0] = float("nan")
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+            _hand_update(m, "p -= lr * p.grad")
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 1, "input"), str(f)
+    assert f.counts["nan"] == 8, str(f)  # one row, as the call saw it (not the replay on written weights)

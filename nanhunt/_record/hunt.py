@@ -342,6 +342,7 @@ class Hunt:
         self._before: dict[int, tuple[int, list[torch.Tensor], torch.Tensor | None]] = {}
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
+        self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         try:
@@ -1503,13 +1504,42 @@ class Hunt:
                     id(p) in mine for g in opt.param_groups for p in g["params"]))
             if not holds[1]:
                 return
-            calls = self._log.root_calls
-            self._end_step(advance=False)
-            self._log.root_calls = max(self._log.root_calls, calls)  # the model's next call still ends the step
+            self._judge_before_update()
         except NonFiniteError:
             raise
         except Exception as exc:
             self._fault(exc, "the optimizer step pre-hook")
+
+    def _judge_before_update(self) -> None:
+        calls = self._log.root_calls
+        self._end_step(advance=False)
+        self._log.root_calls = max(self._log.root_calls, calls)  # the model's next call still ends the step
+
+    def _before_write(self, target: Any) -> None:
+        """No optimizer is watched, and code outside the model is about to write in place into one
+        of its parameters after a backward in this step: a hand-written update (``p -= lr * p.grad``,
+        ``p.data.add_(...)``, ``torch._foreach_add_(params, grads)``). The step is judged now, as
+        `_unwatched_step` judges it before an unwatched optimizer's update: a replay after the write
+        ran on the written weights (a NaN from the data, or made in a later module, was blamed on
+        the first module's weights), and in raise mode the write never applies a non-finite
+        gradient. Called by the loss-code recorder before the call runs; the parameters' storages
+        are gathered once per step, on the first in-place call after a backward."""
+        log = self._log
+        if self._opts or self._paused or self._closed or self._stack or not log.tops or not log.backward:
+            return
+        try:
+            if self._pstores[0] is not log:
+                root = self._root
+                self._pstores = (log, frozenset(
+                    _storage_of(p) for p in (root.parameters() if root is not None else ())))
+            mine = self._pstores[1]
+            ts = target if isinstance(target, (list, tuple)) else (target,)
+            if any(isinstance(t, torch.Tensor) and _storage_of(t) in mine for t in ts):
+                self._judge_before_update()
+        except NonFiniteError:
+            raise
+        except Exception as exc:
+            self._fault(exc, "the loss-code recorder (a parameter about to be written)")
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()
@@ -2238,6 +2268,15 @@ def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
     a call with keyword arguments only is watched.)"""
     with _NO_SUBCLASS():
         return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    """Where ``t``'s elements live (a parameter, its ``.data``, a view of it: the same), 0 for a
+    tensor without storage of its own (a subclass's wrapper)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

@@ -422,6 +422,8 @@ class _Switch:
 
 
 _SWITCH = _Switch()
+# in-place calls that write their first argument besides ``name_`` ones
+_AUGMENTED = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__"))
 
 
 class Outside(TorchFunctionMode):
@@ -491,6 +493,11 @@ class Outside(TorchFunctionMode):
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
+        if args and (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))):
+            for m in recs:  # a write in place: a hand-written update of a model's parameters?
+                h = m._hunt()
+                if h is not None and not h._opts and h._log.backward:
+                    h._before_write(args[0])
         before = _carried(name, args)
         out = call(func, args, kwargs)
         if name == "__get__" or name == "__set__":
