@@ -3,6 +3,7 @@ that change while watched, torch.func transforms, and faults inside nanhunt's ow
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import threading
@@ -814,3 +815,70 @@ def test_a_scripted_submodule_of_an_eager_model_is_found_with_its_element() -> N
     assert f is not None and (f.module, f.cause, f.reproducible, f.op) == ("1", "created", True, "aten.log.default")
     assert f.index is not None and f.value == float("-inf")
     assert zoo.bit_equal(out, plain)
+
+
+class _Gate(nn.Module):
+    """Identity; while ``during`` is set, the main thread's call runs it in another thread first
+    and waits for it (a call from that thread while the main thread's call is in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.during: Any = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.during is not None and threading.current_thread() is threading.main_thread():
+            fn, self.during = self.during, None
+            t = threading.Thread(target=fn)
+            t.start()
+            t.join()
+        return x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("optimizer", [False, True], ids=["inference", "training"])
+def test_a_nan_in_another_threads_call_made_meanwhile_is_found_in_that_thread(mode: str, optimizer: bool) -> None:
+    """A server's concurrent requests, or an evaluation thread beside training: a call from a
+    thread that does not own the step, made while the owner's call is in flight (or between its
+    calls), was not recorded at all; a NaN in it went unfound. Now such a call is judged on its
+    own as it returns (one read), localised by a replay of that call, and raised in its thread;
+    the owner's call, its outputs and its step are untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Gate(), nn.ReLU(), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3) if optimizer else None
+    bad = torch.rand(2, 4)
+    bad[1, 2] = float("nan")
+    raised: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with torch.no_grad():
+                model(bad)
+        except nanhunt.NonFiniteError as e:
+            raised.append(e)
+
+    xs = [torch.rand(3, 4) for _ in range(4)]
+    with nanhunt.watch(model, opt, on_find="raise", mode=mode) as hunt:
+        outs = []
+        for i, x in enumerate(xs):
+            if i == 2:
+                model[1].during = other  # while the main thread's call is in flight
+            if i == 3 and opt is not None:  # between the steps' calls (without an optimizer the
+                # thread takes the next step itself, judged at the model's next call)
+                t = threading.Thread(target=other)
+                t.start()
+                t.join()
+            out = model(x)
+            outs.append(out.detach().clone())
+            if opt is not None:
+                out.sum().backward()
+                opt.step()
+                opt.zero_grad()
+    n = 2 if opt is not None else 1
+    assert len(raised) == n and len(hunt.findings) == n, hunt.findings
+    for e in raised:
+        f = e.finding
+        assert (f.phase, f.module, f.cause, f.index) == ("forward", "0", "input", (1, 0)), str(f)
+    if opt is None:
+        assert all(torch.equal(o, ref(x)) for o, x in zip(outs, xs))
+    assert all("forward" not in m.__dict__ for m in model.modules())

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._hooks import REPLAYING
+
 __all__ = ["Forward", "install", "remove", "LAZY_NUMEL"]
 
 _get_ident = get_ident
@@ -73,6 +75,8 @@ class Forward:
         h = self.hunt
         # (dynamo traces this as the module's forward: nothing it cannot trace before that test)
         if h is None or not (h._inner or h._arm is not None) or _dynamo_compiling():
+            if h is not None and h._owner is not None and h._owner != _get_ident() and not _dynamo_compiling():
+                return self.foreign(h, args, kwargs)  # another thread owns the step
             return self.run(args, kwargs)
         if h._inner == _get_ident():  # a call inside the top-level call: recorded here
             m = self.ref()
@@ -92,6 +96,8 @@ class Forward:
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
+            if h._owner != _get_ident():
+                return out  # the step was taken from this thread meanwhile (`Hunt._detach`)
             if (lean and type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL
                     and not out.is_inference() and h._ev is ev):
                 ev.append(out)  # its output and that output's version at return
@@ -118,7 +124,16 @@ class Forward:
                 return self.run(args, kwargs)
             finally:
                 h._leave()
+        if h._owner != _get_ident():  # another thread's call while the owner's runs with the hooks off
+            return self.foreign(h, args, kwargs)
         return self.run(args, kwargs)
+
+    def foreign(self, h: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call from a thread that does not own the step: judged on its own (`Hunt._foreign_call`)."""
+        m = self.ref()
+        if m is None or (REPLAYING and _get_ident() in REPLAYING):
+            return self.run(args, kwargs)
+        return h._foreign_call(self, m, args, kwargs)
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The module's forward itself."""

@@ -10,7 +10,10 @@ What the hooks see, and what they leave alone:
 - **Threads.** A step is recorded from one thread, its owner: the thread that steps a watched
   optimizer (before the first ``step()``, the first thread that calls a watched module); without
   an optimizer, the thread of the current root call (any thread takes the next one). Calls from
-  other threads meanwhile are not recorded: they never raise and never mix into the step. A thread
+  other threads meanwhile never mix into the step: each such top-level call (an evaluation
+  thread, a server's concurrent requests) is captured on its own (`_foreign_pre`), its outputs
+  are read as it returns (one host read per call), and a non-finite one is localised by a replay
+  of that call alone and reported at that step, raised in the thread that made the call. A thread
   that ended owns nothing: the next thread to call a watched module takes the step over.
   Gradient hooks run in whatever thread autograd uses.
 - **The user's forward hooks.** torch runs global hooks before a module's own; for a module with
@@ -64,6 +67,7 @@ from .._tensors import (
     optimizer_tensors,
     probe,
     read_nan,
+    stack_probes,
     tensors,
     version,
 )
@@ -261,6 +265,7 @@ class Hunt:
         self._owner: int | None = None  # the thread whose calls this step records
         self._owner_lock = threading.Lock()
         self._owner_thread = threading.current_thread()  # the Thread of the last owner set (_take_step, _pre_step)
+        self._foreign = threading.local()  # .top: the top-level call another thread is making (_foreign_pre)
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
         self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
@@ -574,7 +579,28 @@ class Hunt:
             self._fault(exc, "the forward pre-hook")
         return False
 
+    def _stale(self, c: Call) -> bool:
+        """``c`` is not a call of the step's log: another thread's, pushed as the step was taken
+        from it and its log ended (`_detach`: its hook had passed the owner test just before)."""
+        calls = self._log.calls
+        return c.index >= len(calls) or calls[c.index] is not c
+
+    def _detach(self) -> None:
+        """The stepping thread takes the step while another thread's top-level call runs with the
+        global hooks off (that thread owned the step: its call began before the first ``step()``):
+        the call's recording ends here. Its wrappers stop recording (`_inner`), what its lean calls
+        still note goes into a list of their own, the hooks go back on; the step's end drops its
+        calls from the stack. (The other thread's `_leave` and `_push` then do nothing.)"""
+        self._inner = 0
+        self._ev = None
+        self._evbuf = []
+        if self._global is not None:
+            self._global.on()
+
     def _leave(self) -> None:
+        if self._inner != _get_ident():
+            return  # the step was taken from this thread meanwhile (`_detach`), or a child registered
+            # during the call ended the wrappers' part already (`_on_register`)
         if self._evbuf:
             self._flush()
         self._ev = None
@@ -587,6 +613,8 @@ class Hunt:
         the global pre-hook would do (`_pre`), the common call inlined. The `Call` pushed, which
         its `Forward` pops and ends (`_done_safe`), or None (then `_post` ends it, as the global
         hook would)."""
+        if self._owner != _get_ident():
+            return None  # the step was taken from this thread meanwhile (`_detach`): not recorded
         if self._evbuf:  # (what the lean path noted comes first)
             self._flush()
         try:
@@ -791,7 +819,12 @@ class Hunt:
             return
         try:
             if _get_ident() != self._owner and not self._take_step():
-                return  # another thread owns the step (see "Threads" in the module docstring)
+                # another thread owns the step (see "Threads"); a module with this hunt's `Forward`
+                # is captured there (these hooks may go off during the call: the owner's `_enter`)
+                fw = module.__dict__.get("forward")
+                if not (type(fw) is Forward and fw.hunt is self):
+                    self._foreign_pre(module, args, None)
+                return
             if _functorch_level() is not None:
                 return  # inside torch.func transforms (vmap/grad): not recorded
             names = self._names
@@ -815,6 +848,8 @@ class Hunt:
 
     def _pre_other(self, module: nn.Module, args: tuple[Any, ...], e: tuple[str, Any] | None) -> None:
         """`_pre` for a top-level call, a torch.compile wrapper, a module with forward hooks."""
+        if self._stack and self._stale(self._stack[0]):
+            self._stack.clear()
         if not self._stack and _on_meta(module, args):
             # a model run on the meta device (a dry run for shapes or FLOPs) has no values to judge.
             # Nothing is pushed, so every call inside comes here again and stands aside too.
@@ -952,9 +987,87 @@ class Hunt:
         """Every parameter of every watched optimizer, in order."""
         return (p for o in self._opts for g in o.param_groups for p in g["params"])
 
+    # ------------------------------------------------------------------ other threads' calls
+    def _foreign_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+        """A watched call from a thread that does not own the step. The first one on that thread
+        (its top-level call: an evaluation thread's, a server's concurrent request) is captured on
+        its own, outside the step's log, to be judged as it returns (`_foreign_post`). True when
+        it was captured."""
+        loc = self._foreign
+        if getattr(loc, "top", None) is not None or self._paused or self._closed:
+            return False
+        if (_functorch_level() is not None or _graph_task() != -1 or _tracing_state() is not None
+                or _on_meta(module, args)):
+            return False
+        top = _capture_top(module, args)
+        top.kwargs = kwargs
+        top.src = user_line()[0]
+        loc.top = top
+        return True
+
+    def _foreign_post(self, module: nn.Module, kwargs: Any, output: Any) -> None:
+        """Another thread's top-level call returned (see `_foreign_pre`): its floating outputs
+        are read (one host read for the call); a non-finite one is localised by a replay of this
+        call alone, and reported at the current step, raised (``on_find="raise"``) in this thread.
+        Nothing of the owner's step is touched: its log, stack and buffers stay as they are."""
+        loc = self._foreign
+        top = getattr(loc, "top", None)
+        if top is None or top.module is not module:
+            return
+        loc.top = None
+        if self._paused or self._closed:
+            return
+        if top.kwargs is None:
+            top.kwargs = kwargs if isinstance(kwargs, dict) else {}
+        with _NO_SUBCLASS():
+            items = [(p, t) for p, t in tensors(output) if is_checked(t) and t.numel() and not t.is_meta]
+            if not items or not any_bad(stack_probes([probe(t) for _, t in items])):
+                return
+            names = self._names if self._names is not None else self._build_names()
+            e = names.get(id(module))
+            log = StepLog()
+            log.tops.append(top)
+            c = Call(module, e[0] if e is not None and e[1]() is module else "", -1, 0, -1, 0, 0, 0)
+            log.calls.append(c)
+            self._probe_root_outputs(log, c, items)
+        try:
+            with replaying():  # every hunt's hooks stand aside for this thread's replay
+                found = locate(self._view(log, self.step))
+        finally:
+            log.release()
+        if found:
+            self._handle(found, True, evaluation=True, foreign=True)
+
+    def _foreign_call(self, w: Forward, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A `Forward` called from another thread while the owner's top-level call runs with the
+        global hooks off: what `_pre` and `_post` would do for it (`_foreign_pre`, `_foreign_post`)."""
+        try:
+            mine = self._foreign_pre(module, args, kwargs)
+        except Exception as exc:
+            self._fault(exc, "the forward pre-hook")
+            mine = False
+        try:
+            out = w.run(args, kwargs)
+        except BaseException:
+            if mine:
+                self._foreign.top = None
+            raise
+        if mine:
+            try:
+                self._foreign_post(module, kwargs, out)
+            except Exception as exc:
+                self._fault(exc, "the forward hook")
+        return out
+
     def _take_step(self) -> bool:
         """Threads: the calling thread owns the step if nobody does (rare: once per step), or if
         the thread that owned it has ended (training went on in a new thread: a restarted worker)."""
+        if (self._opts and not self._steps_applied and not torch.is_grad_enabled()
+                and threading.current_thread() is not threading.main_thread()):
+            # an evaluation thread's call before the first step(): the step is the training
+            # thread's to take (taken back from a call in flight, its calls could mix into the
+            # step's log); its calls are judged on their own meanwhile (`_foreign_pre`)
+            return False
         with self._owner_lock:
             owner, thread = self._owner, self._owner_thread
             if owner is None or (thread.ident == owner and not thread.is_alive()):
@@ -972,8 +1085,12 @@ class Hunt:
         try:
             if output is _NO:  # the always-call path after an exception: (module, args, result)
                 output, kwargs = kwargs, {}
+            if _get_ident() != self._owner:
+                if not (REPLAYING and get_ident() in REPLAYING):
+                    self._foreign_post(module, kwargs, output)
+                return
             stack = self._stack
-            if not stack or self._paused or _get_ident() != self._owner or (REPLAYING and get_ident() in REPLAYING):
+            if not stack or self._paused or (REPLAYING and get_ident() in REPLAYING):
                 return
             c = stack[-1]
             if c.module is not module:
@@ -983,7 +1100,9 @@ class Hunt:
                         return
                     while stack[-1].module is not module:  # a child raised and was not unwound
                         stack.pop()
-            self._done(stack.pop(), module, args, kwargs, output)
+            c = stack.pop()
+            if not self._stale(c):
+                self._done(c, module, args, kwargs, output)
         except Exception as exc:
             self._fault(exc, "the forward hook")
 
@@ -1315,10 +1434,13 @@ class Hunt:
         if _is_compiling():  # traced into a compiled graph: nothing to record there (no graph break)
             self._traced = True  # see _catch_wrapper
             return
-        if self._paused or self._stack or (REPLAYING and get_ident() in REPLAYING):
+        if self._paused or (REPLAYING and get_ident() in REPLAYING):
             return
         try:
-            if _get_ident() != self._owner and not self._take_step():
+            if _get_ident() != self._owner and (self._stack or not self._take_step()):
+                self._foreign_pre(module, args, kwargs)  # another thread owns the step (see "Threads")
+                return
+            if self._stack:
                 return
             if _functorch_level() is not None or _graph_task() != -1:
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
@@ -1430,6 +1552,8 @@ class Hunt:
                     self._owner = None
                 if not self._paused:
                     self._outside.on()
+            elif _get_ident() != self._owner:
+                self._foreign_post(module, kwargs, output)
         except Exception as exc:
             self._fault(exc, "the forward hook")
 
@@ -1456,7 +1580,10 @@ class Hunt:
             return None
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
-        self._owner = _get_ident()  # the thread that steps the optimizer owns the steps
+        me = _get_ident()
+        if self._inner and self._inner != me:
+            self._detach()  # another thread's top-level call is in flight (it began before the first step())
+        self._owner = me  # the thread that steps the optimizer owns the steps
         self._owner_thread = threading.current_thread()  # (a thread that ended owns nothing: see _take_step)
         # args are (optimizer, *step_args)
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
@@ -1872,7 +1999,9 @@ class Hunt:
             with span("nanhunt::finding", cuda):
                 self._handle(found, raise_ok, evaluation)
 
-    def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False) -> None:
+    def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False, foreign: bool = False) -> None:
+        """``foreign``: findings of another thread's call (`_foreign_post`): the owner's step, its
+        buffers and its optimizers are left as they are."""
         first = not self.findings and not self._dropped
         room = max(self.options.max_findings - len(self.findings), 0)
         self._dropped += max(len(found) - room, 0)
@@ -1881,14 +2010,14 @@ class Hunt:
             self._bad_grads_step = self.step
         for f in found:
             self._bad_samples.update(f.samples)
-        if self._backup is not None:
+        if self._backup is not None and not foreign:
             self._backup.restore()  # raise and skip: the buffers the failing step wrote go back
             self._state.forget()
         self._skips_exceeded = False
         skipped = self.on_find == "skip" and self._skip(found, evaluation)
         if any(f.cause == "parameter" or f.phase == "optimizer" for f in found):
             self._known_bad = [weakref.ref(t) for t in bad_state(self._root, self._opts)]  # (what is non-finite now)
-        if self._damage is None and self._root is not None:
+        if self._damage is None and self._root is not None and not foreign:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
             going_on = self.on_find not in ("raise", "skip", "breakpoint") and found[0].step == self.step
@@ -2023,7 +2152,7 @@ class Hunt:
         return StepView(
             log=log, step=step, root=self._root, names=names, ignored=ignored,
             mode=self.mode, replay=self.replay, rank=self.rank, optimizers=tuple(self._opts),
-            after_step={i: dict(zip(map(id, ps), vs)) for i, (ps, vs) in self._after_step.items()},
+            after_step={i: dict(zip(map(id, ps), vs)) for i, (ps, vs) in self._after_step.copy().items()},
             steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
             bundle=self._bundle_path if not self.findings else None,
@@ -2136,8 +2265,8 @@ def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int], h
             if (lazy and t.dtype is _F32 and key[1] >= 0 and type(t) is torch.Tensor and not t.is_nested
                     and t.layout is torch.strided and t.numel() <= _LAZY_NUMEL):
                 st = log.stats_of[key] = len(log.stats)  # the row that will hold them
+                log.stats.append(None)  # (first: the row exists before anything may resolve it)
                 log.stats_lazy.append((t, key[1], st))
-                log.stats.append(None)
             else:
                 log.stats.append(got := stats(t))
                 log.stats_of[key] = got
