@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._hooks import ReplayHooks, replaying
+from .._hooks import REPLAYING, ReplayHooks, replaying
 from .._steplog import Top, given
 from .._tensors import (
     Path,
@@ -280,27 +282,44 @@ def _checkpoint_inline() -> Iterator[None]:
     NaN born there would surface at the block's boundary (the wrong module). Run directly, the
     block computes the same values (a replay starts from the call's RNG state, as the checkpoint
     does) and its backward passes through its modules. The non-reentrant checkpoint needs no
-    help: its backward already does. Put back when the replay ends."""
+    help: its backward already does. The class attribute is process-wide: it is put on once for
+    all replays running at a time (threads: another thread's call judged on its own replays while
+    the step's owner does), acts only on a thread that is replaying, and is put back when the
+    last one ends."""
+    global _ck_depth, _ck_had
     ck = sys.modules.get("torch.utils.checkpoint")
     cls = getattr(ck, "CheckpointFunction", None)
     if cls is None:
         yield
         return
-    had = cls.__dict__.get("apply", _NONE)
+    with _CK_LOCK:
+        if _ck_depth == 0:
+            _ck_had = cls.__dict__.get("apply", _NONE)
+            orig = cls.apply  # (bound: the class's own or torch.autograd.Function's)
 
-    def inline(_cls: Any, run_function: Any, _preserve_rng_state: Any, *args: Any) -> Any:
-        return run_function(*args)
+            def inline(_cls: Any, run_function: Any, preserve_rng_state: Any, *args: Any) -> Any:
+                if REPLAYING and get_ident() in REPLAYING:
+                    return run_function(*args)
+                return orig(run_function, preserve_rng_state, *args)
 
-    cls.apply = classmethod(inline)
+            cls.apply = classmethod(inline)
+        _ck_depth += 1
     try:
         yield
     finally:
-        if had is _NONE:
-            del cls.apply
-        else:
-            cls.apply = had
+        with _CK_LOCK:
+            _ck_depth -= 1
+            if _ck_depth == 0:
+                if _ck_had is _NONE:
+                    del cls.apply
+                else:
+                    cls.apply = _ck_had
+                _ck_had = None
 
 
+_CK_LOCK = threading.Lock()
+_ck_depth = 0
+_ck_had: Any = None
 _NONE = object()
 
 

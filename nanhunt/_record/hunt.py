@@ -266,6 +266,7 @@ class Hunt:
         self._owner_lock = threading.Lock()
         self._owner_thread = threading.current_thread()  # the Thread of the last owner set (_take_step, _pre_step)
         self._foreign = threading.local()  # .top: the top-level call another thread is making (_foreign_pre)
+        self._foreign_at = -1  # the step of the last finding in another thread's call
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
         self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
@@ -1015,7 +1016,9 @@ class Hunt:
         if top is None or top.module is not module:
             return
         loc.top = None
-        if self._paused or self._closed:
+        if self._paused or self._closed or self._known_bad or self._foreign_at == self.step:
+            # (weights known non-finite: the owner's finding says so, every output is non-finite
+            # now; one finding of another thread's calls per step: a server's requests after one)
             return
         if top.kwargs is None:
             top.kwargs = kwargs if isinstance(kwargs, dict) else {}
@@ -1036,6 +1039,7 @@ class Hunt:
         finally:
             log.release()
         if found:
+            self._foreign_at = self.step
             self._handle(found, True, evaluation=True, foreign=True)
 
     def _foreign_call(self, w: Forward, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
