@@ -85,9 +85,8 @@ def _plan(tensors: list[torch.Tensor]) -> _Plan:
             return _Plan(None, [], cut)
         if (_CHECK is not None and t.dtype in _EXACT and t.numel() < limit
                 and type(t) in _PLAIN and t.layout is torch.strided and not t.is_neg()
-                and not t.is_inference() and not t.is_shared() and not torch._debug_has_internal_overlap(t)):
-            # (written back: no element twice, not an inference tensor outside inference_mode, not
-            # memory another process may be writing meanwhile: Hogwild's shared parameters)
+                and not t.is_inference() and not torch._debug_has_internal_overlap(t)):
+            # (written back: no element twice, not an inference tensor outside inference_mode)
             checked.append(i)
         else:
             rest.append(i)
