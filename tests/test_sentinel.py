@@ -223,7 +223,7 @@ def test_a_forward_born_nan_costs_sentinel_no_backward_replay(case: str, monkeyp
         assert not any(f.phase == "backward" and f.step == f0.step for f in found), [str(f) for f in found]
 
 
-def _accumulate(mode: str, on_find: str, backward_between: bool) -> list[Any]:
+def _accumulate(mode: str, on_find: str, backward_between: bool | str) -> list[Any]:
     """Two micro-batches into one step of a siamese distance: micro-batch 0 has a row with equal
     halves (sqrt at 0: its backward makes nan gradients, its forward is finite); micro-batch 1
     holds a NaN from the data (a forward finding, fed in: `proj` is called twice a forward)."""
@@ -236,7 +236,12 @@ def _accumulate(mode: str, on_find: str, backward_between: bool) -> list[Any]:
     found: list[Any] = []
     try:
         with nanhunt.watch(model, optimizer=opt, on_find=on_find, mode=mode) as hunt:
-            if backward_between:  # the usual accumulation loop
+            if backward_between == "again":  # micro-batch 0's graph is kept and run once more later
+                loss0 = model(x0).pow(2).mean()
+                loss0.backward(retain_graph=True)
+                model(x1).pow(2).mean().backward()
+                loss0.backward()
+            elif backward_between:  # the usual accumulation loop
                 model(x0).pow(2).mean().backward()
                 model(x1).pow(2).mean().backward()
             else:  # both forwards first, one backward
@@ -261,6 +266,9 @@ def test_an_earlier_micro_batchs_backward_goes_before_a_later_micro_batchs_forwa
     recorded = _accumulate(mode, "record", backward_between=True)
     assert [(x.phase, x.module, x.call, x.cause) for x in recorded[:2]] == [
         ("backward", "dist", 0, "created"), ("forward", "proj", 2, "input")], [str(x) for x in recorded]
+    again = _accumulate(mode, "record", backward_between="again")  # its first backward is what came first
+    assert [(x.phase, x.module, x.call) for x in again[:2]] == [("backward", "dist", 0), ("forward", "proj", 2)], [
+        str(x) for x in again]
     together = _accumulate(mode, "record", backward_between=False)
     assert (together[0].phase, together[0].module, together[0].call) == ("forward", "proj", 2), str(together[0])
     assert not any(x.phase == "backward" for x in together), [str(x) for x in together]

@@ -3,6 +3,7 @@ and reports."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import json
@@ -543,16 +544,30 @@ def test_a_hand_written_update_without_an_optimizer_is_judged_before_it_writes(h
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode: str) -> None:
+    """...and the update, and an EMA written after it, are no outside code of the next step: one
+    host read a step (a second, for a log of the update's own writes, came with the early
+    judgement at first) and no finding of the update's write of the NaN gradient."""
+    from tests.test_syncs import counting_reads
+
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
-    with nanhunt.watch(m, on_find="record", mode=mode) as hunt:
-        for step in range(3):
+    ema = copy.deepcopy(m).requires_grad_(False)
+    reads = []
+    with nanhunt.watch(m, on_find="record", mode=mode) as hunt, counting_reads() as n:
+        for step in range(5):
+            before = n[0]
             x = torch.randn(4, 8)
-            if step == 1:
+            if step == 3:
                 x[0, 0] = float("nan")
             m.zero_grad()
             m(x).pow(2).mean().backward()
             _hand_update(m, "p -= lr * p.grad")
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), m.parameters()):
+                    e.mul_(0.99).add_(p, alpha=0.01)
+            reads.append(n[0] - before)
+    assert reads[:3] == [1, 1, 1], reads
     f = hunt.first
-    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 1, "input"), str(f)
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 3, "input"), str(f)
     assert f.counts["nan"] == 8, str(f)  # one row, as the call saw it (not the replay on written weights)
+    assert not any(g.module == "<outside>" for g in hunt.findings), [str(g) for g in hunt.findings]

@@ -1389,7 +1389,8 @@ class Hunt:
             info = log.tensors[i]
             if info.keep_grad:
                 info.grad = g
-                info.arrived = (len(log.tops), len(log.outside))
+                if info.arrived is None:  # (the first backward through it: retain_graph may run more)
+                    info.arrived = (len(log.tops), len(log.outside))
         except Exception as exc:
             self._fault(exc, "a gradient hook")
 
@@ -1646,7 +1647,7 @@ class Hunt:
         self._end_step(advance=False)
         self._log.root_calls = max(self._log.root_calls, calls)  # the model's next call still ends the step
 
-    def _before_write(self, target: Any) -> None:
+    def _before_write(self, target: Any) -> bool:
         """No optimizer is watched, and code outside the model is about to write in place into one
         of its parameters after a backward in this step: a hand-written update (``p -= lr * p.grad``,
         ``p.data.add_(...)``, ``torch._foreach_add_(params, grads)``). The step is judged now, as
@@ -1654,10 +1655,11 @@ class Hunt:
         ran on the written weights (a NaN from the data, or made in a later module, was blamed on
         the first module's weights), and in raise mode the write never applies a non-finite
         gradient. Called by the loss-code recorder before the call runs; the parameters' storages
-        are gathered once per step, on the first in-place call after a backward."""
+        are gathered once per step, on the first in-place call after a backward. True when the
+        step was judged (the recorder leaves the update's write out of the next step's log)."""
         log = self._log
         if self._opts or self._paused or self._closed or self._stack or not log.tops or not log.backward:
-            return
+            return False
         try:
             if self._pstores[0] is not log:
                 root = self._root
@@ -1667,10 +1669,12 @@ class Hunt:
             ts = target if isinstance(target, (list, tuple)) else (target,)
             if any(isinstance(t, torch.Tensor) and _storage_of(t) in mine for t in ts):
                 self._judge_before_update()
+                return True
         except NonFiniteError:
             raise
         except Exception as exc:
             self._fault(exc, "the loss-code recorder (a parameter about to be written)")
+        return False
 
     def _closure(self, i: int, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()

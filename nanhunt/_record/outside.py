@@ -494,10 +494,15 @@ class Outside(TorchFunctionMode):
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
         if args and (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))):
-            for m in recs:  # a write in place: a hand-written update of a model's parameters?
+            judged = []  # a write in place: a hand-written update of a model's parameters?
+            for m in recs:
                 h = m._hunt()
-                if h is not None and not h._opts and h._log.backward:
-                    h._before_write(args[0])
+                if h is not None and not h._opts and h._log.backward and h._before_write(args[0]):
+                    judged.append(m)
+            if judged:  # the update is not outside code of the step just judged, nor of the next
+                recs = [m for m in recs if m not in judged]
+                if not recs:
+                    return call(func, args, kwargs)
         before = _carried(name, args)
         out = call(func, args, kwargs)
         if name == "__get__" or name == "__set__":
