@@ -96,8 +96,6 @@ class Forward:
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
-            if h._owner != _get_ident():
-                return out  # the step was taken from this thread meanwhile (`Hunt._detach`)
             if (lean and type(out) is _Tensor and out.dtype is _F32 and out.numel() <= LAZY_NUMEL
                     and not out.is_inference() and h._ev is ev):
                 ev.append(out)  # its output and that output's version at return
@@ -105,6 +103,8 @@ class Forward:
                 if len(ev) >= NOTED_CAP:  # (the list holds its outputs)
                     h._flush()
                 return out
+            if h._owner != _get_ident():  # (a lean call noted into a list `_detach` set aside)
+                return out  # the step was taken from this thread meanwhile (`Hunt._detach`)
             # recorded now, as the global hook records a call: a call that is not lean; a lean one
             # whose output is probed at once, not deferred (a tuple's or a dict's tensors, a large,
             # half-precision or inference output: it may be written in place after it returns), or
