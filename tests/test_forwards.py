@@ -232,7 +232,7 @@ def test_another_thread_calling_the_model_as_a_step_begins_never_mixes_into_it()
         handle.remove()
         calls = len(hunt._log.calls)
     assert calls == 0
-    assert [(f.phase, f.module, f.cause, f.step) for f in hunt.findings] == [("forward", "0", "input", 2)], hunt.findings
+    assert [(f.phase, f.module, f.cause, f.step) for f in hunt.findings] == [("forward", "", "input", 2)], hunt.findings
 
 
 class _Pair(nn.Module):

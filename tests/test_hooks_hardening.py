@@ -817,6 +817,13 @@ def test_a_scripted_submodule_of_an_eager_model_is_found_with_its_element() -> N
     assert zoo.bit_equal(out, plain)
 
 
+def _with_nan(at: tuple[int, int]) -> torch.Tensor:
+    """A (2, 4) batch of rand with one NaN at ``at``."""
+    x = torch.rand(2, 4)
+    x[at] = float("nan")
+    return x
+
+
 class _Gate(nn.Module):
     """Identity; while ``during`` is set, the main thread's call runs it in another thread first
     and waits for it (a call from that thread while the main thread's call is in flight)."""
@@ -840,14 +847,13 @@ def test_a_nan_in_another_threads_call_made_meanwhile_is_found_in_that_thread(mo
     """A server's concurrent requests, or an evaluation thread beside training: a call from a
     thread that does not own the step, made while the owner's call is in flight (or between its
     calls), was not recorded at all; a NaN in it went unfound. Now such a call is judged on its
-    own as it returns (one read), localised by a replay of that call, and raised in its thread;
-    the owner's call, its outputs and its step are untouched."""
+    own as it returns (one read) and raised in its thread; the owner's call, its outputs and its
+    step are untouched, and so is the process's RNG (no replay runs on the model in use)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), _Gate(), nn.ReLU(), nn.Linear(4, 1))
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3) if optimizer else None
-    bad = torch.rand(2, 4)
-    bad[1, 2] = float("nan")
+    bad = _with_nan((1, 2))
     raised: list[BaseException] = []
 
     def other() -> None:
@@ -858,6 +864,7 @@ def test_a_nan_in_another_threads_call_made_meanwhile_is_found_in_that_thread(mo
             raised.append(e)
 
     xs = [torch.rand(3, 4) for _ in range(4)]
+    rng = torch.get_rng_state()
     with nanhunt.watch(model, opt, on_find="raise", mode=mode) as hunt:
         outs = []
         for i, x in enumerate(xs):
@@ -878,7 +885,66 @@ def test_a_nan_in_another_threads_call_made_meanwhile_is_found_in_that_thread(mo
     assert len(raised) == n and len(hunt.findings) == n, hunt.findings
     for e in raised:
         f = e.finding
-        assert (f.phase, f.module, f.cause, f.index) == ("forward", "0", "input", (1, 0)), str(f)
+        # the call's own module (the model): not replayed, as the model is the step's thread's meanwhile
+        assert (f.phase, f.module, f.module_type, f.cause, f.index) == ("forward", "", "Sequential", "input", (1, 0)), str(f)
+    assert torch.equal(torch.get_rng_state(), rng)
     if opt is None:
         assert all(torch.equal(o, ref(x)) for o, x in zip(outs, xs))
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _LogAt(nn.Module):
+    """log(x + shift): with shift 0, log(0) = -inf where the input is 0."""
+
+    def __init__(self, shift: float = 1.0) -> None:
+        super().__init__()
+        self.shift = shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x + self.shift)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("on_find", ["record", "warn"])
+def test_another_threads_calls_leave_the_steps_own_finding_first(mode: str, on_find: str) -> None:
+    """The step's thread makes a log(0) in its forward; while that call runs, another thread
+    calls the model with a NaN input, and runs a model of its own (unwatched) whose -inf is by
+    design. The step's finding stays first (the other thread's comes second, at the same step),
+    each warns once, and the unwatched model is none of the hunt's business (no finding, and its
+    calls never take the step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Gate(), nn.ReLU(), _LogAt(), nn.Linear(4, 1))
+    mine = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), _LogAt(0.0))  # log(0) where the ReLU cut: by design here
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    bad = _with_nan((0, 1))
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with torch.no_grad():
+                mine(torch.randn(8, 4))
+                model(bad)
+        except BaseException as e:  # noqa: BLE001  (collected for the assertion)
+            errors.append(e)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanhunt.watch(model, opt, on_find=on_find, mode=mode) as hunt:
+            for i in range(3):
+                x = torch.rand(3, 4) + 0.5
+                if i == 2:
+                    model[1].during = other
+                    model[3].shift = 0.0
+                    with torch.no_grad():
+                        model[0].weight.zero_()
+                        model[0].bias.zero_()  # ReLU(0) = 0, log(0) = -inf: born in `3`
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert errors == []
+    got = [(f.phase, f.module, f.cause, f.step) for f in hunt.findings]
+    assert got[0] == ("forward", "3", "created", 2), [str(f) for f in hunt.findings]
+    assert got[1:].count(("forward", "", "input", 2)) == 1, got  # the other thread's, after the step's
+    assert all(f.module_type != "_LogAt" or f.module == "3" for f in hunt.findings)
+    if on_find == "warn":
+        assert sum(issubclass(w.category, nanhunt.NonFiniteWarning) for w in caught) == 2

@@ -75,8 +75,10 @@ class Forward:
         h = self.hunt
         # (dynamo traces this as the module's forward: nothing it cannot trace before that test)
         if h is None or not (h._inner or h._arm is not None) or _dynamo_compiling():
-            if h is not None and h._owner is not None and h._owner != _get_ident() and not _dynamo_compiling():
-                return self.foreign(h, args, kwargs)  # another thread owns the step
+            if h is not None and h._owner != _get_ident() and not _dynamo_compiling():
+                # another thread owns the step, or none does and this one may not take it (an
+                # evaluation thread before the first step(): `Hunt._take_step`)
+                return self.foreign(h, args, kwargs)
             return self.run(args, kwargs)
         if h._inner == _get_ident():  # a call inside the top-level call: recorded here
             m = self.ref()

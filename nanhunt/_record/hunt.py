@@ -62,11 +62,16 @@ from .._tensors import (
     NO_SPECIALS,
     Path,
     any_bad,
+    dtype_name,
+    element,
+    format_path,
     grain,
+    is_bad,
     is_checked,
     optimizer_tensors,
     probe,
     read_nan,
+    shape_of,
     stack_probes,
     tensors,
     version,
@@ -266,7 +271,7 @@ class Hunt:
         self._owner_lock = threading.Lock()
         self._owner_thread = threading.current_thread()  # the Thread of the last owner set (_take_step, _pre_step)
         self._foreign = threading.local()  # .top: the top-level call another thread is making (_foreign_pre)
-        self._foreign_at = -1  # the step of the last finding in another thread's call
+        self._foreign_ids: set[int] = set()  # ids of findings made in other threads' calls (see _add_findings)
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
         self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
@@ -819,9 +824,10 @@ class Hunt:
             # would be recorded into the trace, whose check then fails), also one made inside a step
             return
         try:
-            if _get_ident() != self._owner and not self._take_step():
-                # another thread owns the step (see "Threads"); a module with this hunt's `Forward`
-                # is captured there (these hooks may go off during the call: the owner's `_enter`)
+            if _get_ident() != self._owner and (not self._ours(module) or not self._take_step()):
+                # a module outside the model never takes the step (a worker thread's own model);
+                # another thread owns the step (see "Threads"): a module with this hunt's `Forward`
+                # is noted there (these hooks may go off during the call: the owner's `_enter`)
                 fw = module.__dict__.get("forward")
                 if not (type(fw) is Forward and fw.hunt is self):
                     self._foreign_pre(module, args, None)
@@ -991,56 +997,57 @@ class Hunt:
     # ------------------------------------------------------------------ other threads' calls
     def _foreign_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
         """A watched call from a thread that does not own the step. The first one on that thread
-        (its top-level call: an evaluation thread's, a server's concurrent request) is captured on
+        (its top-level call: an evaluation thread's, a server's concurrent request) is noted on
         its own, outside the step's log, to be judged as it returns (`_foreign_post`). True when
-        it was captured."""
+        it was noted. Modules outside the watched model are none of the hunt's."""
         loc = self._foreign
         if getattr(loc, "top", None) is not None or self._paused or self._closed:
+            return False
+        names = self._names if self._names is not None else self._build_names()
+        e = names.get(id(module))
+        if e is None or e[1]() is not module:
             return False
         if (_functorch_level() is not None or _graph_task() != -1 or _tracing_state() is not None
                 or _on_meta(module, args)):
             return False
-        top = _capture_top(module, args)
-        top.kwargs = kwargs
-        top.src = user_line()[0]
-        loc.top = top
+        loc.top = (module, e[0], args, kwargs)
         return True
 
     def _foreign_post(self, module: nn.Module, kwargs: Any, output: Any) -> None:
         """Another thread's top-level call returned (see `_foreign_pre`): its floating outputs
-        are read (one host read for the call); a non-finite one is localised by a replay of this
-        call alone, and reported at the current step, raised (``on_find="raise"``) in this thread.
-        Nothing of the owner's step is touched: its log, stack and buffers stay as they are."""
+        are read (one host read for the call) and a non-finite one is reported at the current
+        step, raised (``on_find="raise"``) in this thread: the call's module, the first non-finite
+        element, ``cause="input"`` when an input was already non-finite. It is not replayed: a
+        replay runs on the live model and the process's RNG, which the owner thread is using
+        meanwhile (its data draws, its train/eval switches, its own replays). Nothing of the
+        owner's step is touched: its log, stack and buffers stay as they are."""
         loc = self._foreign
-        top = getattr(loc, "top", None)
-        if top is None or top.module is not module:
+        got = getattr(loc, "top", None)
+        if got is None or got[0] is not module:
             return
         loc.top = None
-        if self._paused or self._closed or self._known_bad or self._foreign_at == self.step:
-            # (weights known non-finite: the owner's finding says so, every output is non-finite
-            # now; one finding of another thread's calls per step: a server's requests after one)
-            return
-        if top.kwargs is None:
-            top.kwargs = kwargs if isinstance(kwargs, dict) else {}
+        if self._paused or self._closed or self._known_bad:
+            return  # (weights known non-finite: the owner's finding says so, every output is non-finite now)
+        _, name, args, given = got
         with _NO_SUBCLASS():
             items = [(p, t) for p, t in tensors(output) if is_checked(t) and t.numel() and not t.is_meta]
             if not items or not any_bad(stack_probes([probe(t) for _, t in items])):
                 return
-            names = self._names if self._names is not None else self._build_names()
-            e = names.get(id(module))
-            log = StepLog()
-            log.tops.append(top)
-            c = Call(module, e[0] if e is not None and e[1]() is module else "", -1, 0, -1, 0, 0, 0)
-            log.calls.append(c)
-            self._probe_root_outputs(log, c, items)
-        try:
-            with replaying():  # every hunt's hooks stand aside for this thread's replay
-                found = locate(self._view(log, self.step))
-        finally:
-            log.release()
-        if found:
-            self._foreign_at = self.step
-            self._handle(found, True, evaluation=True, foreign=True)
+            path, t = next((p, t) for p, t in items if is_bad(t))
+            fed = any(is_checked(x) and x.numel() and not x.is_meta and is_bad(x)
+                      for _, x in tensors((args, given if given is not None else kwargs)))
+            index, value, counts = element(t)
+            f = Finding(
+                phase="forward", module=name, module_type=type(module).__name__,
+                tensor=format_path("output", path), step=self.step, call=0, index=index, value=value,
+                counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="input" if fed else "unknown",
+                source=user_line()[0],
+                hint=("made in a call from another thread than the step's (the one that steps the "
+                      "optimizer, or the current root call's): judged as it returned, not replayed "
+                      "(the model is in use by the step's thread), so the module named is the call's "
+                      "own, not where inside it the value was born"),
+            )
+        self._handle([f], True, evaluation=True, foreign=True)
 
     def _foreign_call(self, w: Forward, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A `Forward` called from another thread while the owner's top-level call runs with the
@@ -1063,9 +1070,20 @@ class Hunt:
                 self._fault(exc, "the forward hook")
         return out
 
+    def _ours(self, module: nn.Module) -> bool:
+        """``module`` is one of the watched model's (or a torch.compile wrapper of one)."""
+        names = self._names if self._names is not None else self._build_names()
+        e = names.get(id(module))
+        if e is not None and e[1]() is module:
+            return True
+        orig = getattr(module, "_orig_mod", None)
+        return isinstance(orig, nn.Module) and self._ours(orig)
+
     def _take_step(self) -> bool:
         """Threads: the calling thread owns the step if nobody does (rare: once per step), or if
         the thread that owned it has ended (training went on in a new thread: a restarted worker)."""
+        if getattr(self._foreign, "top", None) is not None:
+            return False  # this thread's own call began as another thread's: its inner calls stay that call's
         if (self._opts and not self._steps_applied and not torch.is_grad_enabled()
                 and threading.current_thread() is not threading.main_thread()):
             # an evaluation thread's call before the first step(): the step is the training
@@ -2010,9 +2028,11 @@ class Hunt:
     def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False, foreign: bool = False) -> None:
         """``foreign``: findings of another thread's call (`_foreign_post`): the owner's step, its
         buffers and its optimizers are left as they are."""
-        first = not self.findings and not self._dropped
+        first = not self.findings and not self._dropped and not foreign  # (the step's own may go before it)
         room = max(self.options.max_findings - len(self.findings), 0)
         self._dropped += max(len(found) - room, 0)
+        if foreign:
+            self._foreign_ids.update(id(f) for f in found[:room])
         self._add_findings(found[:room])
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
@@ -2036,7 +2056,7 @@ class Hunt:
             if self._report_at is None or now - self._report_at >= _REPORT_EVERY:
                 self._report_at = now
                 unwritten = self._write_report()
-        warn = self.on_find == "warn" and found[0].step != self._warned_step
+        warn = self.on_find == "warn" and (foreign or found[0].step != self._warned_step)
         if _logger.isEnabledFor(logging.INFO):  # the summaries, formatted only when a handler wants them
             for i, f in enumerate(found):  # (only the hunt's first finding is called the first)
                 if not (warn and i == 0):
@@ -2049,8 +2069,10 @@ class Hunt:
                     self._user_exc = exc
                     raise
         elif warn:
-            # at most one warning per step (also on the logger); only the hunt's first finding is called the first
-            self._warned_step = found[0].step
+            # at most one warning per step (also on the logger); only the hunt's first finding is
+            # called the first (another thread's calls warn each: they leave the step's alone)
+            if not foreign:
+                self._warned_step = found[0].step
             more = f" ({len(found) - 1} more finding(s) at this step in the report.)" if len(found) > 1 else ""
             message = paragraph(found[0], first=first) + more
             _logger.warning("%s", message)
@@ -2122,9 +2144,13 @@ class Hunt:
         for listener in self.on_record:
             listener(found)
         findings = self.findings
+        mine = self._foreign_ids
         for f in found:
             at = len(findings)
-            while at and findings[at - 1].step > f.step:
+            # (the step's own findings go before another thread's of that step: made at the
+            # step's end, they may well have come first; the step is what the run trains on)
+            while at and (findings[at - 1].step > f.step or (
+                    findings[at - 1].step == f.step and id(findings[at - 1]) in mine and id(f) not in mine)):
                 at -= 1
             findings.insert(at, f)
 
