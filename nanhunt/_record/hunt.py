@@ -10,10 +10,11 @@ What the hooks see, and what they leave alone:
 - **Threads.** A step is recorded from one thread, its owner: the thread that steps a watched
   optimizer (before the first ``step()``, the first thread that calls a watched module); without
   an optimizer, the thread of the current root call (any thread takes the next one). Calls from
-  other threads meanwhile never mix into the step: each such top-level call (an evaluation
-  thread, a server's concurrent requests) is captured on its own (`_foreign_pre`), its outputs
-  are read as it returns (one host read per call), and a non-finite one is localised by a replay
-  of that call alone and reported at that step, raised in the thread that made the call. A thread
+  other threads meanwhile never mix into the step: each such top-level call of a watched module
+  (an evaluation thread, a server's concurrent requests) is noted on its own (`_foreign_pre`), its
+  outputs are read as it returns (one host read per call), and a non-finite one is reported at
+  that step, raised in the thread that made the call, without a replay (the model and the RNG are
+  the owner's meanwhile); the step's own findings go before it. A thread
   that ended owns nothing: the next thread to call a watched module takes the step over.
   Gradient hooks run in whatever thread autograd uses.
 - **The user's forward hooks.** torch runs global hooks before a module's own; for a module with
