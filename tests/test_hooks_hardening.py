@@ -948,3 +948,47 @@ def test_another_threads_calls_leave_the_steps_own_finding_first(mode: str, on_f
     assert all(f.module_type != "_LogAt" or f.module == "3" for f in hunt.findings)
     if on_find == "warn":
         assert sum(issubclass(w.category, nanhunt.NonFiniteWarning) for w in caught) == 2
+
+
+def test_a_threads_call_being_recorded_as_step_takes_the_step_is_cut_short_quietly(caplog: Any) -> None:
+    """Before the first step(), a worker thread trains (its grad-enabled call owns the step); its
+    call's hook is recording the call into the step's log when the main thread's step() takes the
+    step and ends that log. The hook went on writing into the ended log (an internal IndexError:
+    the hunt switched itself off, the main thread's later NaN went unfound)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    paused, resume = threading.Event(), threading.Event()
+    done: list[str] = []
+    with caplog.at_level(logging.ERROR, logger="nanhunt"), nanhunt.watch(model, opt, on_find="record") as hunt:
+        orig = hunt._resolve
+
+        def held(log: StepLog) -> None:  # the worker records its call's deferred outputs: held there
+            if threading.current_thread().name == "worker" and not paused.is_set() and (log.stats_lazy or log.lazy):
+                paused.set()
+                resume.wait(20)
+            orig(log)
+
+        hunt._resolve = held  # type: ignore[method-assign]
+
+        def worker() -> None:
+            for _ in range(4):
+                model(torch.rand(4, 8))
+            done.append("ok")
+
+        t = threading.Thread(target=worker, name="worker")
+        t.start()
+        took = paused.wait(20)  # (full mode: the worker's lean calls are resolved as its call returns)
+        model(torch.rand(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        resume.set()
+        t.join()
+        del hunt._resolve
+        x = torch.rand(4, 8)
+        x[2, 3] = float("nan")
+        model(x).sum().backward()
+        opt.step()
+    assert took and done == ["ok"]
+    assert not [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert hunt.first is not None and (hunt.first.phase, hunt.first.step) == ("forward", 1), str(hunt.first)

@@ -1422,6 +1422,12 @@ class Hunt:
             raise exc
         if self._closed:
             return
+        if isinstance(exc, IndexError) and self._owner is not None and self._owner != _get_ident():
+            # a hook of a thread that owned the step when it began, recording into the log that
+            # the stepping thread ended meanwhile (`step()` took the step: `_detach`): the call
+            # is none of the step's any more, and the hunt goes on
+            _logger.debug("nanhunt: a call's record was cut short as another thread took the step (%s)", stage)
+            return
         msg = log_fault(stage, exc)
         self._switch_off()
         if self.on_find == "raise":
