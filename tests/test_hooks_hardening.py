@@ -992,3 +992,47 @@ def test_a_threads_call_being_recorded_as_step_takes_the_step_is_cut_short_quiet
     assert took and done == ["ok"]
     assert not [r for r in caplog.records if "internal error" in r.getMessage()]
     assert hunt.first is not None and (hunt.first.phase, hunt.first.step) == ("forward", 1), str(hunt.first)
+
+
+class _Tap(nn.Module):
+    """Identity; runs ``at[n]()`` at its n-th call on the main thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.at: dict[int, Any] = {}
+        self.n = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is threading.main_thread():
+            self.n += 1
+            fn = self.at.pop(self.n, None)
+            if fn is not None:
+                fn()
+        return x
+
+
+def test_close_from_another_thread_while_the_analysis_replays_leaves_no_wrapper_behind() -> None:
+    """A server shutting down: close() runs on another thread while the step's analysis replays a
+    call. The replay's restore of the modules' own attributes put the `forward` wrappers close()
+    had just taken off back on every module, for good."""
+    torch.manual_seed(0)
+    tap = _Tap()
+    model = nn.Sequential(nn.Linear(4, 4), tap, nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hunt = nanhunt.watch(model, opt, on_find="record")
+    model(torch.rand(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    x = torch.rand(3, 4)
+    x[2, 3] = float("nan")
+    model(x).sum().backward()
+
+    def close_elsewhere() -> None:
+        t = threading.Thread(target=hunt.close)
+        t.start()
+        t.join()
+
+    tap.at[3] = close_elsewhere  # (call 3: the step-end analysis replays the NaN call)
+    opt.step()
+    assert hunt.closed and tap.at == {}
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []

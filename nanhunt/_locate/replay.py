@@ -261,6 +261,8 @@ class _Attributes:
                     del now[k]
                 for k, v in was.items():
                     if now.get(k, _NONE) is not v:
+                        if getattr(type(v), "__nanhunt__", False) and getattr(v, "hunt", None) is None:
+                            continue  # a hunt's `forward` wrapper its close() took off meanwhile (another thread)
                         now[k] = v
         for g, state in self.gens:
             g.set_state(state)
