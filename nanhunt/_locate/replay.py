@@ -285,9 +285,8 @@ def _checkpoint_inline() -> Iterator[None]:
     block computes the same values (a replay starts from the call's RNG state, as the checkpoint
     does) and its backward passes through its modules. The non-reentrant checkpoint needs no
     help: its backward already does. The class attribute is process-wide: it is put on once for
-    all replays running at a time (threads: another thread's call judged on its own replays while
-    the step's owner does), acts only on a thread that is replaying, and is put back when the
-    last one ends."""
+    all replays running at a time (threads: two hunts' analyses, or `nanhunt.replay`, at once),
+    acts only on a thread that is replaying, and is put back when the last one ends."""
     global _ck_depth, _ck_had
     ck = sys.modules.get("torch.utils.checkpoint")
     cls = getattr(ck, "CheckpointFunction", None)

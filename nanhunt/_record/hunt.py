@@ -1004,9 +1004,8 @@ class Hunt:
         loc = self._foreign
         if getattr(loc, "top", None) is not None or self._paused or self._closed:
             return False
-        names = self._names if self._names is not None else self._build_names()
-        e = names.get(id(module))
-        if e is None or e[1]() is not module:
+        e = self._entry(module)
+        if e is None:
             return False
         if (_functorch_level() is not None or _graph_task() != -1 or _tracing_state() is not None
                 or _on_meta(module, args)):
@@ -1071,11 +1070,15 @@ class Hunt:
                 self._fault(exc, "the forward hook")
         return out
 
-    def _ours(self, module: nn.Module) -> bool:
-        """``module`` is one of the watched model's (or a torch.compile wrapper of one)."""
+    def _entry(self, module: nn.Module) -> tuple[str, Any] | None:
+        """``module``'s entry in the name map (qualified name, weak reference), or None."""
         names = self._names if self._names is not None else self._build_names()
         e = names.get(id(module))
-        if e is not None and e[1]() is module:
+        return e if e is not None and e[1]() is module else None
+
+    def _ours(self, module: nn.Module) -> bool:
+        """``module`` is one of the watched model's (or a torch.compile wrapper of one)."""
+        if self._entry(module) is not None:
             return True
         orig = getattr(module, "_orig_mod", None)
         return isinstance(orig, nn.Module) and self._ours(orig)
