@@ -516,19 +516,22 @@ def _hand_update(model: nn.Module, how: str) -> None:
         elif how == "p.data.add_":
             for p in model.parameters():
                 p.data.add_(p.grad, alpha=-0.01)
+        elif how == "p.data = p.data - lr * p.grad":  # (no in-place op: the data descriptor's write)
+            for p in model.parameters():
+                p.data = p.data - 0.01 * p.grad
         else:
             ps = list(model.parameters())
             torch._foreach_add_(ps, [p.grad for p in ps], alpha=-0.01)
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-@pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data.add_", "_foreach_add_"])
+@pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data.add_", "p.data = p.data - lr * p.grad", "_foreach_add_"])
 def test_a_hand_written_update_without_an_optimizer_is_judged_before_it_writes(how: str, mode: str) -> None:
     """watch(model) and an SGD update by hand: the step used to be judged at the model's next call,
     after the update had written the NaN gradients into every weight; the replay then ran on
     those weights (sentinel blamed the first Linear's parameters for a log(0) two modules later,
     full mode could not tell the cause) and raise mode let the weights be written. Now the first
-    in-place write into a parameter after a backward judges the step, before it runs."""
+    in-place write into a parameter after a backward (or ``p.data = ...``) judges the step, before it runs."""
     m = zoo.lognet()
     with torch.no_grad():
         m.lin.weight.zero_()
@@ -542,8 +545,9 @@ def test_a_hand_written_update_without_an_optimizer_is_judged_before_it_writes(h
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "the update wrote a NaN gradient"
 
 
+@pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data = p.data - lr * p.grad"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode: str) -> None:
+def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode: str, how: str) -> None:
     """...and the update, and an EMA written after it, are no outside code of the next step: one
     host read a step (a second, for a log of the update's own writes, came with the early
     judgement at first) and no finding of the update's write of the NaN gradient."""
@@ -561,7 +565,7 @@ def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode:
                 x[0, 0] = float("nan")
             m.zero_grad()
             m(x).pow(2).mean().backward()
-            _hand_update(m, "p -= lr * p.grad")
+            _hand_update(m, how)
             with torch.no_grad():
                 for e, p in zip(ema.parameters(), m.parameters()):
                     e.mul_(0.99).add_(p, alpha=0.01)

@@ -1678,7 +1678,8 @@ class Hunt:
     def _before_write(self, target: Any) -> bool:
         """No optimizer is watched, and code outside the model is about to write in place into one
         of its parameters after a backward in this step: a hand-written update (``p -= lr * p.grad``,
-        ``p.data.add_(...)``, ``torch._foreach_add_(params, grads)``). The step is judged now, as
+        ``p.data.add_(...)``, ``torch._foreach_add_(params, grads)``, ``p.data = p.data - lr * p.grad``;
+        not ``p.set_(...)``, which torch function modes never see: judged at the next call, after it). The step is judged now, as
         `_unwatched_step` judges it before an unwatched optimizer's update: a replay after the write
         ran on the written weights (a NaN from the data, or made in a later module, was blamed on
         the first module's weights), and in raise mode the write never applies a non-finite

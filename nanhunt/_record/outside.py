@@ -424,6 +424,7 @@ class _Switch:
 _SWITCH = _Switch()
 # in-place calls that write their first argument besides ``name_`` ones
 _AUGMENTED = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__"))
+_DATA = torch._C.TensorBase.__dict__["data"]  # ``p.data = new``: its ``__set__`` replaces p's values
 
 
 class Outside(TorchFunctionMode):
@@ -493,8 +494,9 @@ class Outside(TorchFunctionMode):
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
-        if args and (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))):
-            judged = []  # a write in place: a hand-written update of a model's parameters?
+        if args and (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))
+                     or (name == "__set__" and getattr(func, "__self__", None) is _DATA)):
+            judged = []  # a write in place (or ``p.data = p.data - lr * p.grad``): a hand-written update of a model's parameters?
             for m in recs:
                 h = m._hunt()
                 if h is not None and not h._opts and h._log.backward and h._before_write(args[0]):
