@@ -86,6 +86,8 @@ def test_bad_optimizer(bad: Any) -> None:
     ({"dist_timeout": 1e300}, ValueError, "dist_timeout"),
     ({"dist_timeout": float("nan")}, ValueError, "dist_timeout"),
     ({"dist_timeout": 0}, ValueError, "dist_timeout"),
+    # (sentinel records no module calls: the option was silently ignored, an absorbed backward inf unfound)
+    ({"grad_hooks": True, "mode": "sentinel"}, ValueError, "grad_hooks=True needs mode='full'"),
 ])
 def test_a_bad_option_is_refused_at_watch_naming_it(kw: dict[str, Any], error: type, named: str) -> None:
     with pytest.raises(error, match=named):

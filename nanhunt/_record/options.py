@@ -94,6 +94,10 @@ class Options:
                         ("distributed", distributed)):
             if not (isinstance(v, bool) or (name == "distributed" and v is None)):
                 raise TypeError(f"{name} must be True or False; got {v!r}")
+        if grad_hooks and mode == "sentinel":
+            raise ValueError("grad_hooks=True needs mode='full': sentinel mode records no module calls, so there "
+                             "is no module's gradient to hook (its hits are localised by a backward replay); "
+                             "drop grad_hooks or use mode='full'")
         if optimizer_every is None:  # exact in full mode; sentinel reads the weights every 10 steps
             optimizer_every = 10 if mode == "sentinel" else 1
         _int("optimizer_every", optimizer_every, 0, "0: only on a hit")

@@ -62,7 +62,8 @@ def watch(
         parameters/state; a hit is localised by replay: the cheapest) or ``"ops"`` (full plus
         every aten op probed from the start: for debugging).
       replay: on a hit, replay the failing call to find the element, cause and op.
-      grad_hooks: per-module gradient hooks always on, instead of a backward replay on a hit.
+      grad_hooks: per-module gradient hooks always on, instead of a backward replay on a hit
+        (full mode; with ``mode="sentinel"`` a ValueError).
       optimizer_every: check parameters/state after every N-th ``step()`` (default 1 in full
         mode, 10 in sentinel; 0: only on a hit).
       stats_every: sample the magnitude history every N steps.
