@@ -178,3 +178,30 @@ def test_save_from_top_bundles_the_inner_call(tmp_path):
     assert torch.isinf(data["args"][0]).all()  # the LayerNorm was fed the Linear's inf
     r = replay(path)
     assert r.reproduced and isinstance(r.module, nn.LayerNorm)
+
+
+def _crafted_sparse(kind: str) -> torch.Tensor:
+    """Sparse tensors whose indices point past their values or shape: built without the checks,
+    as a crafted file holds them (weights_only=True loads them as they are)."""
+    if kind == "csr":
+        return torch.sparse_csr_tensor(torch.tensor([0, 1, 100]), torch.tensor([0, 5]),
+                                       torch.tensor([1.0, float("inf")]), (2, 4), check_invariants=False)
+    return torch.sparse_coo_tensor(torch.tensor([[0, 10**7]]), torch.tensor([1.0, float("nan")]), (4,),
+                                   check_invariants=False)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("kind", ["coo", "csr"])
+def test_a_bundle_holding_a_crafted_sparse_tensor_is_refused(tmp_path, kind):
+    """A bundle whose argument was a sparse tensor with indices past its shape loaded, and the
+    replay read and wrote out of bounds: `nanhunt replay` died of a segfault. Every sparse
+    tensor's invariants are checked as the file loads: refused, exit 2, nothing run."""
+    path = save_bundle(tmp_path / "b.pt", nn.Linear(4, 3), (torch.ones(2, 4),))
+    data = torch.load(path, weights_only=True)
+    data["args"] = (_crafted_sparse(kind),)
+    torch.save(data, path)
+    with pytest.raises(BundleError, match="cannot be read"):
+        load(path)
+    p = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "cannot be read as a nanhunt bundle" in p.stderr, (p.returncode, p.stderr)

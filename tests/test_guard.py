@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import dataclasses
 import hashlib
@@ -435,3 +436,91 @@ def test_a_sparse_mask_non_finite_at_watch_is_not_judged(layout: str, tmp_path: 
     assert ei.value.finding.tensor == "['emb']"
     assert torch.load(tmp_path / "ok.pt", weights_only=True)["mask"].to_dense()[0, 1] == float("-inf")
     assert not (tmp_path / "bad.pt").exists()
+
+
+class _RaisingMapping(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping whose values come from somewhere that is down (pickled as an empty dict)."""
+
+    def __getitem__(self, k: Any) -> Any:
+        raise RuntimeError("remote store down")
+
+    def __iter__(self) -> Any:
+        return iter(["a"])
+
+    def __len__(self) -> int:
+        return 1
+
+    def __reduce__(self) -> Any:
+        return (dict, ())
+
+
+class _HugeMapping(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A lazy mapping of a billion keys (pickled as an empty dict)."""
+
+    def __getitem__(self, k: Any) -> Any:
+        return 0
+
+    def __iter__(self) -> Any:
+        return iter(range(10**9))
+
+    def __len__(self) -> int:
+        return 10**9
+
+    def __reduce__(self) -> Any:
+        return (dict, ())
+
+
+class _NoStateDict(torch.nn.Module):
+    """A module whose state_dict() needs something it does not have (a sharded model's process group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.calls = 0
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        raise RuntimeError("state_dict needs a process group")
+
+
+class _Refusing(torch.Tensor):
+    """A tensor subclass that refuses to show its storage."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.untyped_storage:
+            raise TypeError("no storage for you")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("extra", ["raising mapping", "billion keys", "module without state_dict", "nested tensor",
+                                   "subclass refusing its storage"])
+def test_an_object_the_guard_cannot_walk_is_saved_as_unwatched(extra: str) -> None:
+    """The guard made valid saves fail: a nested tensor (no shape: RuntimeError), a mapping that
+    raises, a module whose state_dict() raises (and every module's state_dict() was called once
+    more per save), a tensor subclass raising TypeError for its storage; a lazy mapping of a
+    billion keys hung the save. What it cannot walk it leaves unjudged; the save goes on as it
+    would unwatched, byte for byte; the model's own state is still judged."""
+    torch.manual_seed(0)
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odd = {"raising mapping": _RaisingMapping, "billion keys": _HugeMapping, "module without state_dict": _NoStateDict,
+           "nested tensor": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+           "subclass refusing its storage": lambda: torch.ones(3).as_subclass(_Refusing)}[extra]()
+
+    def save() -> bytes:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "odd": odd}, buf)
+        return buf.getvalue()
+
+    unwatched = save()
+    with nanhunt.watch(model, opt) as hunt:
+        assert save() == unwatched
+        if isinstance(odd, _NoStateDict):
+            assert odd.calls == 0  # (a sharded model's state_dict() gathers across ranks: not on one rank's save)
+        with torch.no_grad():
+            model.fc1.weight[0, 0] = float("nan")
+        with pytest.raises(nanhunt.NonFiniteError, match="refused"):
+            save()
+    assert [f.phase for f in hunt.findings] == ["checkpoint"]

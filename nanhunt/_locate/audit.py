@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._files import check_readable, glob_patterns
-from .checkpoint import Keys, all_bad, finding, key_path, refused_global, unreadable, walk
+from .checkpoint import Keys, all_bad, finding, key_path, refused_global, safe_load, unreadable, walk
 
 __all__ = ["audit", "AuditRefused"]
 
@@ -113,12 +112,8 @@ def _load(path: str) -> Any:
             said = " ".join(str(e).split()) or type(e).__name__
             raise AuditRefused(f"{path}: not a .safetensors file safetensors can read: {said}") from None
     _unzipped_size(path)
-    import torch
-
     try:
-        with warnings.catch_warnings():  # the loader's remarks on odd files: the error says it all
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return safe_load(path)
     except Exception as e:  # any failure of the safe loader: refused or unreadable, nothing in it was run
         name = refused_global(e)
         if name is not None:

@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from .._files import FileFormatError, atomic_write, check_depth, check_type, che
 from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
-from .checkpoint import refused_global, unreadable
+from .checkpoint import refused_global, safe_load, unreadable
 from .replay import as_it_is, faithful
 
 __all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
@@ -263,9 +262,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     if why is not None:
         raise BundleError(f"{p} {why}" + (", not a nanhunt bundle file" if why.startswith("is ") else ""))
     try:
-        with warnings.catch_warnings():  # the loader's own remarks on odd files: the error says it all
-            warnings.simplefilter("ignore")
-            data = torch.load(p, map_location="cpu", weights_only=True)
+        data = safe_load(p)
     except FileNotFoundError:
         raise BundleError(f"{p}: no such bundle file") from None
     except Exception as e:  # any failure of the safe loader is a refusal (pickle.UnpicklingError mostly)

@@ -6,9 +6,11 @@ Shared by the save guard (`_record/guard.py`), `audit` (`audit.py`) and `damage`
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import types
+import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -21,7 +23,7 @@ from .._finding import Finding
 from .._tensors import SPARSE, dtype_name, element, is_bad, is_checked, probe, stack_probes
 
 __all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
-           "judgeable", "SPARSE"]
+           "judgeable", "safe_load", "SPARSE"]
 
 Keys = tuple[Any, ...]
 # (key path, tensor, inside the "state" of something shaped like an optimizer's state_dict)
@@ -64,43 +66,70 @@ def _is_optimizer_state(d: Mapping[Any, Any]) -> bool:
     return isinstance(d.get("state"), Mapping) and isinstance(d.get("param_groups"), (list, tuple))
 
 
-def walk(obj: Any) -> Iterator[Entry]:
-    """Every tensor of ``obj`` (dicts, lists, tuples, an object's fields; a module or optimizer as
-    its state_dict), in a stable order (depth first, as the object is laid out); each container is
-    visited once (no cycles), however deep the nesting (an explicit stack: no recursion limit, no
-    depth past which a tensor would go unseen)."""
+def walk(obj: Any, limit: int | None = None) -> Iterator[Entry]:
+    """Every tensor of ``obj`` (dicts, lists, tuples, an object's fields; a module as its
+    parameters and buffers by qualified name, an optimizer as its state, both as their state dicts
+    key them, without calling ``state_dict()``: no hook of the user's, no collective of a sharded
+    model), in a stable order (depth first, as the object is laid out); each container is visited
+    once (no cycles), however deep the nesting (an explicit stack: no recursion limit, no depth
+    past which a tensor would go unseen). A container whose items cannot be read (a property or a
+    mapping that raises) is passed over, the rest walked. ``limit``: stop after that many items (a
+    lazy mapping of a billion keys)."""
     held: dict[int, Any] = {}  # containers visited; kept alive so that no id is reused meanwhile
     stack: list[Iterator[tuple[Keys, Any, bool]]] = [iter((((), obj, False),))]
+    seen = 0
     while stack:
-        item = next(stack[-1], None)
+        try:
+            item = next(stack[-1], None)
+        except Exception:  # a container whose items cannot be read (a mapping that raises): the rest is walked
+            item = None
         if item is None:
             stack.pop()
             continue
+        seen += 1
+        if limit is not None and seen > limit:
+            return
         keys, o, optim = item
         if isinstance(o, torch.Tensor):
             yield keys, o, optim
             continue
         if o is None or isinstance(o, (str, bytes, int, float, bool)):
             continue
-        if isinstance(o, (nn.Module, torch.optim.Optimizer)):
-            o = o.state_dict()
         if id(o) in held:
             continue
-        children = _children(o, keys, optim)
+        try:
+            if isinstance(o, nn.Module):
+                o = {**dict(o.named_parameters(remove_duplicate=False)),
+                     **dict(o.named_buffers(remove_duplicate=False))}
+            elif isinstance(o, torch.optim.Optimizer):
+                o = {"state": dict(enumerate(o.state.values())), "param_groups": []}
+            children = _children(o, keys, optim)
+        except Exception:  # an object whose fields cannot be read (a ``__dict__`` property that raises)
+            continue
         if children is not None:
             held[id(o)] = o
-            stack.append(iter(children))
+            stack.append(children)
 
 
-def _children(o: Any, keys: Keys, optim: bool) -> list[tuple[Keys, Any, bool]] | None:
-    """What :func:`walk` visits inside ``o``, in order; None when ``o`` holds nothing to walk."""
+def _children(o: Any, keys: Keys, optim: bool) -> Iterator[tuple[Keys, Any, bool]] | None:
+    """What :func:`walk` visits inside ``o``, in order (lazily); None when ``o`` holds nothing to walk."""
     if isinstance(o, Mapping):
         state = _is_optimizer_state(o)
-        return [((*keys, k), v, optim or (state and k == "state")) for k, v in o.items()]
+        return (((*keys, k), v, optim or (state and k == "state")) for k, v in o.items())
     if isinstance(o, (list, tuple)):
-        return [((*keys, i), v, optim) for i, v in enumerate(o)]
+        return (((*keys, i), v, optim) for i, v in zip(itertools.count(), o))
     fields = _fields(o)
-    return [((*keys, Attr(k)), v, optim) for k, v in fields] if fields else None
+    return iter([((*keys, Attr(k)), v, optim) for k, v in fields]) if fields else None
+
+
+def safe_load(path: str) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, every sparse tensor's invariants checked
+    as it loads: a crafted sparse tensor (indices past its shape, a CSR's row pointers past its
+    values) otherwise loads and then reads or writes out of bounds (a crash of the process, not an
+    error). The loader's own warnings are silenced: the caller's error says it all."""
+    with warnings.catch_warnings(), torch.sparse.check_sparse_tensor_invariants():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def judgeable(t: torch.Tensor) -> bool:

@@ -19,7 +19,10 @@ Buffers and frozen parameters that were already non-finite when the watch began 
 ``-inf`` mask) are never judged; a buffer the model's own code put in place since (a mask built lazily for the longest
 sequence seen: a new tensor, not an in-place write) is judged only once the hunt has found
 something, as the step's buffer check does not judge a replaced buffer either (`state.py`). A hit raises `NonFiniteError` (phase ``"checkpoint"``) before the original runs: no byte
-is written and a file already at that path is untouched.
+is written and a file already at that path is untouched. What the guard cannot walk (a property
+or a mapping that raises, more than a million items) it leaves unjudged: it never makes a save
+fail that would succeed unwatched, except for non-finite watched state. A module in the object is
+walked as its parameters and buffers, never through ``state_dict()`` (a sharded model's gathers).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["SaveGuard", "saving_to"]
 
 _guards: list[SaveGuard] = []
+_WALKED = 1_000_000  # items of one saved object looked at, at most (a lazy mapping of a billion keys)
+_logger = logging.getLogger("nanhunt")
 _original: Callable[..., Any] | None = None
 _name_hint: contextvars.ContextVar[str | None] = contextvars.ContextVar("nanhunt_save_name", default=None)
 
@@ -116,7 +122,7 @@ def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
     which its state dict entry and its detached copies share)."""
     try:
         ptr = (strided(t) if t.layout in SPARSE else t).untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, ValueError):  # a tensor subclass without a storage; a lazy module's uninitialised tensor
+    except Exception:  # a tensor subclass without a storage (or one that raises); a lazy module's uninitialised tensor
         return None
     return (t.device, ptr) if ptr else None
 
@@ -221,8 +227,8 @@ class SaveGuard:
         storages, names = self._watched(hunt)
         optimizers = bool(hunt._opts)
         out: list[tuple[Keys, torch.Tensor]] = []
-        for keys, t, in_optim in walk(obj):
-            if not is_checked(t):
+        for keys, t, in_optim in walk(obj, limit=_WALKED):
+            if not is_checked(t) or t.is_nested:  # (a nested tensor has no shape to match a name by)
                 continue
             k = _storage(t)
             if k is not None and k in self._exempt:
@@ -248,7 +254,12 @@ class SaveGuard:
         hunt = self._hunt()
         if hunt is None or hunt._paused or hunt.closed:
             return
-        got = self.check(obj, file_name(f))
+        try:
+            got = self.check(obj, file_name(f))
+        except Exception as exc:  # an object it cannot walk (a property or a mapping that raises, a
+            # tensor subclass that refuses a read): the save goes on as it would unwatched, unjudged
+            _logger.debug("nanhunt: torch.save's object was not judged (%s: %s)", type(exc).__name__, exc)
+            return
         if got is not None:
             raise hunt._refused(got)
 
