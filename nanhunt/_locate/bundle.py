@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -351,19 +352,34 @@ def _nn_class(module_path: Any, name: Any, user: type[nn.Module] | None = None) 
         cls = _user_class(name, user)
         if cls is not None:
             return cls
-    if not (isinstance(module_path, str) and isinstance(name, str)) or "." in name:
-        raise BundleError(f"bundle names an invalid class {module_path!r}.{name!r}")
+    if not (isinstance(module_path, str) and isinstance(name, str) and _NAME.match(name)
+            and _DOTTED.match(module_path)):
+        raise BundleError(f"bundle names an invalid class {_short(module_path)}.{_short(name)}")
     ok_path = module_path == "torch.nn" or module_path.startswith("torch.nn.modules.")
     mod = sys.modules.get(module_path) if ok_path else None
     cls = getattr(mod, name, None) if mod is not None else None
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        # (the names are the file's, checked to be Python names: the command line shown is the
+        # user's own module, never one of the standard library's or torch's, which a crafted file
+        # could name to have a reader run it)
+        top = module_path.split(".")[0]
+        spec = ("your_script.py" if module_path == "__main__" else
+                "your_module" if top in sys.stdlib_module_names or top in ("torch", "nanhunt") else module_path)
         raise BundleError(
             f"the failing module is a {module_path}.{name}, not a standard torch.nn layer: "
             f"pass your own class or instance, e.g. nanhunt.replay(bundle, module={name}) "
-            f"(command line: nanhunt replay BUNDLE --module "
-            f"{'your_script.py' if module_path == '__main__' else module_path}:{name})"
+            f"(command line: nanhunt replay BUNDLE --module {spec}:{name})"
         )
     return cls
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _user_class(name: str, user: type[nn.Module]) -> type[nn.Module] | None:
