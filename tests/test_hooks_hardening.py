@@ -1036,3 +1036,31 @@ def test_close_from_another_thread_while_the_analysis_replays_leaves_no_wrapper_
     opt.step()
     assert hunt.closed and tap.at == {}
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
+
+
+def test_an_on_find_callback_that_steps_the_optimizer_gets_a_clear_error() -> None:
+    """A callback calling ``opt.step()`` re-entered the step's judgement, which called the callback
+    again: RecursionError after 166 findings of the same step. Now a RuntimeError saying what
+    happened; the NaN gradient was never applied and the hunt goes on."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seen: list[int] = []
+
+    def cb(f: nanhunt.Finding) -> None:
+        seen.append(f.step)
+        opt.step()
+
+    before = [p.detach().clone() for p in m.parameters()]
+    with nanhunt.watch(m, opt, on_find=cb) as hunt:
+        x = torch.randn(5, 4)
+        x[0, 0] = float("nan")
+        m(x).sum().backward()
+        with pytest.raises(RuntimeError, match="optimizer.step\\(\\) was called from inside the on_find callback"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+        opt.zero_grad()
+        m(torch.randn(5, 4)).sum().backward()
+        opt.step()  # the next, finite step is taken as usual
+    assert seen == [0] and {f.step for f in hunt.findings} == {0}
+    assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters()))

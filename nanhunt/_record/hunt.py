@@ -278,6 +278,7 @@ class Hunt:
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
         self._pending: list[Call] = []  # calls whose outputs _late_post records
         self._user_exc: BaseException | None = None  # raised by the user's on_find: not a fault
+        self._in_on_find = 0  # the thread running the user's on_find callback (0: none)
         self._paused = False
         self._closed = False
         self._faulted = False  # switched itself off after an internal fault (see _fault)
@@ -1611,6 +1612,11 @@ class Hunt:
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if self._paused:
             return None
+        if self._in_on_find == _get_ident():
+            # (judged again, it would call the callback again, without end: RecursionError)
+            raise RuntimeError(
+                "nanhunt: optimizer.step() was called from inside the on_find callback, while nanhunt was "
+                "judging a step; step after the callback returns (on_find='skip' drops a non-finite step)")
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         me = _get_ident()
@@ -2073,12 +2079,16 @@ class Hunt:
                 if not (warn and i == 0):
                     _logger.info("%s", paragraph(f, first=first and i == 0))
         if callable(self.on_find):
-            for f in found:
-                try:
-                    self.on_find(f)
-                except Exception as exc:  # the user's own code: theirs to see, not an internal fault
-                    self._user_exc = exc
-                    raise
+            outer, self._in_on_find = self._in_on_find, _get_ident()
+            try:
+                for f in found:
+                    try:
+                        self.on_find(f)
+                    except Exception as exc:  # the user's own code: theirs to see, not an internal fault
+                        self._user_exc = exc
+                        raise
+            finally:
+                self._in_on_find = outer
         elif warn:
             # at most one warning per step (also on the logger); only the hunt's first finding is
             # called the first (another thread's calls warn each: they leave the step's alone)
