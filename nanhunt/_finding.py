@@ -145,6 +145,8 @@ def _check_values(f: Finding) -> None:
             raise ValueError(f"counts[{k!r}] = {n!r}: counts are 'nan', '+inf', '-inf' with non-negative numbers")
     if any(not 0 <= i < _BIG for i in f.samples):
         raise ValueError("samples are dataset indices (non-negative)")
+    if f.value is not None and math.isfinite(f.value):
+        raise ValueError(f"value {f.value!r} is finite: a finding's element is NaN, +inf or -inf")
 
 
 def _json_float(v: float | None) -> float | str | None:

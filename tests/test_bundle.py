@@ -225,3 +225,18 @@ def test_a_bundles_names_never_make_a_command_to_run(tmp_path, path, name, says)
     msg = str(ei.value)
     assert says in msg and "--module code:" not in msg, msg
     assert says != "invalid class" or "command line" not in msg, msg
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("rng_state", torch.zeros(3, dtype=torch.uint8), "bundle.rng_state must be the CPU generator's state"),
+    ("autocast", [("cpu", True, "bool")], "autocast runs in float16 or bfloat16"),
+])
+def test_a_bundle_field_the_replay_cannot_use_is_refused_when_read(tmp_path, field, value, says):
+    """A 3-byte RNG state passed the bundle's checks and failed in the replay ("module raised",
+    exit 1, not a refusal); an autocast dtype of bool made torch warn from nanhunt's own code."""
+    path = save_bundle(tmp_path / "b.pt", nn.Linear(4, 3), (torch.ones(2, 4),))
+    data = torch.load(path, weights_only=True)
+    data[field] = value
+    torch.save(data, path)
+    with pytest.raises(BundleError, match=says):
+        load(path)

@@ -427,3 +427,24 @@ def test_saving_a_report_where_it_cannot_go_names_the_users_path(tmp_path: Any) 
     with pytest.raises(ValueError, match="longer than its file system allows"):
         nanhunt.watch(zoo.mlp(), report=long)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (lambda d: d["findings"][0].update(value=1.0), "value 1.0 is finite"),
+    (lambda d: d["first"].update(step=d["first"]["step"] + 1), "report.first is not findings\\[0\\]"),
+    (lambda d: d.update(first=None), "report.first is not findings\\[0\\]"),
+])
+def test_an_edited_report_that_contradicts_itself_is_refused(tmp_path, cli, edit, says) -> None:
+    """`nanhunt show` read a finding whose value was finite ("First +Inf ... = 1") and a report
+    whose `first` disagreed with findings[0] (the one shown) without a word."""
+    from nanhunt._files import FileFormatError
+
+    path = tmp_path / "r.json"
+    Report([_finding()]).save(path)
+    d = json.loads(path.read_text())
+    edit(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(FileFormatError, match=says):
+        Report.load(path)
+    rc, out, err = cli("show", str(path))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err

@@ -322,8 +322,13 @@ def check(data: dict[str, Any], source: str = "bundle") -> None:
         for key, tp in _TOP.items():
             need(data, key, tp, "bundle", *(() if key in _REQUIRED else (None,)))
         rng = data.get("rng_state")
-        if isinstance(rng, torch.Tensor) and (rng.dtype != torch.uint8 or rng.dim() != 1):
-            raise FileFormatError(f"bundle.rng_state must be a 1-d uint8 tensor, got {rng.dtype} of shape {tuple(rng.shape)}")
+        if isinstance(rng, torch.Tensor) and (rng.dtype != torch.uint8 or rng.dim() != 1
+                                              or rng.numel() != torch.get_rng_state().numel()):
+            raise FileFormatError(f"bundle.rng_state must be the CPU generator's state (a 1-d uint8 tensor of "
+                                  f"{torch.get_rng_state().numel()}), got {rng.dtype} of shape {tuple(rng.shape)}")
+        for i, (_, on, dtype) in enumerate(data.get("autocast") or ()):
+            if on and dtype not in ("float16", "bfloat16"):
+                raise FileFormatError(f"bundle.autocast[{i}]: autocast runs in float16 or bfloat16, not {str(dtype)[:40]!r}")
         if "tree" in data:
             _check_tree(data["tree"], "bundle.tree", 0)
         if isinstance(data.get("finding"), dict):

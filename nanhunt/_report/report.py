@@ -79,11 +79,16 @@ class Report:
             raise FileFormatError(f"a report of another nanhunt version (schema {str(d['schema'])[:40]!r}; this "
                                   f"nanhunt reads {SCHEMA!r}): read it with the nanhunt that wrote it")
         found = need(d, "findings", list, "report", [])
+        findings = [checked_fields(Finding, f, f"findings[{i}]", Finding.from_dict) for i, f in enumerate(found)]
+        first = need(d, "first", dict[str, Any] | None, "report", None)
+        if "first" in d and (first is not None or findings) and (
+                first is None or not findings or checked_fields(Finding, first, "first", Finding.from_dict) != findings[0]):
+            raise FileFormatError("report.first is not findings[0] (the file was edited or is not one nanhunt wrote)")
         history = need(d, "history", dict[str, Any] | None, "report", None) or {}
         for key, tp in _HISTORY.items():
             need(history, key, tp, "report.history", None)
         return cls(
-            [checked_fields(Finding, f, f"findings[{i}]", Finding.from_dict) for i, f in enumerate(found)],
+            findings,
             history=history,
             warnings=need(d, "warnings", list[dict[str, Any]] | None, "report", None) or [],
             meta=need(d, "meta", dict[str, Any] | None, "report", None) or {},
