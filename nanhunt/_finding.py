@@ -166,14 +166,20 @@ def _from_json_float(v: Any) -> Any:
 class NonFiniteError(FloatingPointError):
     """Raised at the first non-finite value when ``on_find="raise"``.
 
-    ``.finding`` is the first :class:`Finding`, ``.report`` the hunt's :class:`Report`.
+    ``.finding`` is the first :class:`Finding` (of the step that raised it: after a run caught
+    one and went on, a later error's finding is that step's; its message does not call it the
+    hunt's first), ``.report`` the hunt's :class:`Report`.
     """
 
-    def __init__(self, finding: Finding, report: Any = None, why: str | None = None) -> None:
-        super().__init__(f"{why} {finding.summary()}" if why else finding.summary())
+    def __init__(self, finding: Finding, report: Any = None, why: str | None = None, first: bool = True) -> None:
+        from ._words import paragraph
+
+        text = paragraph(finding, first=first)
+        super().__init__(f"{why} {text}" if why else text)
         self.finding = finding
         self.report = report
         self.why = why  # why a run that was going on stops now (on_find="skip": max_skips), else None
+        self.first = first  # the hunt's first finding (False: a later one, raised after a run went on)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.finding, self.report, self.why))
+        return (type(self), (self.finding, self.report, self.why, self.first))

@@ -577,3 +577,31 @@ def test_a_data_nan_before_a_hand_written_update_is_fed_in_not_the_weights(mode:
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 3, "input"), str(f)
     assert f.counts["nan"] == 8, str(f)  # one row, as the call saw it (not the replay on written weights)
     assert not any(g.module == "<outside>" for g in hunt.findings), [str(g) for g in hunt.findings]
+
+
+def test_an_error_raised_after_the_run_went_on_does_not_call_itself_the_first() -> None:
+    """A run that catches NonFiniteError and goes on: the next error said "First NaN: ... at step
+    3" while the hunt's first finding was at step 1. Its finding is its own step's; its message
+    heads it by its kind only."""
+    import pickle
+
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    errors = []
+    with nanhunt.watch(m, opt) as hunt:
+        for i in range(4):
+            x = torch.randn(3, 4)
+            if i in (1, 3):
+                x[0, 0] = float("nan")
+            try:
+                m(x).sum().backward()
+                opt.step()
+            except nanhunt.NonFiniteError as e:
+                errors.append(e)
+            opt.zero_grad()
+    assert [e.finding.step for e in errors] == [1, 3] and hunt.first is not None and hunt.first.step == 1
+    assert str(errors[0]).startswith("First NaN: forward of `<model>` (Linear) at step 1"), str(errors[0])
+    assert str(errors[1]).startswith("NaN: forward of `<model>` (Linear) at step 3"), str(errors[1])
+    again = pickle.loads(pickle.dumps(errors[1]))
+    assert str(again) == str(errors[1]) and again.first is False

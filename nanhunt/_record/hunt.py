@@ -2109,7 +2109,7 @@ class Hunt:
                 why = (f"nanhunt: on_find='skip' dropped {self._max_skips} steps in a row "
                        f"({', '.join(map(str, self.skipped[-self._max_skips:]))}; max_skips={self._max_skips}) "
                        f"and step {found[0].step} has a finding again, so the run stops. The first finding:")
-            error = NonFiniteError(self.findings[0] if why else found[0], self.report, why)
+            error = NonFiniteError(self.findings[0] if why else found[0], self.report, why, first=first or bool(why))
             if unwritten is not None:
                 error.add_note(unwritten)  # (also warned and logged: a -W error run sees it here)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
