@@ -568,3 +568,45 @@ def test_an_inference_pass_output_is_judged_as_it_returns():
             opt.zero_grad()
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.value) == ("forward", "a", -math.inf)
+
+
+class _Patched(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 100
+
+
+def test_copies_and_saves_of_a_watched_model_are_what_they_would_be_unwatched() -> None:
+    """A deep copy (an EMA copy), a pickle or torch.save(model) of a watched model gave every module
+    an instance ``forward`` (a bound method) for good: after close(), in the loaded file, in a
+    process without nanhunt. A class patched later (a flash-attention monkeypatch, a swapped
+    __class__) then never reached the copy, and torch.save wrote other bytes. Now each is what an
+    unwatched copy or save gives, and the copyreg entries go with the hunt."""
+    import copyreg
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = dict(copyreg.dispatch_table)
+
+    def saved(m: nn.Module) -> bytes:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        return buf.getvalue()
+
+    with nanhunt.watch(model, opt):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert "forward" in model[0].__dict__  # (the hunt's wrapper is on)
+        ema, shallow = copy.deepcopy(model), copy.copy(model[0])
+        watched = (saved(model), pickle.dumps(model))
+        loaded = torch.load(io.BytesIO(watched[0]), weights_only=False)
+    assert watched == (saved(model), pickle.dumps(model))  # byte for byte what an unwatched save writes
+    assert all("forward" not in m.__dict__ for c in (ema, loaded) for m in c.modules())
+    assert "forward" not in shallow.__dict__
+    assert dict(copyreg.dispatch_table) == before
+    ema[0].__class__ = _Patched  # a class swapped (or patched) after the copy reaches it
+    x = torch.ones(1, 4)
+    assert torch.equal(ema[0](x), nn.functional.linear(x, ema[0].weight, ema[0].bias) * 100)

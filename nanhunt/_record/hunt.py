@@ -547,6 +547,8 @@ class Hunt:
         for m in mods:
             w = fwds.get(id(m))
             if w is None or w.ref() is not m:
+                if w is not None:  # (a module gone, its id now another's)
+                    remove(w)
                 fwds[id(m)] = w = install(self, m)
             ws.append(w)
         self._fwd_ok = ws
