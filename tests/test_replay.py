@@ -306,3 +306,37 @@ def test_a_replayed_calls_output_is_judged_finite_exactly():
             z[1] = complex(0.0, bad)
             assert not bool(_all_finite(z)), (bad, ctype)
             assert bool(_all_finite(torch.ones(3, 2, dtype=ctype).t()))
+
+
+class _Remembers(nn.Module):
+    """Keeps what it saw in a list, a dict and a set of its own (a KV cache, a feature store): a
+    replay of its forward appended to them again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen: list[int] = []
+        self.by_size: dict[int, int] = {}
+        self.sizes: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(self.seen)
+        self.seen.append(x.shape[0])
+        self.by_size[n] = x.shape[0]
+        self.sizes.add(n)
+        return torch.log(self.lin(x))  # log of a negative: NaN
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replay_puts_back_what_the_modules_forward_appended_to_its_own_containers(mode: str) -> None:
+    """record/warn/skip runs: each finding's replays ran the module's forward again, and a list the
+    module keeps grew by three entries per finding (12 where the run made 3), as did a dict and a set.
+    Their items are put back after each replay; the run's own calls are all there, in order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Remembers(), nn.Linear(4, 2))
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        for i in range(3):
+            model(torch.randn(5 + i, 4))
+    m = model[0]
+    assert hunt.findings and m.seen == [5, 6, 7], m.seen
+    assert m.by_size == {0: 5, 1: 6, 2: 7} and m.sizes == {0, 1, 2}

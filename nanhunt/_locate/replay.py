@@ -8,6 +8,7 @@ afterwards, and no `.grad` is touched: the user's run goes on exactly as if no r
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -233,13 +234,22 @@ def _holds_compiled(mod: nn.Module) -> bool:
 
 
 _MAX_ATTR = 1 << 20  # a plain tensor attribute's values are kept up to this many elements
+_MAX_ITEMS = 1 << 16  # a container attribute's items are kept up to this many
+_CONTAINERS = (list, dict, set, collections.deque)
+
+
+def _items(c: Any) -> list[Any]:
+    """A container's items as they are now (a dict's as (key, value) pairs; a set's in its order)."""
+    return list(c.items()) if type(c) is dict else list(c)
 
 
 class _Attributes:
     """The modules' own Python state, which a replay of their forward may change: attributes
     (a call counter, a warm-up gate, a cache built on first use), buffers replaced by
-    assignment, and plain tensor attributes written in place (a running average that is not a
-    buffer). `restore` puts back what changed, values through ``.data`` (no version bump)."""
+    assignment, plain tensor attributes written in place (a running average that is not a
+    buffer), and the items of plain lists, dicts, sets and deques held as attributes (a list
+    of what the module saw, a KV cache appended to). `restore` puts back what changed, values
+    through ``.data`` (no version bump), containers' items in the same objects."""
 
     def __init__(self, root: nn.Module) -> None:
         # (not a TorchScript module's: its state lives in the interpreter, behind dicts of its own)
@@ -251,6 +261,8 @@ class _Attributes:
                            and t.layout is torch.strided and t.numel() <= _MAX_ATTR]
         # a generator of the module's own (torch.randn(..., generator=self.gen)): its stream too
         self.gens = [(g, g.get_state()) for _, d, _, _ in self.dicts for g in d.values() if type(g) is torch.Generator]
+        self.items = [(c, _items(c)) for _, d, _, _ in self.dicts for k, c in d.items()
+                      if type(c) in _CONTAINERS and not k.startswith("_") and len(c) <= _MAX_ITEMS]
 
     def restore(self) -> None:
         for m, d, b, p in self.dicts:
@@ -266,6 +278,15 @@ class _Attributes:
                         now[k] = v
         for g, state in self.gens:
             g.set_state(state)
+        for c, items in self.items:
+            cur = _items(c)
+            if len(cur) != len(items) or any(a is not b and not (type(a) is tuple and type(c) is dict and a[0] is b[0]
+                                                                 and a[1] is b[1]) for a, b in zip(cur, items)):
+                c.clear()
+                if type(c) is list or type(c) is collections.deque:
+                    c.extend(items)
+                else:  # a dict (from its pairs), a set
+                    c.update(items)
         with torch.no_grad():
             for t, v in self.values:
                 try:
