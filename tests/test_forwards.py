@@ -9,7 +9,9 @@ import inspect
 import io
 import math
 import pickle
+from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -575,9 +577,15 @@ class _Patched(nn.Linear):
         return super().forward(x) * 100
 
 
-def test_copies_and_saves_of_a_watched_model_are_what_they_would_be_unwatched() -> None:
+def _user_hook(module: nn.Module, args: Any, out: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_copies_and_saves_of_a_watched_model_are_what_they_would_be_unwatched(mode: str) -> None:
     """A deep copy (an EMA copy), a pickle or torch.save(model) of a watched model gave every module
-    an instance ``forward`` (a bound method) for good: after close(), in the loaded file, in a
+    an instance ``forward`` (a bound method) for good, and the hunt's hooks (sentinel's on the root,
+    the late hook behind a user's hook) as no-op hooks: after close(), in the loaded file, in a
     process without nanhunt. A class patched later (a flash-attention monkeypatch, a swapped
     __class__) then never reached the copy, and torch.save wrote other bytes. Now each is what an
     unwatched copy or save gives, and the copyreg entries go with the hunt."""
@@ -587,24 +595,33 @@ def test_copies_and_saves_of_a_watched_model_are_what_they_would_be_unwatched() 
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[2].register_forward_hook(_user_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = dict(copyreg.dispatch_table)
+    hooks = [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values())) for m in model.modules()]
 
     def saved(m: nn.Module) -> bytes:
         buf = io.BytesIO()
         torch.save(m, buf)
         return buf.getvalue()
 
-    with nanhunt.watch(model, opt):
+    with nanhunt.watch(model, opt, mode=mode):
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
-        assert "forward" in model[0].__dict__  # (the hunt's wrapper is on)
+        assert ("forward" in model[0].__dict__) is (mode == "full")  # (the hunt's wrapper is on)
+        assert [(list(m._forward_pre_hooks.values()), list(m._forward_hooks.values()))
+                for m in model.modules()] != hooks  # (and hooks of its own)
         ema, shallow = copy.deepcopy(model), copy.copy(model[0])
         watched = (saved(model), pickle.dumps(model))
         loaded = torch.load(io.BytesIO(watched[0]), weights_only=False)
     assert watched == (saved(model), pickle.dumps(model))  # byte for byte what an unwatched save writes
     assert all("forward" not in m.__dict__ for c in (ema, loaded) for m in c.modules())
+    for c in (ema, loaded):
+        assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in c.modules()] == [
+            (len(a), len(b)) for a, b in hooks]
+        assert not any(getattr(type(h), "__nanhunt__", False) or "nanhunt" in getattr(h, "__module__", "")
+                       for m in c.modules() for d in (m._forward_pre_hooks, m._forward_hooks) for h in d.values())
     assert "forward" not in shallow.__dict__
     assert dict(copyreg.dispatch_table) == before
     ema[0].__class__ = _Patched  # a class swapped (or patched) after the copy reaches it

@@ -26,18 +26,12 @@ What a `Forward` changes for the user while the hunt is open: ``module.forward``
 attribute (`inspect.signature` sees through it: ``__wrapped__``); close() takes it off again (a
 dormant pass-through stays where another wrapper was put on top of it since). A copy or a pickle of
 the module (``copy.deepcopy``: an EMA copy; ``copy.copy``; ``pickle``; ``torch.save(model)``) is
-what it would be unwatched, with no ``forward`` of nanhunt's in any module's ``__dict__``: while a
-wrapper is on, its module's class has an entry in ``copyreg.dispatch_table`` (`_reduce`: the
-class's own reduction, the wrapper left out of the state), taken out with the class's last
-wrapper. A class with a ``__deepcopy__`` of its own deep-copies the wrapper itself: the copy gets
-the module's own ``forward``, bound to the copy (`Forward.__deepcopy__`).
+what it would be unwatched, with no ``forward`` of nanhunt's in any module's ``__dict__`` (copies.py).
 """
 
 from __future__ import annotations
 
 import copy
-import copyreg
-import threading
 import types
 import weakref
 from threading import get_ident
@@ -47,6 +41,7 @@ import torch
 from torch import nn
 
 from .._hooks import REPLAYING
+from .copies import hold, release
 
 __all__ = ["Forward", "install", "remove", "LAZY_NUMEL"]
 
@@ -73,7 +68,7 @@ class Forward:
         self.ref = weakref.ref(module)  # (no cycle: a module dropped from the model dies as before)
         self.own = own  # the instance's own forward before (accelerate's, a user's), else None
         self.func = type(module).forward
-        self.cls = type(module)  # (its `copyreg` entry is counted by class: see `_reducing`)
+        self.cls = type(module)  # (its `copyreg` entry is counted by class: see copies.py)
         self.lean = False  # its calls are only noted (`Hunt._lean_flags`), recorded at the next `Hunt._flush`
         self.name = ""  # its qualified name (set with `lean`)
 
@@ -200,7 +195,7 @@ def install(hunt: Any, module: nn.Module) -> Forward:
         return cur
     w = Forward(hunt, module, cur)
     d["forward"] = w
-    _reducing(type(module), +1)
+    hold(type(module))
     return w
 
 
@@ -209,7 +204,7 @@ def remove(w: Forward) -> None:
     top of it since, it stays as a dormant pass-through."""
     if w.hunt is not None:
         m = w.ref()
-        _reducing(type(m) if m is not None else w.cls, -1)
+        release(type(m) if m is not None else w.cls)
     w.hunt = None
     m = w.ref()
     if m is None:
@@ -224,63 +219,3 @@ def remove(w: Forward) -> None:
         else:
             d["forward"] = below
 
-
-# ------------------------------------------------------------------ copies and pickles
-_lock = threading.Lock()
-_classes: dict[type, list[Any]] = {}  # class -> [wrappers on, the dispatch_table entry there before us (or None)]
-
-
-def _reducing(cls: type, delta: int) -> None:
-    """Count the wrappers on modules of ``cls``; its ``copyreg.dispatch_table`` entry is ours while
-    any is on (a user's own entry before it is called by ours, and put back after)."""
-    with _lock:
-        got = _classes.get(cls)
-        if delta > 0:
-            if got is None:
-                _classes[cls] = [1, copyreg.dispatch_table.get(cls)]
-                copyreg.dispatch_table[cls] = _reduce
-            else:
-                got[0] += 1
-            return
-        if got is None:
-            return
-        got[0] -= 1
-        if got[0] <= 0:
-            del _classes[cls]
-            if copyreg.dispatch_table.get(cls) is _reduce:  # (else someone replaced it since: theirs stays)
-                if got[1] is not None:
-                    copyreg.dispatch_table[cls] = got[1]
-                else:
-                    del copyreg.dispatch_table[cls]
-
-
-def _reduce(obj: Any) -> Any:
-    """``copyreg``'s reduction of a module whose class has a wrapper on: what pickling and copying
-    use unwatched (the class's own ``__reduce_ex__``, or the entry there before), with any
-    `Forward` left out of the state (the instance's own ``forward`` before it goes back in)."""
-    got = _classes.get(type(obj))
-    before = got[1] if got is not None else None
-    rv = before(obj) if before is not None else obj.__reduce_ex__(2)
-    if not isinstance(rv, tuple) or len(rv) < 3:
-        return rv
-    state = rv[2]
-    if isinstance(state, dict):
-        state = _unwrapped(state)
-    elif isinstance(state, tuple) and state and isinstance(state[0], dict):  # (__dict__, __slots__ values)
-        state = (_unwrapped(state[0]), *state[1:])
-    return (rv[0], rv[1], state, *rv[3:])
-
-
-def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    w = state.get("forward")
-    if not isinstance(w, Forward):
-        return state
-    state = dict(state)  # (the instance's own __dict__: never changed)
-    own = w.own
-    while isinstance(own, Forward):  # another hunt's, beneath
-        own = own.own
-    if own is None:
-        del state["forward"]
-    else:
-        state["forward"] = own
-    return state

@@ -80,6 +80,7 @@ from .._tensors import (
 from .._words import paragraph
 from . import dist as _dist
 from .compiled import CompiledChecks, CompiledRoot, forget_compiled
+from .copies import hold, release
 from .faults import InternalError, log_fault
 from .forwards import LAZY_NUMEL as _LAZY_NUMEL
 from .forwards import Forward, install, remove
@@ -145,6 +146,7 @@ class _OnModule:
     hook that does nothing, never a copy of the hunt (which holds a lock: the copy failed)."""
 
     __slots__ = ("_hunt", "_method")
+    __nanhunt__ = True  # (left out of a copy or pickle of its module: copies.py)
 
     def __init__(self, hunt: Hunt, method: str) -> None:
         self._hunt = weakref.ref(hunt)
@@ -274,6 +276,7 @@ class Hunt:
         self._foreign = threading.local()  # .top: the top-level call another thread is making (_foreign_pre)
         self._foreign_ids: set[int] = set()  # ids of findings made in other threads' calls (see _add_findings)
         self._late: dict[int, Any] = {}  # module id -> our forward hook after the user's own
+        self._held: list[type] = []  # classes of modules with a hook of ours (copies.py), released at close
         self._defer: set[int] = set()  # module ids whose small outputs are probed at the top-level return
         self._eager: set[int] = set()  # module ids whose outputs were written after their call returned
         self._pending: list[Call] = []  # calls whose outputs _late_post records
@@ -379,6 +382,7 @@ class Hunt:
             self._handles.append(model.register_forward_pre_hook(_OnModule(self, "_root_pre"), with_kwargs=True))
             self._handles.append(model.register_forward_hook(_OnModule(self, "_root_post"), with_kwargs=True,
                                                              always_call=True))
+            self._hold(type(model))
         self._opts = []
         for opt in opts:
             self.add_optimizer(opt)
@@ -797,6 +801,11 @@ class Hunt:
             if m is not None:
                 out[m] = n
         return out
+
+    def _hold(self, cls: type) -> None:
+        """A hook of ours is on an instance of ``cls``: copies and pickles leave it out (copies.py)."""
+        hold(cls)
+        self._held.append(cls)
 
     def module_hook_handles(self) -> list[Any]:
         """The handles of the hooks this hunt put on the user's own modules (`_OnModule`: the
@@ -1253,6 +1262,7 @@ class Hunt:
         if h is None:
             h = module.register_forward_hook(_OnModule(self, "_late_post"), with_kwargs=True, always_call=True)
             self._late[id(module)] = h
+            self._hold(type(module))
         elif next(reversed(hooks)) != h.id:
             hooks.move_to_end(h.id)  # type: ignore[attr-defined]
 
@@ -2282,6 +2292,9 @@ class Hunt:
         for h in self._late.values():
             h.remove()
         self._late.clear()
+        for cls in self._held:
+            release(cls)
+        self._held.clear()
         self._pending.clear()
         self._step_backups.clear()
         self._log.release()
