@@ -231,6 +231,30 @@ def test_a_rank_that_dies_and_one_that_hangs_are_named_within_dist_timeout(tmp_p
         assert "ranks 1, 2 did not answer within dist_timeout=4 s" in r["message"]
 
 
+def _watched_on_rank_0_only(rank: int, world: int) -> dict[str, Any]:
+    model = zoo.mlp(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if rank == 1:  # (debugging one rank: this one runs without nanhunt)
+        time.sleep(6)
+        return {}
+    try:
+        with nanhunt.watch(model, optimizer=opt, dist_timeout=3):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "message": str(e)}
+    return {"ranks": None}
+
+
+def test_a_rank_that_never_opened_a_hunt_is_named_and_the_remedy_said(tmp_path):
+    """watch() on rank 0 only (debugging one rank): rank 0 waited dist_timeout at its first step and
+    raised SilentRankError naming rank 1 as "died or stopped answering" (a healthy rank). It still
+    names it, and says to open the hunt on every rank or pass distributed=False."""
+    res = ranks.run(_watched_on_rank_0_only, 2, str(tmp_path), limit=40)
+    assert res[0]["ranks"] == [1], res[0]
+    assert "open the hunt on every rank, or pass distributed=False" in res[0]["message"], res[0]["message"]
+
+
 # ---------------------------------------------------------------------------- nanhunt run under torchrun
 _SCRIPT = """
 import os, torch, torch.distributed as dist

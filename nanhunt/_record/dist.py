@@ -175,6 +175,9 @@ class Group:
                 who = ", ".join(str(r) for r in silent)
                 msg = (f"nanhunt (rank {me}): rank{'s' if len(silent) > 1 else ''} {who} did not answer within "
                        f"dist_timeout={self.timeout:g} s ({what}): died or stopped answering{note}. Cause: {e}")
+                if what == "connect":  # (the first agreement: a rank that never opened a hunt never joins it)
+                    msg += (". If that rank runs without nanhunt (watch() on some ranks only), open the hunt on "
+                            "every rank, or pass distributed=False to judge each rank on its own")
             else:
                 msg = f"nanhunt (rank {me}): the agreement between ranks failed ({what}){note}: {e}"
             raise SilentRankError(msg, tuple(silent)) from e
