@@ -335,6 +335,7 @@ class StepLog:
         self.stats_lazy: list[tuple[torch.Tensor, int, int]] = []
         self.root_calls = 0
         self.backward = False  # a gradient arrived at a top-level output (a backward ran)
+        self.found_in_evaluation = False  # (set by the analysis: its findings are all in evaluation passes)
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet

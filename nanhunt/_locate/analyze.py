@@ -267,6 +267,11 @@ def analyze(view: StepView) -> list[Finding]:
                 out.append(f)
                 break
     ops = [m for m, b in zip(log.meta, sbad) if b and isinstance(m, Op)]
+    # every finding is a forward finding of an evaluation pass's call (a validation batch that waited
+    # in the log for the step's agreement under torch.distributed): no training step to skip for it
+    log.found_in_evaluation = bool(out) and all(
+        (w := ctx.where.get(id(f))) is not None and w[0] == "forward" and 0 <= w[1] < len(log.tops)
+        and _evaluation(log.tops[w[1]]) for f in out)
     found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
     if view.bundle and found and not ctx.bundled:
         f0 = found[0]

@@ -2039,15 +2039,21 @@ class Hunt:
                     raise
                 finally:
                     self._paused = False
+            # findings of an evaluation pass only (no_grad calls, in eval mode): nothing a skip could drop
+            in_evaluation = log.found_in_evaluation
             if d is not None:
-                found = _dist.merge(d.group.gather([f.to_dict() for f in _dist.judge(found, agreed)]))
+                mine = _dist.judge(found, agreed)
+                everyone = d.group.gather(([f.to_dict() for f in mine], in_evaluation or not mine))
+                found = _dist.merge([got[0] if got else None for got in everyone])
+                in_evaluation = bool(found) and all(got is None or got[1] for got in everyone)  # the same on every rank
                 if failed is not None:
                     raise failed
             elif self._dist is not None:
                 found = _dist.judge(found, None)
             # an evaluation pass (no_grad calls only, no gradients, no update): nothing a skip could drop
-            evaluation = (bool(log.tops) and not log.backward and not any(t.grad_enabled for t in log.tops)
-                          and not any(isinstance(e, (Grads, OptimState)) for _, e in log.vectors))
+            evaluation = in_evaluation or (
+                bool(log.tops) and not log.backward and not any(t.grad_enabled for t in log.tops)
+                and not any(isinstance(e, (Grads, OptimState)) for _, e in log.vectors))
         finally:
             log.release()
         if found:
