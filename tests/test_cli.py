@@ -439,3 +439,23 @@ def test_run_reports_an_outside_event_once_across_hunts(tmp_path, cli):
     assert r.meta["roots"] == ["Linear", "Linear"]
     assert [f.step for f in r.findings if f.module == "<outside>"] == [2]
     assert r.first is not None and r.first.module == "<outside>"
+
+
+def test_run_gives_the_script_an_absolute_file_as_python_does(tmp_path, cli, monkeypatch):
+    """`python sub/train.py` gives ``__file__`` as an absolute path (Python 3.9+); `nanhunt run
+    sub/train.py` gave it as typed, so a script that changed directory and then read a file beside
+    itself (``os.path.dirname(os.path.abspath(__file__))``) failed with FileNotFoundError."""
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "cfg.txt").write_text("7")
+    (sub / "train.py").write_text(textwrap.dedent("""
+        import os, sys
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.chdir(os.path.dirname(here))
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cfg.txt")) as fh:
+            print("cfg", fh.read(), os.path.isabs(__file__), os.path.basename(sys.argv[0]))
+    """))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = cli("run", "sub/train.py")
+    assert rc == 0, err
+    assert out.strip() == "cfg 7 True train.py"  # (argparse's usage line names the same script)

@@ -329,7 +329,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     auto = AutoWatch(on_find="breakpoint" if ns.pdb else ns.on_find, mode=ns.mode, history=ns.history,
                      dist_timeout=ns.dist_timeout, **extra)
     try:
-        runpy.run_path(script, run_name="__main__")
+        # (an absolute path, as `python script.py` gives ``__file__`` since 3.9: a script that
+        # changes directory and reads a file beside itself still finds it)
+        runpy.run_path(os.path.abspath(script), run_name="__main__")
     except NonFiniteError as e:
         raised = e
     except SystemExit as e:
