@@ -21,7 +21,8 @@ from torch.nn.modules import module as _module_mod
 
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 
-__all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened"]
+__all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened",
+           "own_global_hooks"]
 
 
 # torch.compile(module) warns on every call while any global module hook exists ("... will cause
@@ -29,6 +30,7 @@ __all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_he
 # stand aside for it, so while they are the only global hooks, that warning is not shown
 _COMPILE_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
 _ours: list[GlobalHooks] = []
+_extra = 0  # global module hooks of nanhunt's own besides `GlobalHooks` (`nanhunt run`'s discovery)
 _filter: Any = None
 _filters: Any = None  # the list it went into (catch_warnings swaps in a copy for its block)
 
@@ -38,9 +40,19 @@ def _global_hook_count() -> int:
                                 _module_mod._global_backward_hooks, _module_mod._global_backward_pre_hooks))
 
 
+def own_global_hooks(n: int) -> None:
+    """``n`` more (or, negative, fewer) global module hooks are nanhunt's own, outside `GlobalHooks`."""
+    global _extra
+    _extra += n
+    if n > 0:
+        _quiet_compile_warning()
+    else:
+        _restore_compile_warning()
+
+
 def _quiet_compile_warning() -> None:
     global _filter, _filters
-    own = 2 * len(_ours)
+    own = 2 * len(_ours) + _extra
     if _filter is None and _global_hook_count() == own:  # no global hook of the user's
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
         _filter, _filters = warnings.filters[0], warnings.filters
@@ -48,7 +60,7 @@ def _quiet_compile_warning() -> None:
 
 def _restore_compile_warning() -> None:
     global _filter, _filters
-    if _filter is not None and not _ours:
+    if _filter is not None and not _ours and not _extra:
         lists: list[Any] = [_filters, warnings.filters]  # where it went in, and a catch_warnings copy
         for filters in lists:
             if _filter in filters:

@@ -319,6 +319,32 @@ def test_compiling_a_watched_module_shows_no_warning_about_the_hunts_hooks_and_t
     torch._dynamo.reset()
 
 
+def test_nanhunt_run_of_a_compiled_module_shows_no_warning_about_its_hooks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`nanhunt run` of a script compiling its model printed torch's "global hooks on modules"
+    warning (its discovery hooks are global hooks too, which the filter did not count), where
+    `python script.py` and watch() print none."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        model = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), backend="eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        print("done")
+    """))
+    p = subprocess.run([sys.executable, "-W", "default", "-m", "nanhunt", "run", str(script)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "done", p.stderr
+    assert "global hooks on modules" not in p.stderr, p.stderr
+
+
 def test_the_compile_warning_filter_goes_with_the_hunt_also_when_closed_inside_catch_warnings() -> None:
     before = list(warnings.filters)
     hunt = nanhunt.watch(_model())

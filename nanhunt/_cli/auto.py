@@ -50,7 +50,7 @@ from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
 from .._finding import Finding, NonFiniteError
-from .._hooks import on_hunt_opened, replaying_here
+from .._hooks import on_hunt_opened, own_global_hooks, replaying_here
 from .._record import Hunt, NonFiniteWarning, watch
 from .._report import Report
 from .._words import paragraph
@@ -107,6 +107,7 @@ class AutoWatch:
             _optim_mod.register_optimizer_step_pre_hook(self._pre_step),
             _module_mod.register_module_module_registration_hook(self._on_register),
         ]
+        own_global_hooks(2)  # (torch.compile(module) warns while a global hook of the user's is on)
         self._orig_init: Callable[..., None] | None = torch.optim.Optimizer.__init__
         orig = self._orig_init
         me = weakref.ref(self)
@@ -404,6 +405,8 @@ class AutoWatch:
         try:
             for h in self._handles:
                 h.remove()
+            if self._handles:
+                own_global_hooks(-2)
             self._handles.clear()
             if self._orig_init is not None:
                 torch.optim.Optimizer.__init__ = self._orig_init  # type: ignore[method-assign]
