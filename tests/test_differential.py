@@ -642,3 +642,33 @@ def test_a_cast_overflow_references_the_value_its_hint_names() -> None:
     assert (f.module, f.op, f.verdict, f.index[0]) == ("0", "aten._to_copy.default", "precision", 0), f
     assert f.reference["value"] == pytest.approx(81018.8, rel=1e-6), f.reference
     assert f"{f.reference['value']:.6g}" in f.hint, f.hint
+
+
+class _InnerAutocast(nn.Module):
+    """Enters autocast in its own forward and hands its float16 result on as float32."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return (h @ h.T).float()
+
+
+def test_float16_overflow_under_autocast_entered_inside_the_forward_is_precision():
+    """autocast entered inside a module's own forward: a float16 mm overflowed (76,600 > 65,504) and
+    the verdict was "numerics", "more precision will not help" (the call's autocast was off, and
+    the float32 reference ran the forward's own autocast again: inf). The op's own dtype says
+    float16, and the reference runs with every autocast off: "precision", its float32 value."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _InnerAutocast(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for i in range(3):
+            x = torch.rand(8, 6) * (1000.0 if i == 2 else 1.0)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.module, f.step, f.op, f.verdict) == ("1", 2, "aten.mm.default", "precision"), str(f)
+    assert f.reference["failing_dtype"] == "float16" and 65504 < f.reference["value"] < 1e6, f.reference
+    assert torch.is_autocast_enabled("cpu") is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast itself is as it was)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16

@@ -358,7 +358,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             # is the one that called the model
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
             facts = got.facts
-    f = _differential.judge(ctx.view, f, where)  # verdict, reference; compile-only: the graph's op and line
+    f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
     ref = f.reference
     if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:
         # a cast whose input has another shape than the finding: the reference took that input's largest

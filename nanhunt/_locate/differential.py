@@ -27,6 +27,7 @@ import dataclasses
 import math
 import socket
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -150,10 +151,12 @@ class _Trace(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _reference_mode(eager: bool, deterministic: bool) -> Iterator[None]:
+def _reference_mode(eager: bool, deterministic: bool, float32: bool = False) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if eager and "torch._dynamo" in sys.modules:  # nothing was compiled if dynamo never loaded
             stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if float32:
+            stack.enter_context(_no_autocast())
         if deterministic:
             was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
             # the eager flag only: torch.use_deterministic_algorithms also sets Inductor's config
@@ -163,6 +166,54 @@ def _reference_mode(eager: bool, deterministic: bool) -> Iterator[None]:
             stack.enter_context(warnings.catch_warnings())
             warnings.simplefilter("ignore")
         yield
+
+
+_AUTOCAST = torch.amp.autocast_mode.autocast
+_ac_lock = threading.Lock()
+_ac_depth = 0
+_ac_off = threading.local()  # .on: this thread runs a float32 reference
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """A float32 reference runs without autocast, also where the model enters it itself (``with
+    torch.autocast(...)`` or ``@torch.autocast`` inside a forward): the replay had float16 back on
+    for that code and judged an overflow of float16 "numerics". While any thread runs one,
+    ``autocast.__enter__``/``__exit__`` stand aside on the threads that do; put back after the last."""
+    global _ac_depth
+    with _ac_lock:
+        if _ac_depth == 0:
+            _AUTOCAST.__enter__ = _ac_enter  # type: ignore[method-assign]
+            _AUTOCAST.__exit__ = _ac_exit  # type: ignore[method-assign]
+        _ac_depth += 1
+    was = getattr(_ac_off, "on", False)
+    _ac_off.on = True
+    try:
+        yield
+    finally:
+        _ac_off.on = was
+        with _ac_lock:
+            _ac_depth -= 1
+            if _ac_depth == 0:
+                _AUTOCAST.__enter__ = _AC_ENTER  # type: ignore[method-assign]
+                _AUTOCAST.__exit__ = _AC_EXIT  # type: ignore[method-assign]
+
+
+_AC_ENTER = _AUTOCAST.__enter__
+_AC_EXIT = _AUTOCAST.__exit__
+
+
+def _ac_enter(self: Any) -> Any:
+    if getattr(_ac_off, "on", False):
+        self._nanhunt_off = True  # (its __exit__ stands aside too)
+        return None
+    return _AC_ENTER(self)
+
+
+def _ac_exit(self: Any, *exc: Any) -> Any:
+    if self.__dict__.pop("_nanhunt_off", False):
+        return False
+    return _AC_EXIT(self, *exc)
 
 
 def _as32(x: Any) -> Any:
@@ -201,7 +252,7 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
     try:
         if float32:
             run, state = _float32(top)
-        with (_reference_mode(eager or float32, deterministic=eager or float32),
+        with (_reference_mode(eager or float32, deterministic=eager or float32, float32=float32),
               faithful(run, compiled=compiled is not None)):
             if compiled is not None:
                 if ordinal and keep:  # an inner module's value: what the graph's own checks see of this run
@@ -266,7 +317,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
                 run.autocast = ()
                 run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
                 state = {k: _as32(v) for k, v in own.items()}
-            with _reference_mode(float32, deterministic=float32), faithful(run), mode:
+            with _reference_mode(float32, deterministic=float32, float32=float32), faithful(run), mode:
                 if float32:
                     out = torch.func.functional_call(module, state, run.args, run.kwargs or {}, strict=False)
                 elif was_given:
@@ -315,7 +366,7 @@ def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Pat
             run, state = _float32(top)
             with torch.no_grad():
                 grads = [_as32(g) for g in grads]
-        with _reference_mode(float32, deterministic=float32), faithful(run), torch.enable_grad():
+        with _reference_mode(float32, deterministic=float32, float32=float32), faithful(run), torch.enable_grad():
             try:
                 if float32:
                     out = torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
@@ -356,12 +407,15 @@ def _where_device(top: Top) -> dict[str, Any]:
     return out
 
 
-def _low_dtype(top: Top, f: Finding) -> torch.dtype | None:
-    """The reduced dtype the failing run computed in: the finding's, or autocast's."""
+def _low_dtype(top: Top, f: Finding, op_dtype: str | None = None) -> torch.dtype | None:
+    """The reduced dtype the failing run computed in: the finding's, autocast's around the call, or
+    that of the op that made the value (``op_dtype``: autocast entered inside the forward, a float16
+    op whose result the module hands on as float32)."""
     dtype = f.dtype or next((str(p.dtype).removeprefix("torch.") for p in top.module.parameters()
                              if p.is_floating_point()), "")  # no element known: the model's own dtype
-    if dtype in REDUCED:
-        return getattr(torch, dtype)
+    for d in (dtype, op_dtype):
+        if d in REDUCED:
+            return getattr(torch, str(d))
     for _dev, enabled, dtype in top.autocast:
         if enabled and str(dtype).removeprefix("torch.") in REDUCED:
             return dtype
@@ -444,20 +498,21 @@ def _agreement(first: bool | None, again: Callable[[], bool | None], top: Top) -
 
 
 def examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path, *,
-            compiled: Any = None, prefix: str = "", keep: Sequence[torch.Tensor] = ()) -> Examined | None:
+            compiled: Any = None, prefix: str = "", keep: Sequence[torch.Tensor] = (),
+            op_dtype: str | None = None) -> Examined | None:
     """The verdict on a forward finding made in ``top`` at the ``ordinal``-th call's output ``path``.
 
     ``compiled``: the ``torch.compile`` wrapper that ran ``top`` (the failing configuration), else
     ``None``. ``keep``: tensors a compiled graph writes into (nanhunt's own slots), put back after.
     """
     try:
-        return _examine(top, names, f, ordinal, path, compiled, prefix, keep)
+        return _examine(top, names, f, ordinal, path, compiled, prefix, keep, op_dtype)
     except Exception:
         return None
 
 
 def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
-             compiled: Any, prefix: str, keep: Sequence[torch.Tensor]) -> Examined | None:
+             compiled: Any, prefix: str, keep: Sequence[torch.Tensor], op_dtype: str | None = None) -> Examined | None:
     def failing() -> bool | None:
         return _run(top, names, ordinal, path, compiled=compiled, keep=keep).bad
 
@@ -481,7 +536,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
                 ref["value"] = float(eager.output[f.index])
                 ref["failing"] = f.value
             return Examined("compiler", ref, origin)
-    low = _low_dtype(top, f)
+    low = _low_dtype(top, f, op_dtype)
     if low is None:  # it failed in float32 (or wider) eager: the reference is the failing run itself
         return Examined("numerics", _numerics(f.dtype or "float32", f, f.value))
     # the failing call alone, on the inputs a replay gives it, as it failed and in float32: the
@@ -562,7 +617,7 @@ def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Te
         run, state = _float32(top)
         with torch.no_grad():
             grads = [_as32(g) for g in grads]
-        with _reference_mode(True, deterministic=True), faithful(run), torch.enable_grad():
+        with _reference_mode(True, deterministic=True, float32=True), faithful(run), torch.enable_grad():
             out = torch.func.functional_call(top.module, state, run.args, run.kwargs or {}, strict=False)
             pairs = [(o, g) for o, g in zip([t for _, t in tensors(out) if t.requires_grad], grads) if g is not None]
             leaves = [t for t in state.values() if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -602,9 +657,10 @@ def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
     return None
 
 
-def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) -> Finding:
+def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, op_dtype: str | None = None) -> Finding:
     """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
-    op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding."""
+    op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding;
+    ``op_dtype``: the dtype the op that made it computed in, where the op trace saw it."""
     if where is None or not view.replay or f.cause in ("input", "parameter"):
         return f  # fed a non-finite value, or poisoned weights: any replay reproduces it, which says nothing of the math
     phase, top_i, ordinal, path = where
@@ -616,7 +672,7 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None) 
         e = examine_backward(top, view.names, f, ordinal, path, grads)
         return f if e is None else dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     e = examine(top, view.names, f, ordinal, path, compiled=top.compiled,
-                prefix=view.names.get(top.module, ""), keep=view.scratch)
+                prefix=view.names.get(top.module, ""), keep=view.scratch, op_dtype=op_dtype)
     if e is None:
         return f
     f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
