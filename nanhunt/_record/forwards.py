@@ -202,11 +202,10 @@ def install(hunt: Any, module: nn.Module) -> Forward:
 def remove(w: Forward) -> None:
     """Take ``w`` off its module (what was there before goes back); where something was put on
     top of it since, it stays as a dormant pass-through."""
-    if w.hunt is not None:
-        m = w.ref()
-        release(type(m) if m is not None else w.cls)
-    w.hunt = None
     m = w.ref()
+    if w.hunt is not None:
+        release(w.cls)  # (the class it was put on with: a swapped __class__ since does not move the count)
+    w.hunt = None
     if m is None:
         return
     d = m.__dict__
@@ -218,4 +217,3 @@ def remove(w: Forward) -> None:
             del d["forward"]
         else:
             d["forward"] = below
-
