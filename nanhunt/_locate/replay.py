@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import is_not
 from threading import get_ident
 from typing import Any
 
@@ -239,8 +240,20 @@ _CONTAINERS = (list, dict, set, collections.deque)
 
 
 def _items(c: Any) -> list[Any]:
-    """A container's items as they are now (a dict's as (key, value) pairs; a set's in its order)."""
-    return list(c.items()) if type(c) is dict else list(c)
+    """A container's items as they are now, each compared by identity (a dict's keys and values
+    in turn; a set's in its order)."""
+    return [x for kv in c.items() for x in kv] if type(c) is dict else list(c)
+
+
+def _refill(c: Any, items: list[Any]) -> None:
+    """Put `_items` back into ``c``, the same object."""
+    c.clear()
+    if type(c) is dict:
+        c.update(zip(items[::2], items[1::2]))
+    elif type(c) is set:
+        c.update(items)
+    else:  # a list, a deque
+        c.extend(items)
 
 
 class _Attributes:
@@ -280,13 +293,8 @@ class _Attributes:
             g.set_state(state)
         for c, items in self.items:
             cur = _items(c)
-            if len(cur) != len(items) or any(a is not b and not (type(a) is tuple and type(c) is dict and a[0] is b[0]
-                                                                 and a[1] is b[1]) for a, b in zip(cur, items)):
-                c.clear()
-                if type(c) is list or type(c) is collections.deque:
-                    c.extend(items)
-                else:  # a dict (from its pairs), a set
-                    c.update(items)
+            if len(cur) != len(items) or any(map(is_not, cur, items)):
+                _refill(c, items)
         with torch.no_grad():
             for t, v in self.values:
                 try:

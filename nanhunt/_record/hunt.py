@@ -2039,8 +2039,7 @@ class Hunt:
                     raise
                 finally:
                     self._paused = False
-            # findings of an evaluation pass only (no_grad calls, in eval mode): nothing a skip could drop
-            in_evaluation = log.found_in_evaluation
+            in_evaluation = log.found_in_evaluation  # (the findings are all in evaluation passes' calls)
             if d is not None:
                 mine = _dist.judge(found, agreed)
                 everyone = d.group.gather(([f.to_dict() for f in mine], in_evaluation or not mine))
