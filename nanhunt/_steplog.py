@@ -18,12 +18,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
 from torch import nn
 
 from ._tensors import Path, grain, poison, stack_probes
+
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
+_SHAPE = attrgetter("shape")
+_VERSION = attrgetter("_version")
 
 __all__ = [
     "Call", "Top", "TensorInfo", "StepLog", "StepView", "Entry", "Vector",
@@ -393,13 +398,25 @@ class StepLog:
         groups: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}
         cut = grain()
         with torch.no_grad():
-            for t, ver, at, mid in lazy:
-                if t._version != ver:
-                    changed.append(mid)
-                    sums[at] = t.sum()
-                    self.late.add(at)  # (what it was at its call's return: a replay tells)
-                    continue
-                add_to_group(groups, t, at, cut)
+            outs = list(map(_FIRST, lazy))
+            shapes = list(map(_SHAPE, outs))
+            if (list(map(_VERSION, outs)) == list(map(_SECOND, lazy)) and shapes.count(shapes[0]) == len(shapes)
+                    and outs[0].is_cpu):
+                # the common case, in C-level passes: none written since, all of one shape (the
+                # benchmark MLP's 82 outputs: 16 us where grouping them one by one took 30 us)
+                n = outs[0].numel()
+                per = max(1, (cut - 1) // n) if cut and n else len(outs)  # (as `add_to_group` cuts)
+                where = list(map(_THIRD, lazy))
+                for j in range(0, len(outs), per):
+                    groups[j] = (where[j:j + per], outs[j:j + per])
+            else:
+                for t, ver, at, mid in lazy:
+                    if t._version != ver:
+                        changed.append(mid)
+                        sums[at] = t.sum()
+                        self.late.add(at)  # (what it was at its call's return: a replay tells)
+                        continue
+                    add_to_group(groups, t, at, cut)
             for pos, ts in groups.values():
                 try:
                     v = torch.stack(ts).view(len(ts), -1).sum(1) if len(ts) > 1 else ts[0].sum().view(1)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from operator import is_
+from operator import is_, itemgetter
+from typing import Any
 
 import torch
 
@@ -61,12 +62,16 @@ class _Plan:
     """How to probe a list of tensors, by position: worked out once for a list whose tensors keep
     their shapes, dtypes and devices (see `OptimizerProbe`, `GradProbe`)."""
 
-    __slots__ = ("groups", "rest", "cut")
+    __slots__ = ("groups", "rest", "cut", "joins")
 
     def __init__(self, groups: list[list[int]] | None, rest: list[int], cut: int) -> None:
         self.groups = groups  # small float32 tensors by trailing shape (one `cat` each); None: not all on the CPU
         self.rest = rest  # summed one by one: large, 0-dim, other dtypes
         self.cut = cut  # `_tensors.grain()` when planned: a group's size limit (0: none)
+        # per group: what picks its tensors out of the list (a tuple for `cat`, C-level), or its
+        # one position (a group of one is summed as it is)
+        self.joins: list[itemgetter[Any] | int] = [
+            itemgetter(*g) if len(g) > 1 else g[0] for g in groups or ()]
 
 
 def _plan(tensors: list[torch.Tensor]) -> _Plan:
@@ -108,7 +113,8 @@ def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
             t = tensors[i]
             sums.append(t.sum() if t.dtype is _F32 else
                         real_view(t).sum(dtype=_F32))
-        sums += [(torch.cat([tensors[i] for i in g]) if len(g) > 1 else tensors[g[0]]).sum() for g in groups]
+        for j in plan.joins:
+            sums.append((tensors[j] if isinstance(j, int) else torch.cat(j(tensors))).sum())
         return Fused(torch.stack(sums), tensors)
 
 
