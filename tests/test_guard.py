@@ -524,3 +524,58 @@ def test_an_object_the_guard_cannot_walk_is_saved_as_unwatched(extra: str) -> No
         with pytest.raises(nanhunt.NonFiniteError, match="refused"):
             save()
     assert [f.phase for f in hunt.findings] == ["checkpoint"]
+
+
+def test_safetensors_writers_imported_by_name_are_guarded_too(tmp_path: Any) -> None:
+    """Hugging Face, accelerate and many loops write checkpoints with safetensors, whose writers
+    are imported by name before any watch() (``from safetensors.torch import save_file``)."""
+    st = pytest.importorskip("safetensors.torch")
+    from safetensors.torch import save_file, save_model
+
+    original = {n: getattr(st, n) for n in ("_flatten_as_ptr", "_flatten") if hasattr(st, n)}
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(path))
+    before = _digest(path)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        clean = tmp_path / "clean.safetensors"
+        save_file(model.state_dict(), str(clean))  # a clean save is written as unwatched
+        assert clean.read_bytes() == st.save(model.state_dict())
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            save_file(model.state_dict(), str(path))
+        with pytest.raises(nanhunt.NonFiniteError) as em:
+            save_model(model, str(tmp_path / "whole.safetensors"))
+        with pytest.raises(nanhunt.NonFiniteError) as eb:
+            st.save({"w": model.fc1.weight.detach().clone()})  # a copy under its own name: not state
+            st.save(model.state_dict())
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor) == ("checkpoint", str(path), "['fc1.weight']")
+    assert _digest(path) == before and not (tmp_path / "whole.safetensors").exists()
+    assert em.value.finding.module == str(tmp_path / "whole.safetensors")
+    assert eb.value.finding.module == "<safetensors bytes>"
+    assert f in hunt.findings
+    assert {n: getattr(st, n) for n in original} == original  # put back at close
+    save_file(model.state_dict(), str(path))  # unwatched again: written, NaN and all
+    assert _digest(path) != before
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_accelerate_save_state_writes_no_half_checkpoint(tmp_path: Any) -> None:
+    """accelerate's save_state writes the model with safetensors, then the optimizer with
+    torch.save: a poisoned model must not leave model.safetensors behind."""
+    accelerate = pytest.importorskip("accelerate")
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    acc = accelerate.Accelerator(cpu=True)
+    model, opt = acc.prepare(model, opt)
+    with nanhunt.watch(model, opt, on_find="record"):
+        acc.save_state(str(tmp_path / "good"))
+        assert (tmp_path / "good" / "model.safetensors").exists()
+        _blow_up(model, opt)
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            acc.save_state(str(tmp_path / "bad"))
+    assert ei.value.finding.module.endswith("model.safetensors")
+    assert not any(p.is_file() for p in (tmp_path / "bad").rglob("*"))

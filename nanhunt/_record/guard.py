@@ -1,4 +1,5 @@
-"""The checkpoint guard: while a hunt is open, ``torch.save`` refuses non-finite model state.
+"""The checkpoint guard: while a hunt is open, ``torch.save`` (and safetensors' writers: Hugging
+Face's and accelerate's checkpoints) refuse non-finite model state.
 
 ``torch.save`` is replaced once, while at least one hunt with ``guard_saves=True`` is open, by a
 function that asks each open hunt's :class:`SaveGuard` to judge the object first, and calls the
@@ -30,8 +31,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -127,8 +131,71 @@ def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
     return (t.device, ptr) if ptr else None
 
 
+# safetensors (Hugging Face's and accelerate's checkpoints, ``save_file(model.state_dict(), ...)``):
+# its writers turn the dict of tensors into pointers in one module-level helper, looked up at call
+# time (the writers themselves are often imported by name, ``from safetensors.torch import
+# save_file``, before watch()); that helper is guarded, so every writer is
+_ST_HELPERS = ("_flatten_as_ptr", "_flatten")  # (safetensors >= 0.6, before)
+_st_original: dict[str, Callable[..., Any]] = {}
+_st_module: Any = None
+_st_looked = False
+
+
+def _safetensors() -> Any:
+    """``safetensors.torch`` when installed (imported here, once: ~2 ms), else None."""
+    global _st_looked
+    mod = sys.modules.get("safetensors.torch")
+    if mod is None and not _st_looked:
+        _st_looked = True
+        if importlib.util.find_spec("safetensors") is not None:
+            try:
+                mod = importlib.import_module("safetensors.torch")
+            except Exception:  # noqa: BLE001  (a broken install: its saves cannot run either)
+                mod = None
+    return mod
+
+
+def _guarded_helper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def helper(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if _guards:
+            caller = sys._getframe(1)
+            name = caller.f_locals.get("filename") if caller.f_code.co_name in ("save_file", "save_model") else None
+            target = os.fspath(name) if isinstance(name, (str, os.PathLike)) else "<safetensors bytes>"
+            for g in list(_guards):
+                g.judge(tensors, target)
+        return original(tensors, *args, **kwargs)
+
+    helper.__nanhunt__ = True  # type: ignore[attr-defined]
+    return helper
+
+
+def _guard_safetensors() -> None:
+    global _st_module
+    mod = _safetensors()
+    if mod is None or _st_original:
+        return
+    for name in _ST_HELPERS:
+        fn = getattr(mod, name, None)
+        if callable(fn) and not getattr(fn, "__nanhunt__", False):
+            _st_original[name] = fn
+            setattr(mod, name, _guarded_helper(fn))
+    _st_module = mod
+
+
+def _unguard_safetensors() -> None:
+    global _st_module
+    mod = _st_module
+    for name, fn in _st_original.items():
+        cur = getattr(mod, name, None)
+        if getattr(cur, "__wrapped__", None) is fn:  # (replaced by someone since: ours stays, a pass-through)
+            setattr(mod, name, fn)
+    _st_original.clear()
+    _st_module = None
+
+
 class SaveGuard:
-    """One hunt's judge of the objects handed to ``torch.save``."""
+    """One hunt's judge of the objects handed to ``torch.save`` (and to safetensors' writers)."""
 
     def __init__(self, hunt: Hunt) -> None:
         self._hunt = weakref.ref(hunt)
@@ -177,6 +244,8 @@ class SaveGuard:
         if not _guards and torch.serialization.save is not _guarded_save:
             _serialization_original = torch.serialization.save
             torch.serialization.save = _guarded_save  # type: ignore[assignment]
+        if not _guards:
+            _guard_safetensors()
         _guards.append(self)
 
     def remove(self) -> None:
@@ -190,6 +259,8 @@ class SaveGuard:
             torch.serialization.save = (_serialization_original if _serialization_original is not None  # type: ignore[assignment]
                                         else _SERIALIZATION_SAVE)
             _serialization_original = None
+        if not _guards:
+            _unguard_safetensors()
 
     # ------------------------------------------------------------------ judging
     def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
