@@ -6,11 +6,15 @@ behind), and the process-wide rules every nanhunt hook obeys so that hunts compo
   call, records it into its step, or hooks its tensors. One dict lookup when nothing replays.
 - **Hunts opened** are announced (`hunt_opened`) to whoever subscribed: ``nanhunt run`` leaves a
   model the script watches itself to the script's own hunt.
+- **One clock.** `tick` numbers events across every hunt of the process (a top-level call begins,
+  a backward starts, a finding is recorded): with several models (a GAN's generator and
+  discriminator, a teacher and a student) the hunts' findings are put in order of occurrence by it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from threading import get_ident
@@ -22,7 +26,9 @@ from torch.nn.modules import module as _module_mod
 _functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 
 __all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened",
-           "own_global_hooks"]
+           "own_global_hooks", "tick"]
+
+tick: Callable[[], int] = itertools.count(1).__next__  # the process's event clock (thread-safe: one C call)
 
 
 # torch.compile(module) warns on every call while any global module hook exists ("... will cause

@@ -79,7 +79,7 @@ class Top:
 
     __slots__ = (
         "module", "args", "kwargs", "versions", "rng", "cuda_rng", "autocast", "grad_enabled",
-        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes", "outside_at", "src",
+        "out_keys", "compiled", "saved", "training", "reparam", "odd_modes", "outside_at", "src", "clock",
     )
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], rng: torch.Tensor,
@@ -100,6 +100,7 @@ class Top:
         self.odd_modes: tuple[nn.Module, ...] = ()  # submodules whose train/eval mode was not the module's (a frozen BatchNorm)
         self.outside_at = 0  # torch calls outside watched calls recorded before it in the step (StepLog.outside)
         self.src: str | None = None  # the user's line that made the call (an op in torch's own layers has no other)
+        self.clock = 0  # when it began (`_hooks.tick`: the order of events across hunts)
 
 
 @dataclass
@@ -180,7 +181,7 @@ class OutRec:
     ``file:line``, ``fn`` the name of the user's function that made the call.
     """
 
-    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng", "autocast")
+    __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng", "autocast", "clock")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, src: str | None, fn: str,
                  rng: torch.Tensor | None, autocast: tuple[tuple[str, torch.dtype], ...] = ()) -> None:
@@ -192,6 +193,7 @@ class OutRec:
         self.fn = fn
         self.rng = rng  # the CPU RNG state before the call, for the first call after a root call
         self.autocast = autocast  # (device type, dtype) of each autocast on at the call: a replay runs under it
+        self.clock = 0  # when it was made (`_hooks.tick`)
 
 
 Entry = Fwd | Chk | Bwd | Op | Out
@@ -340,6 +342,7 @@ class StepLog:
         self.stats_lazy: list[tuple[torch.Tensor, int, int]] = []
         self.root_calls = 0
         self.backward = False  # a gradient arrived at a top-level output (a backward ran)
+        self.bwd_clock = 0  # when the latest one arrived (`_hooks.tick`), else 0
         self.found_in_evaluation = False  # (set by the analysis: its findings are all in evaluation passes)
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
@@ -547,3 +550,6 @@ class StepView:
     known_bad: tuple[torch.Tensor, ...] = ()  # state an earlier finding already showed non-finite (carried since)
     judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)
     mid_step: frozenset[int] = frozenset()  # optimizers inside a step() that called its closure again: state mid-update
+    # the analysis's one output besides its findings: per finding returned, when its value was made
+    # (`_hooks.tick`; 0: not known from the log), for ordering the findings of several hunts
+    occurred: list[int] = field(default_factory=list)

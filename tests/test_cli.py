@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optim_mod
 
-from nanhunt import Report
+from nanhunt import NonFiniteError, Report
 from nanhunt._cli.auto import AutoWatch
 from nanhunt._cli.main import main, rank_path
 
@@ -459,3 +459,106 @@ def test_run_gives_the_script_an_absolute_file_as_python_does(tmp_path, cli, mon
     rc, out, err = cli("run", "sub/train.py")
     assert rc == 0, err
     assert out.strip() == "cfg 7 True train.py"  # (argparse's usage line names the same script)
+
+
+# ---------------------------------------------------------------- several models: order of occurrence
+class _Gen(nn.Module):
+    """A generator that normalises its features without an epsilon: 0/0 once they are all zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, z):
+        h = self.fc(z)
+        return self.out(h / h.norm(dim=-1, keepdim=True))
+
+
+def _gan(steps: int = 5) -> None:
+    """The usual GAN loop: the discriminator's step comes first and judges the generator's
+    output it was fed, before the generator's own step judges the forward that made it."""
+    torch.manual_seed(0)
+    G = _Gen()
+    D = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    og = torch.optim.Adam(G.parameters(), 1e-3)
+    od = torch.optim.Adam(D.parameters(), 1e-3)
+    bce = nn.BCEWithLogitsLoss()
+    for step in range(steps):
+        if step == 3:
+            with torch.no_grad():  # (a layer zeroed by hand, as pruning or a bad init does)
+                G.fc.weight.zero_()
+                G.fc.bias.zero_()
+        fake = G(torch.randn(32, 8))
+        d_loss = bce(D(torch.randn(32, 4)), torch.ones(32, 1)) + bce(D(fake.detach()), torch.zeros(32, 1))
+        od.zero_grad()
+        d_loss.backward()
+        od.step()
+        g_loss = bce(D(fake), torch.ones(32, 1))
+        og.zero_grad()
+        g_loss.backward()
+        og.step()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_run_of_a_gan_reports_the_generators_value_not_the_discriminators_input(mode, on_find):
+    with AutoWatch(on_find=on_find, mode=mode) as auto:
+        if on_find == "raise":
+            with pytest.raises(NonFiniteError) as ei:
+                _gan()
+            raised = ei.value.finding
+        else:
+            _gan()
+    f = auto.report().first
+    assert f is not None and (f.phase, f.step, f.cause, f.module_type) == ("forward", 3, "created", "_Gen"), f
+    assert f.op == "aten.div.Tensor"
+    assert auto.report().meta["root"] == "_Gen"
+    if on_find == "raise":
+        assert raised == f
+    later = auto.findings()[1:]
+    assert later and all(g.step >= 3 for g in later)
+
+
+class _Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(torch.log(x))
+
+
+def _distill(teacher: nn.Module, student: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for step in range(4):
+        x = torch.rand(4, 3) + 0.1
+        if step == 2:
+            x[1, 2] = 0.0  # log(0) in the teacher
+        y = student(x)
+        with torch.no_grad():
+            target = teacher(x)
+        loss = (y - target).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_run_of_a_teacher_and_student_puts_the_teachers_no_grad_value_first(on_find):
+    """Distillation: the teacher (no optimizer, no_grad) makes -inf at step 2; the student's
+    step judges its NaN loss first, before the teacher's next call judges the teacher."""
+    torch.manual_seed(0)
+    teacher, student = _Teacher(), Net()
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    with AutoWatch(on_find=on_find) as auto:
+        if on_find == "raise":
+            with pytest.raises(NonFiniteError) as ei:
+                _distill(teacher, student, opt)
+            assert ei.value.finding == auto.report().first
+            assert all(p.isfinite().all() for p in student.parameters())  # never updated from the NaN
+        else:
+            _distill(teacher, student, opt)
+    f = auto.report().first
+    assert f is not None and (f.phase, f.step, f.module_type, f.cause, f.op) == (
+        "forward", 2, "_Teacher", "created", "aten.log.default"), f
+    assert auto.report().meta["root"] == "_Teacher"

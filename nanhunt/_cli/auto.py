@@ -27,9 +27,14 @@
   rest of the run (an auto hunt already on it is closed, its findings kept), and that hunt's
   findings count in ``nanhunt run``'s report and exit status, each once. Replays (any hunt's) are
   never discovered as calls.
-- **Order.** Every finding of every hunt (auto and the script's own) is stamped from one counter
-  when its hunt records it; `findings()` merges the hunts' lists by those stamps (each hunt's own
-  order kept). Hunts whose roots have returned all record the loop's own code (``<outside>``): the
+- **Order.** Every finding of every hunt (auto and the script's own) is stamped with when its
+  value was made (`Hunt.occurred`, on the event clock all hunts share: the top-level call, the
+  loss code's torch call, the backward), not when its hunt judged it: with several models (a
+  GAN's generator and discriminator, a teacher and a student) one model's step often judges, as
+  its input, a value another made before that one's own step judges it. `findings()` merges the
+  hunts' lists by those stamps (each hunt's own order kept). In raise mode the first finding
+  recorded first has the other hunts judge what their steps hold (`_settle`): the earliest is
+  raised. Hunts whose roots have returned all record the loop's own code (``<outside>``): the
   same event found by several of them is reported once.
 
 `close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__``.
@@ -38,7 +43,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -50,7 +54,7 @@ from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
 from .._finding import Finding, NonFiniteError
-from .._hooks import on_hunt_opened, own_global_hooks, replaying_here
+from .._hooks import on_hunt_opened, own_global_hooks, replaying_here, tick
 from .._record import Hunt, NonFiniteWarning, watch
 from .._report import Report
 from .._words import paragraph
@@ -68,12 +72,19 @@ class _OnFind:
         self.breakpoint = mode == "breakpoint"  # the hunt stops in a replay of the op first
 
     def __call__(self, f: Finding) -> None:
-        first = self.owner._first_stamped(f)
-        if self.mode == "warn" and (first or f.step != self.owner.warned_step):
-            self.owner.warned_step = f.step  # at most one warning per step; "First" only once
+        owner = self.owner
+        if owner._settling:
+            return  # another hunt's finding is being raised: this one is only recorded (see `_settle`)
+        first = owner._first_stamped(f)
+        if self.mode == "warn" and (first or f.step != owner.warned_step):
+            owner.warned_step = f.step  # at most one warning per step; "First" only once
             warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=2)
         elif self.mode in ("raise", "breakpoint") and self.hunt is not None:
-            raise NonFiniteError(f, self.owner.report())
+            if first:
+                owner._settle(self.hunt)
+                merged = owner._merged()
+                f = merged[0][1] if merged else f  # (another model's value made before this one)
+            raise NonFiniteError(f, owner.report())
 
 
 class AutoWatch:
@@ -85,8 +96,9 @@ class AutoWatch:
         self.on_find = on_find
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
-        self._stamps: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (when recorded, the finding): see _stamp
-        self._counter = itertools.count()
+        self._stamps: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (when it occurred, the finding): see _stamp
+        self._first: Finding | None = None  # the first finding any hunt recorded
+        self._settling = False
         self.warned_step = -1
         self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
         self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
@@ -317,21 +329,38 @@ class AutoWatch:
 
     # ---------------------------------------------------------------- results
     def _stamp(self, hunt: Hunt) -> None:
-        """Stamp each finding ``hunt`` records (any way: ``on_find``, a refused checkpoint) from
-        the one counter shared by every hunt: the order of occurrence across hunts."""
-        stamps, counter = self._stamps, self._counter
+        """Stamp each finding ``hunt`` records (any way: ``on_find``, a refused checkpoint) with
+        when its value was made (`Hunt.occurred`) on the clock every hunt shares: the order of
+        occurrence across hunts, whichever hunt judged its step first."""
+        stamps = self._stamps
 
         def stamp(found: list[Finding]) -> None:
             for f in found:
                 if id(f) not in stamps:
-                    stamps[id(f)] = (next(counter), f)
+                    stamps[id(f)] = (hunt.occurred(f) or tick(), f)
+                if self._first is None:
+                    self._first = f
 
         hunt.on_record.append(stamp)
 
     def _first_stamped(self, f: Finding) -> bool:
         """``f`` is the first finding any hunt recorded."""
-        got = self._stamps.get(id(f))
-        return got is not None and got[1] is f and got[0] == 0  # the counter's first number
+        return self._first is f
+
+    def _settle(self, raising: Hunt) -> None:
+        """``raising`` is about to stop the run at the first finding recorded: the other hunts
+        judge what their steps hold now (one sync each, their findings only recorded: their
+        ``on_find`` stands aside meanwhile), so that a value another model made earlier (the
+        generator's, fed to the discriminator that judged its step first) is the one raised."""
+        self._settling = True
+        try:
+            for _, h in self.hunts:  # (not the script's own hunts: theirs to sync; nor under torch.distributed,
+                # where a sync is an agreement every rank must join)
+                if h is raising or h.closed or h.distributed or h._stack or not h._log.tops:
+                    continue
+                h.sync()
+        finally:
+            self._settling = False
 
     def _merged(self) -> list[tuple[Hunt, Finding]]:
         """Every hunt's findings, in order of occurrence: each hunt's own order (a late finding of
@@ -344,7 +373,7 @@ class AutoWatch:
             for j in range(len(h.findings) - 1, -1, -1):  # a finding goes no later than any after it in its hunt
                 f = h.findings[j]
                 got = self._stamps.get(id(f))
-                s = got[0] if got is not None and got[1] is f else next(self._counter)
+                s = got[0] if got is not None and got[1] is f else (h.occurred(f) or tick())
                 if got is None or got[1] is not f:
                     self._stamps[id(f)] = (s, f)
                 low = s if low is None else min(low, s)

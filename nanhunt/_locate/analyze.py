@@ -79,6 +79,7 @@ class _Ctx:
         self.facts: dict[int, dict[str, Any]] = {}  # per finding: the numbers its hint is chosen from
         self.bundled = False  # the repro bundle was written (or its writing failed, with a warning)
         self._sentinel: list[Finding] | None = None  # `sentinel_findings`, once
+        self.out_recs: dict[int, int] = {}  # per outside finding: its torch call (StepLog.outside)
 
     def sentinel_findings(self) -> list[Finding]:
         """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
@@ -204,7 +205,7 @@ def analyze(view: StepView) -> list[Finding]:
                 if sbad[j] and isinstance(e, Out) and j not in checked:
                     f = _outside.forward_finding(log, ctx.step, e.rec, e.out, grads, returned)
                     if f is not None:
-                        out_rec = e.rec
+                        out_rec = ctx.out_recs[id(f)] = e.rec
                         break
         elif kind == "chk":
             f = _check_finding(ctx, i)
@@ -272,6 +273,7 @@ def analyze(view: StepView) -> list[Finding]:
     log.found_in_evaluation = bool(out) and all(
         (w := ctx.where.get(id(f))) is not None and w[0] == "forward" and 0 <= w[1] < len(log.tops)
         and _evaluation(log.tops[w[1]]) for f in out)
+    view.occurred[:] = [_occurred(ctx, f) for f in out]
     found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
     if view.bundle and found and not ctx.bundled:
         f0 = found[0]
@@ -279,6 +281,23 @@ def analyze(view: StepView) -> list[Finding]:
                       f"{f0.module or '<model>'}) is not a watched module's forward call that a replay "
                       "reproduced, the one thing a bundle holds", stacklevel=2)
     return found
+
+
+def _occurred(ctx: _Ctx, f: Finding) -> int:
+    """When ``f``'s value was made, on the process's event clock (`_hooks.tick`): the top-level
+    call of a forward finding, the loss code's torch call, the step's backward; 0 where the log
+    does not say (the hunt then takes the time it recorded the finding)."""
+    log = ctx.log
+    if f.phase == "forward":
+        w = ctx.where.get(id(f))
+        if w is not None and w[0] == "forward" and 0 <= w[1] < len(log.tops):
+            return log.tops[w[1]].clock
+        rec = ctx.out_recs.get(id(f))
+        if rec is not None and 0 <= rec < len(log.outside):
+            return log.outside[rec].clock
+    elif f.phase in ("backward", "grad"):
+        return log.bwd_clock
+    return 0
 
 
 def _earlier_backward(ctx: _Ctx, out: list[Finding], earlier: int, out_rec: int) -> None:

@@ -52,6 +52,7 @@ from torch.optim import optimizer as _optim_mod
 from .._files import warn_unwritten
 from .._finding import Finding, NonFiniteError
 from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
+from .._hooks import tick as _tick
 from .._locate import locate
 from .._locate.damage import bad_state, damage
 from .._locate.outside import in_place
@@ -260,6 +261,8 @@ class Hunt:
         # called with each batch of findings before they are added (in the order made), however
         # they were made (on_find, a refused checkpoint): `nanhunt run` orders findings across hunts
         self.on_record: list[Callable[[list[Finding]], None]] = []
+        self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
+        self._made: dict[int, int] = {}  # the analysis's `occurred` for the findings about to be added
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
         scaler = o.scaler if o.scaler is not None else _wrapper_scaler(optimizer)
@@ -959,6 +962,7 @@ class Hunt:
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
+        t.clock = _tick()
         t.outside_at = len(log.outside)
         t.src = user_line()[0]
         if module is self._root and self._names is not None:  # (a replay after model.eval() runs these in their own mode)
@@ -1421,6 +1425,7 @@ class Hunt:
             log.sums.append(probe(g))
             log.meta.append(Bwd(i))
             log.backward = True
+            log.bwd_clock = _tick()  # (the latest backward: what the gradients the step judges came from)
             info = log.tensors[i]
             if info.keep_grad:
                 info.grad = g
@@ -2025,9 +2030,12 @@ class Hunt:
                 self._paused = True
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
-                        found = locate(self._view(log, step, prior.counts()))
+                        view = self._view(log, step, prior.counts())
+                        found = locate(view)
                     if batches is not None and self._batches is not None:
                         found = self._batches.fill(found, log, batches)
+                    if len(view.occurred) == len(found):  # when each value was made (see `occurred`)
+                        self._made = {id(f): c for f, c in zip(found, view.occurred) if c}
                 except Exception as e:  # the other ranks still wait for this rank's findings
                     if d is None:
                         raise
@@ -2179,6 +2187,9 @@ class Hunt:
         """Keep ``findings`` in order of occurrence: a finding of an earlier step made later (the
         optimizer's, read at the next step's sync, after a checkpoint was refused) goes before
         the later steps' findings; within a step, in the order given."""
+        now, made, self._made = _tick(), self._made, {}
+        for f in found:
+            self._when[id(f)] = (made.get(id(f)) or now, f)
         for listener in self.on_record:
             listener(found)
         findings = self.findings
@@ -2191,6 +2202,16 @@ class Hunt:
                     findings[at - 1].step == f.step and id(findings[at - 1]) in mine and id(f) not in mine)):
                 at -= 1
             findings.insert(at, f)
+
+    def occurred(self, f: Finding) -> int:
+        """When the value of ``f`` (one of `findings`) was made, on the process's event clock
+        (`_hooks.tick`, shared by every hunt): the top-level call a forward finding was made in,
+        the loss code's torch call, the step's backward; else when the hunt recorded it. With
+        several models watched (``nanhunt run`` of a GAN), the findings of all hunts go in this
+        order: the discriminator's step may judge its input before the generator's step judges
+        the generator's forward that made it. 0 for a finding the hunt does not hold."""
+        got = self._when.get(id(f))
+        return got[0] if got is not None and got[1] is f else 0
 
     def _refused(self, f: Finding) -> NonFiniteError:
         """The save guard refused a checkpoint: recorded like any finding (within ``max_findings``),

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext as _DeviceContext  # set_default_device's: the stack's bottom
 
 from .._hooks import REPLAYING
+from .._hooks import tick as _tick
 from .._steplog import Out, OutRec, StepLog
 from .._tensors import is_checked, probe
 
@@ -543,7 +544,9 @@ class Outside(TorchFunctionMode):
             rng = None
             if self.fresh:
                 rng, self.fresh = rng_before, False
-            log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng, _autocast()))
+            rec = OutRec(func, args, kwargs, out, src, fn, rng, _autocast())
+            rec.clock = _tick()
+            log.outside.append(rec)
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):
