@@ -43,6 +43,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -60,6 +61,8 @@ from .._report import Report
 from .._words import paragraph
 
 __all__ = ["AutoWatch"]
+
+_logger = logging.getLogger("nanhunt")
 
 
 class _OnFind:
@@ -358,7 +361,10 @@ class AutoWatch:
                 # where a sync is an agreement every rank must join)
                 if h is raising or h.closed or h.distributed or h._stack or not h._log.tops:
                     continue
-                h.sync()
+                try:
+                    h.sync()
+                except Exception as exc:  # noqa: BLE001  (its own fault: the finding at hand is still raised)
+                    _logger.debug("nanhunt: another hunt's sync before raising failed: %r", exc)
         finally:
             self._settling = False
 
