@@ -215,12 +215,13 @@ class OptimState:
     """Parameters and state of optimizer ``opt`` after its ``step()`` number ``step``."""
 
     kind = "optim"
-    __slots__ = ("opt", "step", "items", "tensors", "fed", "before")
+    __slots__ = ("opt", "step", "items", "tensors", "fed", "before", "clock")
 
     def __init__(self, opt: int, step: int, items: list[tuple[torch.Tensor, str]],
-                 tensors: list[torch.Tensor], fed: bool) -> None:
+                 tensors: list[torch.Tensor], fed: bool, clock: int = 0) -> None:
         self.opt = opt
         self.step = step
+        self.clock = clock  # when that step() ended (`_hooks.tick`)
         self.items = items  # (parameter, state key or "") per tensor
         self.tensors = tensors
         self.fed = fed  # the step was given non-finite gradients (not raise mode)

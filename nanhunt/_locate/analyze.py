@@ -285,8 +285,8 @@ def analyze(view: StepView) -> list[Finding]:
 
 def _occurred(ctx: _Ctx, f: Finding) -> int:
     """When ``f``'s value was made, on the process's event clock (`_hooks.tick`): the top-level
-    call of a forward finding, the loss code's torch call, the step's backward; 0 where the log
-    does not say (the hunt then takes the time it recorded the finding)."""
+    call of a forward finding, the loss code's torch call, the step's backward, the optimizer's
+    update; 0 where the log does not say (the hunt then takes the time it recorded the finding)."""
     log = ctx.log
     if f.phase == "forward":
         w = ctx.where.get(id(f))
@@ -297,6 +297,8 @@ def _occurred(ctx: _Ctx, f: Finding) -> int:
             return log.outside[rec].clock
     elif f.phase in ("backward", "grad"):
         return log.bwd_clock
+    elif f.phase == "optimizer":  # (judged at a later sync on a GPU: the update it read came first)
+        return min((e.clock for _v, e in log.vectors if isinstance(e, OptimState) and e.clock), default=0)
     return 0
 
 

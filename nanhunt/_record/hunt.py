@@ -1858,7 +1858,7 @@ class Hunt:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
                 vec = op.probe()
                 log = self._log
-                entry = OptimState(i, step, items, tens, fed)
+                entry = OptimState(i, step, items, tens, fed, _tick())
                 before = self._before.pop(i, None)
                 if before is not None and before[0] == self._steps_applied:  # taken as this step() began
                     entry.before = (before[1], before[2])
