@@ -202,3 +202,38 @@ def test_an_on_find_that_opens_a_hunt_on_the_stepping_optimizer_does_not_break_i
         for h in opened:
             h.close()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+class _Normalize(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h / h.norm(dim=-1, keepdim=True)  # no epsilon: 0/0 for an all-zero row
+
+
+def test_hunt_occurred_orders_the_findings_of_one_hunt_per_model() -> None:
+    """A GAN watched with one hunt per model: the discriminator's step judges the generator's NaN
+    output (fed in) before the generator's step judges the forward that made it; `occurred` puts
+    the generator's finding first."""
+    torch.manual_seed(0)
+    g, d = nn.Sequential(nn.Linear(4, 4), _Normalize()), nn.Linear(4, 1)
+    og, od = torch.optim.SGD(g.parameters(), lr=0.0), torch.optim.SGD(d.parameters(), lr=0.0)
+    with nanhunt.watch(g, og, on_find="record") as hg, nanhunt.watch(d, od, on_find="record") as hd:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    g[0].weight.zero_()
+                    g[0].bias.zero_()
+            fake = g(torch.randn(8, 4))
+            d(fake.detach()).mean().backward()
+            od.step()
+            od.zero_grad()
+            d(fake).mean().backward()
+            og.step()
+            og.zero_grad()
+    assert hd.findings and hg.findings
+    d0, g0 = hd.findings[0], hg.findings[0]
+    assert (d0.step, d0.module, d0.cause) == (1, "", "input")
+    assert (g0.step, g0.phase, g0.module, g0.cause, g0.op) == (1, "forward", "1", "created", "aten.div.Tensor")
+    both = [(hg.occurred(f), f) for f in hg.findings] + [(hd.occurred(f), f) for f in hd.findings]
+    assert all(c > 0 for c, _ in both)
+    assert min(both, key=lambda x: x[0])[1] is g0
+    assert hd.occurred(g0) == 0  # not one of its findings
