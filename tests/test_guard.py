@@ -577,5 +577,57 @@ def test_accelerate_save_state_writes_no_half_checkpoint(tmp_path: Any) -> None:
         _blow_up(model, opt)
         with pytest.raises(nanhunt.NonFiniteError) as ei:
             acc.save_state(str(tmp_path / "bad"))
-    assert ei.value.finding.module.endswith("model.safetensors")
+    assert ei.value.finding.module == str(tmp_path / "bad")
     assert not any(p.is_file() for p in (tmp_path / "bad").rglob("*"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_accelerate_save_state_of_two_models_is_judged_whole(tmp_path: Any) -> None:
+    """A GAN under accelerate: save_state writes G's file, then D's. D poisoned (its own hunt):
+    nothing of the checkpoint is written, not G's file alone."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    g, d = torch.nn.Sequential(torch.nn.Linear(8, 4)), torch.nn.Sequential(torch.nn.Linear(4, 1))
+    og, od = torch.optim.SGD(g.parameters(), 0.1), torch.optim.SGD(d.parameters(), 0.1)
+    acc = accelerate.Accelerator(cpu=True)
+    g, d, og, od = acc.prepare(g, d, og, od)
+    with nanhunt.watch(g, og, on_find="record"), nanhunt.watch(d, od, on_find="record"):
+        with torch.no_grad():
+            d[0].weight[0, 1] = float("nan")
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            acc.save_state(str(tmp_path / "bad"))
+    assert ei.value.finding.tensor == "[1]['0.weight']"  # (the second model given to prepare)
+    assert not (tmp_path / "bad").exists() or not any(p.is_file() for p in (tmp_path / "bad").rglob("*"))
+    acc.save_state(str(tmp_path / "after"))  # unwatched again: written as it would be
+    assert (tmp_path / "after" / "model_1.safetensors").exists()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sharded_save_pretrained_over_a_good_checkpoint_leaves_it_intact(tmp_path: Any) -> None:
+    """save_pretrained writes its config, then one shard after another: a NaN in the last shard
+    must not leave the first shards overwritten with the new state over the last good checkpoint
+    (a mix of two training steps that loads without error)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = tmp_path / "last"
+    model.save_pretrained(ckpt, max_shard_size="20KB")
+    before = {p.name: _digest(p) for p in ckpt.iterdir()}
+    assert sum(p.suffix == ".safetensors" for p in ckpt.iterdir()) > 2
+    ids = torch.randint(0, 100, (2, 16))
+    with nanhunt.watch(model, opt, on_find="record"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # the last layer's weights go bad (the last shard's)
+            model.transformer.ln_f.weight[3] = float("inf")
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            model.save_pretrained(ckpt, max_shard_size="20KB")
+        fresh = tmp_path / "fresh"
+        with pytest.raises(nanhunt.NonFiniteError):
+            model.save_pretrained(fresh)
+    assert ei.value.finding.tensor == "['transformer.ln_f.weight']"
+    assert {p.name: _digest(p) for p in ckpt.iterdir()} == before  # config and every shard as they were
+    assert not fresh.exists()  # not even a config.json without weights

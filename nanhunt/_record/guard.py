@@ -1,5 +1,5 @@
-"""The checkpoint guard: while a hunt is open, ``torch.save`` (and safetensors' writers: Hugging
-Face's and accelerate's checkpoints) refuse non-finite model state.
+"""The checkpoint guard: while a hunt is open, ``torch.save`` (and safetensors' writers,
+transformers' ``save_pretrained``, accelerate's ``save_state``) refuse non-finite model state.
 
 ``torch.save`` is replaced once, while at least one hunt with ``guard_saves=True`` is open, by a
 function that asks each open hunt's :class:`SaveGuard` to judge the object first, and calls the
@@ -57,6 +57,12 @@ _logger = logging.getLogger("nanhunt")
 _original: Callable[..., Any] | None = None
 _name_hint: contextvars.ContextVar[str | None] = contextvars.ContextVar("nanhunt_save_name", default=None)
 
+_OPTIMIZER_STATE = "optimizer state"
+_HINT_PART = ("nanhunt refused to write this file: it holds part of the watched model's or optimizer's "
+              "state, and another part of that state (the tensor named) is non-finite. Checkpoints "
+              "written as several files (safetensors shards, one file per model) are refused from "
+              "their first file, so none is left half new, half old (a file already at that path is "
+              "unchanged). The hunt's first finding says where the values were born.")
 _HINT = ("nanhunt refused to write this checkpoint: the watched model's or optimizer's state holds "
          "non-finite values (a file already at that path is unchanged). The hunt's first finding says "
          "where they were born; resume from the last good checkpoint.")
@@ -131,13 +137,17 @@ def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
     return (t.device, ptr) if ptr else None
 
 
-# safetensors (Hugging Face's and accelerate's checkpoints, ``save_file(model.state_dict(), ...)``):
-# its writers turn the dict of tensors into pointers in one module-level helper, looked up at call
-# time (the writers themselves are often imported by name, ``from safetensors.torch import
-# save_file``, before watch()); that helper is guarded, so every writer is
+# Writers other than torch.save. safetensors (Hugging Face's and accelerate's checkpoints,
+# ``save_file(model.state_dict(), ...)``): its writers turn the dict of tensors into pointers in one
+# module-level helper, looked up at call time (the writers themselves are often imported by name,
+# ``from safetensors.torch import save_file``, before watch()); that helper is guarded, so every
+# writer is. A checkpoint of several files is judged whole before its first file: transformers'
+# ``save_pretrained`` (config, then weight shards) and accelerate's ``save_state`` (one file per
+# model and optimizer) as they begin, each safetensors file against all of the watched state it
+# is part of (`SaveGuard.check`, ``whole``). Each is put on while a guard is open and taken off with
+# the last one (one put on top of ours since stays, ours a pass-through).
 _ST_HELPERS = ("_flatten_as_ptr", "_flatten")  # (safetensors >= 0.6, before)
-_st_original: dict[str, Callable[..., Any]] = {}
-_st_module: Any = None
+_patched: list[tuple[Any, str, Callable[..., Any]]] = []  # (owner, attribute, original)
 _st_looked = False
 
 
@@ -155,43 +165,72 @@ def _safetensors() -> Any:
     return mod
 
 
-def _guarded_helper(original: Callable[..., Any]) -> Callable[..., Any]:
+def _path(x: Any, default: str) -> str:
+    return os.fspath(x) if isinstance(x, (str, os.PathLike)) else default
+
+
+def _st_pick(caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str]:
+    name = caller.f_locals.get("filename") if caller.f_code.co_name in ("save_file", "save_model") else None
+    return args[0] if args else kwargs.get("tensors"), _path(name, "<safetensors bytes>")
+
+
+def _hf_pick(caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str]:
+    state = kwargs.get("state_dict")  # (a state dict given to write instead of the model's own)
+    where = args[1] if len(args) > 1 else kwargs.get("save_directory")
+    return (state if state is not None else args[0]), _path(where, "<save_pretrained>")
+
+
+def _accelerate_pick(caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, str]:
+    acc = args[0]
+    where = args[1] if len(args) > 1 else kwargs.get("output_dir")
+    return ([*getattr(acc, "_models", ()), *getattr(acc, "_optimizers", ())],
+            _path(where, "<accelerate save_state>"))
+
+
+def _guarded(original: Callable[..., Any], pick: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def helper(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+    def writer(*args: Any, **kwargs: Any) -> Any:
         if _guards:
-            caller = sys._getframe(1)
-            name = caller.f_locals.get("filename") if caller.f_code.co_name in ("save_file", "save_model") else None
-            target = os.fspath(name) if isinstance(name, (str, os.PathLike)) else "<safetensors bytes>"
+            obj, target = pick(sys._getframe(1), args, kwargs)
             for g in list(_guards):
-                g.judge(tensors, target)
-        return original(tensors, *args, **kwargs)
+                g.judge(obj, target, whole=True)
+        return original(*args, **kwargs)
 
-    helper.__nanhunt__ = True  # type: ignore[attr-defined]
-    return helper
+    writer.__nanhunt__ = True  # type: ignore[attr-defined]
+    return writer
 
 
-def _guard_safetensors() -> None:
-    global _st_module
-    mod = _safetensors()
-    if mod is None or _st_original:
+def _writers() -> list[tuple[Any, str, Callable[..., tuple[Any, str]]]]:
+    """The writers there are to guard: (owner, attribute, what it writes and where)."""
+    out: list[tuple[Any, str, Callable[..., tuple[Any, str]]]] = []
+    st = _safetensors()
+    if st is not None:
+        out += [(st, name, _st_pick) for name in _ST_HELPERS if callable(getattr(st, name, None))]
+    hf = sys.modules.get("transformers.modeling_utils")  # (not imported here: only when the script did)
+    if hf is not None and isinstance(getattr(hf, "PreTrainedModel", None), type):
+        out.append((hf.PreTrainedModel, "save_pretrained", _hf_pick))
+    acc = sys.modules.get("accelerate.accelerator")
+    if acc is not None and isinstance(getattr(acc, "Accelerator", None), type):
+        out.append((acc.Accelerator, "save_state", _accelerate_pick))
+    return out
+
+
+def _guard_writers() -> None:
+    if _patched:
         return
-    for name in _ST_HELPERS:
-        fn = getattr(mod, name, None)
+    for owner, name, pick in _writers():
+        fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if callable(fn) and not getattr(fn, "__nanhunt__", False):
-            _st_original[name] = fn
-            setattr(mod, name, _guarded_helper(fn))
-    _st_module = mod
+            _patched.append((owner, name, fn))
+            setattr(owner, name, _guarded(fn, pick))
 
 
-def _unguard_safetensors() -> None:
-    global _st_module
-    mod = _st_module
-    for name, fn in _st_original.items():
-        cur = getattr(mod, name, None)
-        if getattr(cur, "__wrapped__", None) is fn:  # (replaced by someone since: ours stays, a pass-through)
-            setattr(mod, name, fn)
-    _st_original.clear()
-    _st_module = None
+def _unguard_writers() -> None:
+    for owner, name, fn in _patched:
+        cur = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if getattr(cur, "__wrapped__", None) is fn:
+            setattr(owner, name, fn)
+    _patched.clear()
 
 
 class SaveGuard:
@@ -245,7 +284,7 @@ class SaveGuard:
             _serialization_original = torch.serialization.save
             torch.serialization.save = _guarded_save  # type: ignore[assignment]
         if not _guards:
-            _guard_safetensors()
+            _guard_writers()
         _guards.append(self)
 
     def remove(self) -> None:
@@ -260,14 +299,15 @@ class SaveGuard:
                                         else _SERIALIZATION_SAVE)
             _serialization_original = None
         if not _guards:
-            _unguard_safetensors()
+            _unguard_writers()
 
     # ------------------------------------------------------------------ judging
-    def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
+    def _state(self, hunt: Hunt) -> list[tuple[str, torch.Tensor]]:
+        """What this guard judges of the watched state, by name: the model's parameters and
+        buffers (not those exempt), then the optimizers' state tensors ("optimizer state")."""
         self._exemptions(hunt)
         exempt_names = self._exempt_names or set()
-        storages: dict[tuple[Any, int], str] = {}
-        names: dict[str, tuple[int, ...]] = {}
+        out: list[tuple[str, torch.Tensor]] = []
         root = hunt._root
         if root is not None:
             # a buffer put in place since the watch began, while the hunt has found nothing
@@ -275,19 +315,24 @@ class SaveGuard:
             known = self._known if self._known is not None and not found else None
             for n, t in [*root.named_parameters(), *((n, b) for n, b in root.named_buffers()
                                                        if known is None or _storage(b) in known)]:
-                if n in exempt_names or not is_checked(t) or is_lazy(t):
-                    continue
-                names[n] = tuple(t.shape)
-                k = _storage(t)
-                if k is not None and k not in self._exempt:
-                    storages.setdefault(k, n)
+                if n not in exempt_names and is_checked(t) and not is_lazy(t):
+                    out.append((n, t))
         for opt in hunt._opts:
             for state in opt.state.values():
                 for v in state.values():
                     if isinstance(v, torch.Tensor) and is_checked(v):
-                        k = _storage(v)
-                        if k is not None:
-                            storages.setdefault(k, "optimizer state")
+                        out.append((_OPTIMIZER_STATE, v))
+        return out
+
+    def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
+        storages: dict[tuple[Any, int], str] = {}
+        names: dict[str, tuple[int, ...]] = {}
+        for n, t in self._state(hunt):
+            if n is not _OPTIMIZER_STATE:
+                names[n] = tuple(t.shape)
+            k = _storage(t)
+            if k is not None and k not in self._exempt:
+                storages.setdefault(k, n)
         return storages, names
 
     def judged(self, obj: Any) -> list[tuple[Keys, torch.Tensor]]:
@@ -308,25 +353,36 @@ class SaveGuard:
                 out.append((keys, t))
         return out
 
-    def check(self, obj: Any, file: str) -> Any:
-        """The finding for the first non-finite judged tensor of ``obj``, or None."""
+    def check(self, obj: Any, file: str, whole: bool = False) -> Any:
+        """The finding for the first non-finite judged tensor of ``obj``, or None. ``whole``: a
+        file of a checkpoint written in several (safetensors shards, one file per model): when
+        ``obj`` holds any of the watched state, all of it is judged, so that the first file is
+        refused already and none of the checkpoint is left half new, half old."""
         hunt = self._hunt()
         if hunt is None or hunt._paused or hunt.closed:
             return None
         items = self.judged(obj)
         bad = all_bad([t for _, t in items])
+        if bad:
+            keys, t = items[bad[0]]
+            return finding(file, keys, t, step=hunt.step, hint=_HINT, rank=hunt.rank)
+        if not whole or not items:
+            return None
+        state = [(n, t) for n, t in self._state(hunt) if _storage(t) not in self._exempt]
+        bad = all_bad([t for _, t in state])
         if not bad:
             return None
-        keys, t = items[bad[0]]
-        return finding(file, keys, t, step=hunt.step, hint=_HINT, rank=hunt.rank)
+        n, t = state[bad[0]]
+        return finding(file, (n,), t, step=hunt.step, hint=_HINT_PART, rank=hunt.rank)
 
-    def judge(self, obj: Any, f: Any) -> None:
-        """Raise `NonFiniteError` if ``obj`` holds non-finite watched state (``torch.save``'s guard)."""
+    def judge(self, obj: Any, f: Any, whole: bool = False) -> None:
+        """Raise `NonFiniteError` if ``obj`` holds non-finite watched state (``torch.save``'s guard;
+        ``whole``: see `check`)."""
         hunt = self._hunt()
         if hunt is None or hunt._paused or hunt.closed:
             return
         try:
-            got = self.check(obj, file_name(f))
+            got = self.check(obj, file_name(f), whole)
         except Exception as exc:  # an object it cannot walk (a property or a mapping that raises, a
             # tensor subclass that refuses a read): the save goes on as it would unwatched, unjudged
             _logger.debug("nanhunt: torch.save's object was not judged (%s: %s)", type(exc).__name__, exc)
