@@ -554,3 +554,4 @@ class StepView:
     # the analysis's one output besides its findings: per finding returned, when its value was made
     # (`_hooks.tick`; 0: not known from the log), for ordering the findings of several hunts
     occurred: list[int] = field(default_factory=list)
+    step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)

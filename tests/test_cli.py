@@ -562,3 +562,65 @@ def test_run_of_a_teacher_and_student_puts_the_teachers_no_grad_value_first(on_f
     assert f is not None and (f.phase, f.step, f.module_type, f.cause, f.op) == (
         "forward", 2, "_Teacher", "created", "aten.log.default"), f
     assert auto.report().meta["root"] == "_Teacher"
+
+
+def test_run_of_a_gan_in_warn_mode_calls_the_generators_value_the_first():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with AutoWatch(on_find="warn") as auto:
+            _gan()
+    firsts = [str(w.message) for w in caught if str(w.message).startswith("First NaN")]
+    assert len(firsts) == 1 and "(_Gen)" in firsts[0] and "aten.div.Tensor" in firsts[0], firsts
+    assert auto.report().first is not None and auto.report().first.module_type == "_Gen"
+    assert all(w.filename == __file__ for w in caught if "NaN" in str(w.message))  # the loop's line
+
+
+def _gan_round(D: nn.Module, fake: torch.Tensor, od: torch.optim.Optimizer, og: torch.optim.Optimizer) -> None:
+    """The discriminator's step on the generator's output, then the generator's through it."""
+    D(fake.detach()).mean().backward()
+    od.step()
+    od.zero_grad()
+    D(fake).mean().backward()
+    og.step()
+    og.zero_grad()
+
+
+def test_run_raises_the_generators_value_when_the_script_watches_the_generator_itself():
+    import nanhunt as nh
+
+    def gan_with_own_hunt() -> None:
+        torch.manual_seed(0)
+        G = _Gen()
+        D = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        og, od = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+        with nh.watch(G, og, on_find="record"):  # the script's own hunt, on the generator
+            for step in range(5):
+                if step == 3:
+                    with torch.no_grad():
+                        G.fc.weight.zero_()
+                        G.fc.bias.zero_()
+                _gan_round(D, G(torch.randn(32, 8)), od, og)
+
+    with AutoWatch(on_find="raise") as auto:
+        with pytest.raises(NonFiniteError) as ei:
+            gan_with_own_hunt()
+    f = ei.value.finding
+    assert (f.module_type, f.step, f.cause, f.op) == ("_Gen", 3, "created", "aten.div.Tensor"), f
+    assert auto.report().first == f
+
+
+def test_run_lists_a_nan_made_in_the_loops_code_once_though_every_hunt_recorded_it():
+    """0/0 in the loop's own code (a normalisation outside every model): each hunt whose root
+    returned records it; the report lists it once (NaN values never compare equal)."""
+    torch.manual_seed(0)
+    G, D = nn.Linear(8, 4), nn.Linear(4, 1)
+    og, od = torch.optim.SGD(G.parameters(), 0.0), torch.optim.SGD(D.parameters(), 0.0)
+    with AutoWatch(on_find="record") as auto:
+        for step in range(3):
+            h = G(torch.randn(6, 8)) * (step != 1)
+            fake = h / h.norm(dim=1, keepdim=True)  # 0/0 at step 1, seen by G's hunt and D's (called last)
+            _gan_round(D, fake, od, og)
+    outside = [f for f in auto.findings() if f.module == "<outside>" and f.cause == "created"]
+    assert len(outside) == 1 and outside[0].op == "aten.div.Tensor", [(f.module, f.step, f.op) for f in auto.findings()]

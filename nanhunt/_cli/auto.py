@@ -57,6 +57,7 @@ from torch.optim import optimizer as _optim_mod
 from .._finding import Finding, NonFiniteError
 from .._hooks import on_hunt_opened, own_global_hooks, replaying_here, tick
 from .._record import Hunt, NonFiniteWarning, watch
+from .._record.outside import user_stacklevel
 from .._report import Report
 from .._words import paragraph
 
@@ -78,12 +79,14 @@ class _OnFind:
         owner = self.owner
         if owner._settling:
             return  # another hunt's finding is being raised: this one is only recorded (see `_settle`)
-        first = owner._first_stamped(f)
-        if self.mode == "warn" and (first or f.step != owner.warned_step):
-            owner.warned_step = f.step  # at most one warning per step; "First" only once
-            warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=2)
+        if self.mode == "warn":
+            first = self.hunt is not None and owner._first_to_warn(self.hunt, f)
+            if first or f.step != owner.warned_step:
+                owner.warned_step = f.step  # at most one warning per step; "First" only once
+                owner._warned_first = owner._warned_first or first
+                warnings.warn(paragraph(f, first=first), NonFiniteWarning, stacklevel=user_stacklevel())
         elif self.mode in ("raise", "breakpoint") and self.hunt is not None:
-            if first:
+            if owner._first_stamped(f):
                 owner._settle(self.hunt)
                 merged = owner._merged()
                 f = merged[0][1] if merged else f  # (another model's value made before this one)
@@ -102,6 +105,7 @@ class AutoWatch:
         self._stamps: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (when it occurred, the finding): see _stamp
         self._first: Finding | None = None  # the first finding any hunt recorded
         self._settling = False
+        self._warned_first = False
         self.warned_step = -1
         self._roots: weakref.WeakKeyDictionary[nn.Module, Hunt] = weakref.WeakKeyDictionary()
         self._owned: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()  # module -> root
@@ -350,21 +354,44 @@ class AutoWatch:
         """``f`` is the first finding any hunt recorded."""
         return self._first is f
 
+    def _first_to_warn(self, hunt: Hunt, f: Finding) -> bool:
+        """Is ``f`` (just recorded by ``hunt``) the first finding, to be warned as such? Not once
+        a first was warned; not when a finding made earlier was recorded before it; not while
+        another hunt holds a step not judged yet that began before ``f``'s value was made (a GAN's
+        generator, whose own step judges what the discriminator was fed): a later finding that
+        turns out earlier is then warned as the first."""
+        got = self._stamps.get(id(f))
+        if self._warned_first or got is None or got[1] is not f:
+            return False
+        if any(c < got[0] for c, g in self._stamps.values() if g is not f):
+            return False
+        return not self._pending_before(hunt, got[0])
+
+    def _pending_before(self, hunt: Hunt, when: int) -> bool:
+        """Does a hunt other than ``hunt`` hold a step not judged yet that began before ``when``?"""
+        for h in self._all():
+            tops = h._log.tops if h is not hunt and not h.closed else None
+            if tops and 0 < tops[0].clock < when:
+                return True
+        return False
+
     def _settle(self, raising: Hunt) -> None:
         """``raising`` is about to stop the run at the first finding recorded: the other hunts
-        judge what their steps hold now (one sync each, their findings only recorded: their
-        ``on_find`` stands aside meanwhile), so that a value another model made earlier (the
-        generator's, fed to the discriminator that judged its step first) is the one raised."""
+        judge what their steps hold now (one sync each, their findings only recorded: the auto
+        hunts' ``on_find`` stands aside meanwhile, a script hunt's raise is caught), so that a value
+        another model made earlier (the generator's, fed to the discriminator that judged its step
+        first) is the one raised."""
         self._settling = True
         try:
-            for _, h in self.hunts:  # (not the script's own hunts: theirs to sync; nor under torch.distributed,
-                # where a sync is an agreement every rank must join)
+            for h in self._all():  # (the script's own hunts too: the run stops here; not under
+                # torch.distributed, where a sync is an agreement every rank must join)
                 if h is raising or h.closed or h.distributed or h._stack or not h._log.tops:
                     continue
                 try:
                     h.sync()
-                except Exception as exc:  # noqa: BLE001  (its own fault: the finding at hand is still raised)
-                    _logger.debug("nanhunt: another hunt's sync before raising failed: %r", exc)
+                except Exception as exc:  # noqa: BLE001  (a script's hunt raising as it was told, or its
+                    # own fault: the earliest finding is raised either way)
+                    _logger.debug("nanhunt: another hunt's sync before raising: %r", exc)
         finally:
             self._settling = False
 
@@ -391,7 +418,7 @@ class AutoWatch:
         seen: dict[tuple[int, Any], int] = {}  # (hunt, event) -> occurrences so far
         for _, i, _, h, f in rows:
             if f.module == "<outside>":
-                event = (f.phase, f.tensor, f.op, f.source, f.chain, f.index, f.value, f.shape, f.dtype)
+                event = (f.phase, f.tensor, f.op, f.source, f.chain, f.index, repr(f.value), f.shape, f.dtype)  # (nan != nan)
                 n = seen.get((i, event), 0)
                 seen[(i, event)] = n + 1
                 at = kept.get((event, n))

@@ -80,6 +80,7 @@ class _Ctx:
         self.bundled = False  # the repro bundle was written (or its writing failed, with a warning)
         self._sentinel: list[Finding] | None = None  # `sentinel_findings`, once
         self.out_recs: dict[int, int] = {}  # per outside finding: its torch call (StepLog.outside)
+        self.clocks: dict[int, int] = {}  # per finding, when its value was made where no entry says (`_occurred`)
 
     def sentinel_findings(self) -> list[Finding]:
         """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
@@ -158,6 +159,7 @@ def analyze(view: StepView) -> list[Finding]:
         if isinstance(entry, OptimState) and any(flags):
             f = _optimizer_finding(ctx, entry, flags)
             if f is not None:
+                ctx.clocks[id(f)] = entry.clock
                 out.append(f)
                 break
     else:  # not read at the last step (optimizer_every): read now, exactly
@@ -288,6 +290,9 @@ def _occurred(ctx: _Ctx, f: Finding) -> int:
     call of a forward finding, the loss code's torch call, the step's backward, the optimizer's
     update; 0 where the log does not say (the hunt then takes the time it recorded the finding)."""
     log = ctx.log
+    known = ctx.clocks.get(id(f))
+    if known:
+        return known
     if f.phase == "forward":
         w = ctx.where.get(id(f))
         if w is not None and w[0] == "forward" and 0 <= w[1] < len(log.tops):
@@ -297,8 +302,6 @@ def _occurred(ctx: _Ctx, f: Finding) -> int:
             return log.outside[rec].clock
     elif f.phase in ("backward", "grad"):
         return log.bwd_clock
-    elif f.phase == "optimizer":  # (judged at a later sync on a GPU: the update it read came first)
-        return min((e.clock for _v, e in log.vectors if isinstance(e, OptimState) and e.clock), default=0)
     return 0
 
 
@@ -1134,7 +1137,10 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         flags = [j in bad and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
                  for j, (p, sk) in enumerate(items)]
         if any(flags):
-            return _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
+            f = _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
+            if f is not None:
+                ctx.clocks[id(f)] = view.step_clocks.get(i, 0)  # (its last step(): the latest it can have been made)
+            return f
     return None
 
 

@@ -88,7 +88,7 @@ from .forwards import Forward, install, remove
 from .guard import SaveGuard
 from .history import History, stats, stats_of_rows
 from .options import Options
-from .outside import Outside, is_lib, user_line
+from .outside import Outside, user_line, user_stacklevel
 from .probe import Fused, GradProbe, OptimizerProbe
 from .protect import BufferBackup, StepBackup, drop_grads, moves_in_step
 from .retain import settle
@@ -167,17 +167,6 @@ class _OnModule:
 _NO_COPY = ("a nanhunt Hunt cannot be copied or pickled: it is the hooks on one live model and its "
             "optimizers (copy the model, the optimizer or hunt.report instead; an object that holds the "
             "hunt can leave it out of its copy, e.g. in __deepcopy__ or __getstate__)")
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the user's line (the first frame outside
-    torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
-    f: Any = sys._getframe(2)  # the caller of warnings.warn's caller
-    level = 2
-    while f is not None and is_lib(f.f_code.co_filename):
-        f = f.f_back
-        level += 1
-    return level if f is not None else 2
 
 
 def _fwd0(i: int) -> Fwd:
@@ -263,6 +252,7 @@ class Hunt:
         self.on_record: list[Callable[[list[Finding]], None]] = []
         self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
         self._made: dict[int, int] = {}  # the analysis's `occurred` for the findings about to be added
+        self._step_clocks: dict[int, int] = {}  # per optimizer: when its last step() ended (`_hooks.tick`)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
         scaler = o.scaler if o.scaler is not None else _wrapper_scaler(optimizer)
@@ -1848,6 +1838,7 @@ class Hunt:
         # sentinel, where reading three copies of the model each step would be most of its cost)
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
         # optimizer's writes from the user's.
+        self._step_clocks[i] = _tick()
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
@@ -1858,7 +1849,7 @@ class Hunt:
                 fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
                 vec = op.probe()
                 log = self._log
-                entry = OptimState(i, step, items, tens, fed, _tick())
+                entry = OptimState(i, step, items, tens, fed, self._step_clocks[i])
                 before = self._before.pop(i, None)
                 if before is not None and before[0] == self._steps_applied:  # taken as this step() began
                     entry.before = (before[1], before[2])
@@ -2123,7 +2114,7 @@ class Hunt:
             message = paragraph(found[0], first=first) + more
             _logger.warning("%s", message)
             try:
-                warnings.warn(message, NonFiniteWarning, stacklevel=_user_stacklevel())
+                warnings.warn(message, NonFiniteWarning, stacklevel=user_stacklevel())
             except Warning as exc:  # the user's filter made it an error (-W error, pytest's filterwarnings): theirs
                 self._user_exc = exc
                 raise
@@ -2257,6 +2248,7 @@ class Hunt:
             known_bad=tuple(t for r in self._known_bad if (t := r()) is not None),
             judged=frozenset(self._judged),
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
+            step_clocks=dict(self._step_clocks),
         )
 
     def _meta(self) -> dict[str, Any]:

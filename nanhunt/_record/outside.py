@@ -123,6 +123,17 @@ def _own_code(filename: str) -> bool:
     return k
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (the first frame outside
+    torch, nanhunt and the stdlib: the ``opt.step()`` or ``model(x)`` that ended the step)."""
+    f: Any = sys._getframe(2)  # the caller of warnings.warn's caller
+    level = 2
+    while f is not None and is_lib(f.f_code.co_filename):
+        f = f.f_back
+        level += 1
+    return level if f is not None else 2
+
+
 def user_line(depth: int = 2) -> tuple[str | None, str]:
     """``file:line`` and function name of the first frame outside torch, nanhunt and the stdlib."""
     f = _user_frame(depth + 1)
