@@ -631,3 +631,20 @@ def test_sharded_save_pretrained_over_a_good_checkpoint_leaves_it_intact(tmp_pat
     assert ei.value.finding.tensor == "['transformer.ln_f.weight']"
     assert {p.name: _digest(p) for p in ckpt.iterdir()} == before  # config and every shard as they were
     assert not fresh.exists()  # not even a config.json without weights
+
+
+def test_safetensors_part_of_a_poisoned_state_is_refused_a_clean_copy_of_it_is_not(tmp_path: Any) -> None:
+    """A file holding part of the watched state (one shard, one model's file) is judged against all
+    of it; a clean copy of the model under the same names (an EMA model) is another model's."""
+    st = pytest.importorskip("safetensors.torch")
+    model = zoo.bnmlp()
+    ema = copy.deepcopy(model)
+    with nanhunt.watch(model, on_find="record"):
+        with torch.no_grad():
+            model.fc2.weight[0, 0] = float("nan")
+        st.save_file(ema.state_dict(), str(tmp_path / "ema.safetensors"))
+        part = {k: v for k, v in model.state_dict().items() if k.startswith("fc1.")}
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            st.save_file(part, str(tmp_path / "part.safetensors"))
+    assert (tmp_path / "ema.safetensors").exists() and not (tmp_path / "part.safetensors").exists()
+    assert ei.value.finding.tensor == "['fc2.weight']" and "part of" in ei.value.finding.hint

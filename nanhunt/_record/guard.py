@@ -337,36 +337,44 @@ class SaveGuard:
 
     def judged(self, obj: Any) -> list[tuple[Keys, torch.Tensor]]:
         """The tensors of ``obj`` that are the watched model's or optimizers' state."""
+        return self._judged(obj)[0]
+
+    def _judged(self, obj: Any) -> tuple[list[tuple[Keys, torch.Tensor]], bool]:
+        """`judged`, and whether one of them is the watched state itself (shares its storage), not
+        a copy of it under its name (an EMA model of the same architecture)."""
         hunt = self._hunt()
         if hunt is None:
-            return []
+            return [], False
         storages, names = self._watched(hunt)
         optimizers = bool(hunt._opts)
         out: list[tuple[Keys, torch.Tensor]] = []
+        itself = False
         for keys, t, in_optim in walk(obj, limit=_WALKED):
             if not is_checked(t) or t.is_nested:  # (a nested tensor has no shape to match a name by)
                 continue
             k = _storage(t)
             if k is not None and k in self._exempt:
                 continue
-            if (k is not None and k in storages) or (in_optim and optimizers) or _named(keys, t, names):
+            mine = k is not None and k in storages
+            if mine or (in_optim and optimizers) or _named(keys, t, names):
                 out.append((keys, t))
-        return out
+                itself = itself or mine
+        return out, itself
 
     def check(self, obj: Any, file: str, whole: bool = False) -> Any:
         """The finding for the first non-finite judged tensor of ``obj``, or None. ``whole``: a
         file of a checkpoint written in several (safetensors shards, one file per model): when
-        ``obj`` holds any of the watched state, all of it is judged, so that the first file is
-        refused already and none of the checkpoint is left half new, half old."""
+        ``obj`` holds any of the watched state itself, all of it is judged, so that the first file
+        is refused already and none of the checkpoint is left half new, half old."""
         hunt = self._hunt()
         if hunt is None or hunt._paused or hunt.closed:
             return None
-        items = self.judged(obj)
+        items, itself = self._judged(obj)
         bad = all_bad([t for _, t in items])
         if bad:
             keys, t = items[bad[0]]
             return finding(file, keys, t, step=hunt.step, hint=_HINT, rank=hunt.rank)
-        if not whole or not items:
+        if not whole or not itself:  # (a clean copy of another model, an EMA's, is not part of this checkpoint)
             return None
         state = [(n, t) for n, t in self._state(hunt) if _storage(t) not in self._exempt]
         bad = all_bad([t for _, t in state])
