@@ -2197,7 +2197,8 @@ class Hunt:
     def occurred(self, f: Finding) -> int:
         """When the value of ``f`` (one of `findings`) was made, on the process's event clock
         (`_hooks.tick`, shared by every hunt): the top-level call a forward finding was made in,
-        the loss code's torch call, the step's backward; else when the hunt recorded it. With
+        the loss code's torch call, the step's backward, the optimizer's ``step()``; else when
+        the hunt recorded it. With
         several models watched (``nanhunt run`` of a GAN), the findings of all hunts go in this
         order: the discriminator's step may judge its input before the generator's step judges
         the generator's forward that made it. 0 for a finding the hunt does not hold."""
