@@ -624,3 +624,27 @@ def test_run_lists_a_nan_made_in_the_loops_code_once_though_every_hunt_recorded_
             _gan_round(D, fake, od, og)
     outside = [f for f in auto.findings() if f.module == "<outside>" and f.cause == "created"]
     assert len(outside) == 1 and outside[0].op == "aten.div.Tensor", [(f.module, f.step, f.op) for f in auto.findings()]
+
+
+def test_run_in_warn_mode_calls_the_first_the_first_beside_a_model_called_once():
+    """A model called once before the loop (embeddings precomputed) keeps its hunt's step open for
+    good; it does not stop the training model's first finding from being warned as the first."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with AutoWatch(on_find="warn"):
+            encoder, model = nn.Linear(3, 3), Net()
+            with torch.no_grad():
+                features = encoder(torch.randn(16, 3))
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for step in range(3):
+                x = features[step * 4:(step + 1) * 4].clone()
+                if step == 1:
+                    x[0, 0] = float("inf") - float("inf")  # a NaN batch
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    firsts = [str(w.message) for w in caught if str(w.message).startswith("First NaN")]
+    assert len(firsts) == 1 and "at step 1" in firsts[0], [str(w.message)[:80] for w in caught]

@@ -368,10 +368,13 @@ class AutoWatch:
         return not self._pending_before(hunt, got[0])
 
     def _pending_before(self, hunt: Hunt, when: int) -> bool:
-        """Does a hunt other than ``hunt`` hold a step not judged yet that began before ``when``?"""
+        """Does a hunt other than ``hunt`` hold a step not judged yet that began before ``when``,
+        while ``hunt``'s step just judged ran (a model called once long before, whose hunt never
+        judges again, does not hold the warning back for good)?"""
+        since = hunt.judging_since
         for h in self._all():
             tops = h._log.tops if h is not hunt and not h.closed else None
-            if tops and 0 < tops[0].clock < when:
+            if tops and 0 < since <= tops[0].clock < when:
                 return True
         return False
 

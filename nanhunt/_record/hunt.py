@@ -253,6 +253,7 @@ class Hunt:
         self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
         self._made: dict[int, int] = {}  # the analysis's `occurred` for the findings about to be added
         self._step_clocks: dict[int, int] = {}  # per optimizer: when its last step() ended (`_hooks.tick`)
+        self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
         scaler = o.scaler if o.scaler is not None else _wrapper_scaler(optimizer)
@@ -1955,6 +1956,7 @@ class Hunt:
             self._after_trace()
         self._resolve(self._log)
         log, self._log = self._log, StepLog()
+        self.judging_since = log.tops[0].clock if log.tops else 0
         self._stack.clear()
         if self._backup is not None:
             self._backup.end_step()
