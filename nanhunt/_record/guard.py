@@ -148,6 +148,8 @@ def _storage(t: torch.Tensor) -> tuple[Any, int] | None:
 # the last one (one put on top of ours since stays, ours a pass-through).
 _ST_HELPERS = ("_flatten_as_ptr", "_flatten")  # (safetensors >= 0.6, before)
 _patched: list[tuple[Any, str, Callable[..., Any]]] = []  # (owner, attribute, original)
+# inside a writer that judged its whole checkpoint as it began: each file is judged by itself only
+_whole_judged: contextvars.ContextVar[bool] = contextvars.ContextVar("nanhunt_whole_judged", default=False)
 _st_looked = False
 
 
@@ -188,13 +190,23 @@ def _accelerate_pick(caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _guarded(original: Callable[..., Any], pick: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
+    outer = pick is not _st_pick  # a whole checkpoint's writer: its files need not judge it all again
+
     @functools.wraps(original)
     def writer(*args: Any, **kwargs: Any) -> Any:
-        if _guards:
-            obj, target = pick(sys._getframe(1), args, kwargs)
-            for g in list(_guards):
-                g.judge(obj, target, whole=True)
-        return original(*args, **kwargs)
+        if not _guards:
+            return original(*args, **kwargs)
+        obj, target = pick(sys._getframe(1), args, kwargs)
+        whole = not _whole_judged.get()
+        for g in list(_guards):
+            g.judge(obj, target, whole=whole)
+        if not outer:
+            return original(*args, **kwargs)
+        token = _whole_judged.set(True)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _whole_judged.reset(token)
 
     writer.__nanhunt__ = True  # type: ignore[attr-defined]
     return writer
