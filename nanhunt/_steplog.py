@@ -184,7 +184,7 @@ class OutRec:
     __slots__ = ("func", "args", "kwargs", "out", "src", "fn", "rng", "autocast", "clock")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, out: Any, src: str | None, fn: str,
-                 rng: torch.Tensor | None, autocast: tuple[tuple[str, torch.dtype], ...] = ()) -> None:
+                 rng: torch.Tensor | None, autocast: tuple[tuple[str, torch.dtype], ...] = (), clock: int = 0) -> None:
         self.func = func
         self.args = args
         self.kwargs = kwargs
@@ -193,7 +193,7 @@ class OutRec:
         self.fn = fn
         self.rng = rng  # the CPU RNG state before the call, for the first call after a root call
         self.autocast = autocast  # (device type, dtype) of each autocast on at the call: a replay runs under it
-        self.clock = 0  # when it was made (`_hooks.tick`)
+        self.clock = clock  # when it was made (`_hooks.tick`)
 
 
 Entry = Fwd | Chk | Bwd | Op | Out

@@ -189,8 +189,9 @@ def _accelerate_pick(caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             _path(where, "<accelerate save_state>"))
 
 
-def _guarded(original: Callable[..., Any], pick: Callable[..., tuple[Any, str]]) -> Callable[..., Any]:
-    outer = pick is not _st_pick  # a whole checkpoint's writer: its files need not judge it all again
+def _guarded(original: Callable[..., Any], pick: Callable[..., tuple[Any, str]], outer: bool) -> Callable[..., Any]:
+    """``original`` judged first; ``outer``: it writes a whole checkpoint (judged whole as it
+    begins), so the files it writes are judged each by itself only."""
 
     @functools.wraps(original)
     def writer(*args: Any, **kwargs: Any) -> Any:
@@ -212,29 +213,30 @@ def _guarded(original: Callable[..., Any], pick: Callable[..., tuple[Any, str]])
     return writer
 
 
-def _writers() -> list[tuple[Any, str, Callable[..., tuple[Any, str]]]]:
-    """The writers there are to guard: (owner, attribute, what it writes and where)."""
-    out: list[tuple[Any, str, Callable[..., tuple[Any, str]]]] = []
+def _writers() -> list[tuple[Any, str, Callable[..., tuple[Any, str]], bool]]:
+    """The writers there are to guard: (owner, attribute, what it writes and where, whether it
+    writes a whole checkpoint of several files)."""
+    out: list[tuple[Any, str, Callable[..., tuple[Any, str]], bool]] = []
     st = _safetensors()
     if st is not None:
-        out += [(st, name, _st_pick) for name in _ST_HELPERS if callable(getattr(st, name, None))]
+        out += [(st, name, _st_pick, False) for name in _ST_HELPERS if callable(getattr(st, name, None))]
     hf = sys.modules.get("transformers.modeling_utils")  # (not imported here: only when the script did)
     if hf is not None and isinstance(getattr(hf, "PreTrainedModel", None), type):
-        out.append((hf.PreTrainedModel, "save_pretrained", _hf_pick))
+        out.append((hf.PreTrainedModel, "save_pretrained", _hf_pick, True))
     acc = sys.modules.get("accelerate.accelerator")
     if acc is not None and isinstance(getattr(acc, "Accelerator", None), type):
-        out.append((acc.Accelerator, "save_state", _accelerate_pick))
+        out.append((acc.Accelerator, "save_state", _accelerate_pick, True))
     return out
 
 
 def _guard_writers() -> None:
     if _patched:
         return
-    for owner, name, pick in _writers():
+    for owner, name, pick, outer in _writers():
         fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if callable(fn) and not getattr(fn, "__nanhunt__", False):
             _patched.append((owner, name, fn))
-            setattr(owner, name, _guarded(fn, pick))
+            setattr(owner, name, _guarded(fn, pick, outer))
 
 
 def _unguard_writers() -> None:

@@ -251,7 +251,6 @@ class Hunt:
         # they were made (on_find, a refused checkpoint): `nanhunt run` orders findings across hunts
         self.on_record: list[Callable[[list[Finding]], None]] = []
         self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
-        self._made: dict[int, int] = {}  # the analysis's `occurred` for the findings about to be added
         self._step_clocks: dict[int, int] = {}  # per optimizer: when its last step() ended (`_hooks.tick`)
         self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
@@ -2028,7 +2027,7 @@ class Hunt:
                     if batches is not None and self._batches is not None:
                         found = self._batches.fill(found, log, batches)
                     if len(view.occurred) == len(found):  # when each value was made (see `occurred`)
-                        self._made = {id(f): c for f, c in zip(found, view.occurred) if c}
+                        made = {id(f): c for f, c in zip(found, view.occurred) if c}
                 except Exception as e:  # the other ranks still wait for this rank's findings
                     if d is None:
                         raise
@@ -2058,9 +2057,10 @@ class Hunt:
             log.release()
         if found:
             with span("nanhunt::finding", cuda):
-                self._handle(found, raise_ok, evaluation)
+                self._handle(found, raise_ok, evaluation, made=made)
 
-    def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False, foreign: bool = False) -> None:
+    def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False, foreign: bool = False,
+                made: dict[int, int] | None = None) -> None:
         """``foreign``: findings of another thread's call (`_foreign_post`): the owner's step, its
         buffers and its optimizers are left as they are."""
         first = not self.findings and not self._dropped and not foreign  # (the step's own may go before it)
@@ -2068,7 +2068,7 @@ class Hunt:
         self._dropped += max(len(found) - room, 0)
         if foreign:
             self._foreign_ids.update(id(f) for f in found[:room])
-        self._add_findings(found[:room])
+        self._add_findings(found[:room], made)
         if any(f.phase in ("backward", "grad") for f in found):
             self._bad_grads_step = self.step
         for f in found:
@@ -2176,13 +2176,13 @@ class Hunt:
             if f is not None:
                 raise self._refused(f)
 
-    def _add_findings(self, found: list[Finding]) -> None:
+    def _add_findings(self, found: list[Finding], made: dict[int, int] | None = None) -> None:
         """Keep ``findings`` in order of occurrence: a finding of an earlier step made later (the
         optimizer's, read at the next step's sync, after a checkpoint was refused) goes before
         the later steps' findings; within a step, in the order given."""
-        now, made, self._made = _tick(), self._made, {}
-        for f in found:
-            self._when[id(f)] = (made.get(id(f)) or now, f)
+        now = _tick()
+        for f in found:  # (``made``: the analysis's `occurred` of each, by id)
+            self._when[id(f)] = ((made or {}).get(id(f)) or now, f)
         for listener in self.on_record:
             listener(found)
         findings = self.findings
@@ -2200,10 +2200,10 @@ class Hunt:
         """When the value of ``f`` (one of `findings`) was made, on the process's event clock
         (`_hooks.tick`, shared by every hunt): the top-level call a forward finding was made in,
         the loss code's torch call, the step's backward, the optimizer's ``step()``; else when
-        the hunt recorded it. With
-        several models watched (``nanhunt run`` of a GAN), the findings of all hunts go in this
-        order: the discriminator's step may judge its input before the generator's step judges
-        the generator's forward that made it. 0 for a finding the hunt does not hold."""
+        the hunt recorded it. With several models watched (``nanhunt run`` of a GAN), the
+        findings of all hunts go in this order: the discriminator's step may judge its input
+        before the generator's step judges the generator's forward that made it. 0 for a finding
+        the hunt does not hold."""
         got = self._when.get(id(f))
         return got[0] if got is not None and got[1] is f else 0
 

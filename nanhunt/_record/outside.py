@@ -555,9 +555,7 @@ class Outside(TorchFunctionMode):
             rng = None
             if self.fresh:
                 rng, self.fresh = rng_before, False
-            rec = OutRec(func, args, kwargs, out, src, fn, rng, _autocast())
-            rec.clock = _tick()
-            log.outside.append(rec)
+            log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng, _autocast(), _tick()))
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):
