@@ -2016,6 +2016,7 @@ class Hunt:
                         self._forget_known()  # (the parameters and state it read were finite)
                     return
             failed: Exception | None = None
+            made: dict[int, int] = {}  # the analysis's `occurred` of this rank's findings, by id
             if bad:
                 self._hit_inputs = [weakref.ref(t) for top in log.tops
                                     for _, t in tensors((top.args, top.kwargs or {}))]
