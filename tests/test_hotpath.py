@@ -520,3 +520,38 @@ def test_finite_probes_that_add_up_past_float32s_range_raise_no_alarm(monkeypatc
             opt.step()
             opt.zero_grad()
     assert not ran and h.first is None
+
+
+def test_watching_leaves_the_users_backward_as_cheap_as_it_was():
+    # torch._C._functorch.maybe_current_level() makes the thread's functorch state on its first
+    # call; from then on the autograd engine copies it for every node of every backward (+2 % of
+    # the benchmark MLP's backward, for the life of the thread, hunt closed or not). Whether a call
+    # runs inside torch.func transforms is read from the dispatch keys instead: a fresh process,
+    # the call counted, the hooks run in every mode and in an evaluation pass
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch
+        calls = []
+        real = torch._C._functorch.maybe_current_level
+        torch._C._functorch.maybe_current_level = lambda: calls.append(1) or real()
+        import nanhunt
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters())
+        for mode in ("full", "sentinel"):
+            with nanhunt.watch(model, optimizer=opt, mode=mode, on_find="record") as hunt:
+                for _ in range(3):
+                    model(torch.randn(5, 4)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                with torch.no_grad():
+                    model(torch.randn(5, 4))
+                assert hunt.first is None
+        print(len(calls))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "0"

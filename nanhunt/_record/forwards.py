@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._hooks import REPLAYING
+from .._hooks import REPLAYING, in_transform
 from .copies import hold, release
 
 __all__ = ["Forward", "install", "remove", "LAZY_NUMEL"]
@@ -53,7 +53,6 @@ _F32 = torch.float32
 LAZY_NUMEL = 1 << 14
 NOTED_CAP = 3 * 128  # list items: at most 128 outputs wait for `Hunt._flush` (<= 8 MiB)
 _tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
-_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one call), True while dynamo traces
 
 
@@ -87,7 +86,7 @@ class Forward:
                 return self.run(args, kwargs)
             ev = h._ev
             lean = (ev is not None and self.lean and not m._forward_hooks and _tracing_state() is None
-                    and _functorch_level() is None)
+                    and not in_transform())
             if lean:  # the lean path: the call is only noted; `Hunt._flush` records it as `_push` would
                 ev.append(self)
                 c = None

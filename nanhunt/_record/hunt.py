@@ -51,7 +51,7 @@ from torch.optim import optimizer as _optim_mod
 
 from .._files import warn_unwritten
 from .._finding import Finding, NonFiniteError
-from .._hooks import REPLAYING, GlobalHooks, hunt_opened, replaying
+from .._hooks import REPLAYING, GlobalHooks, hunt_opened, in_transform, replaying
 from .._hooks import tick as _tick
 from .._locate import locate
 from .._locate.damage import bad_state, damage
@@ -105,7 +105,6 @@ _F32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
-_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward pass
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _grad_enabled = torch.is_grad_enabled
@@ -628,7 +627,7 @@ class Hunt:
             names = self._names
             stack = self._stack
             if (names is not None and stack and not m._forward_hooks and not self._paused
-                    and not REPLAYING and _tracing_state() is None and _functorch_level() is None):
+                    and not REPLAYING and _tracing_state() is None and not in_transform()):
                 e = names.get(id(m))
                 if e is not None and e[1]() is m:
                     p = stack[-1]
@@ -838,7 +837,7 @@ class Hunt:
                 if not (type(fw) is Forward and fw.hunt is self):
                     self._foreign_pre(module, args, None)
                 return
-            if _functorch_level() is not None:
+            if in_transform():
                 return  # inside torch.func transforms (vmap/grad): not recorded
             names = self._names
             if names is None:
@@ -1013,7 +1012,7 @@ class Hunt:
         e = self._entry(module)
         if e is None:
             return False
-        if (_functorch_level() is not None or _graph_task() != -1 or _tracing_state() is not None
+        if (in_transform() or _graph_task() != -1 or _tracing_state() is not None
                 or _on_meta(module, args)):
             return False
         loc.top = (module, e[0], args, kwargs)
@@ -1483,7 +1482,7 @@ class Hunt:
                 return
             if self._stack:
                 return
-            if _functorch_level() is not None or _graph_task() != -1:
+            if in_transform() or _graph_task() != -1:
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
             if _redirected(module, through=False):
                 return  # (as in _pre_other; a wrapper's call stays the top: sentinel hooks nothing inside it)

@@ -36,7 +36,7 @@ from torch.nn.modules import module as module_mod
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext as _DeviceContext  # set_default_device's: the stack's bottom
 
-from .._hooks import REPLAYING
+from .._hooks import REPLAYING, in_transform
 from .._hooks import tick as _tick
 from .._steplog import Out, OutRec, StepLog
 from .._tensors import is_checked, probe
@@ -86,7 +86,6 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
-_functorch_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms
 
 
 def _carried(name: str, args: Any) -> torch.Tensor | None:
@@ -480,7 +479,7 @@ class Outside(TorchFunctionMode):
         if (self.stale or (type(func) in _OP_TYPES and func in _UNRECORDED) or torch.compiler.is_compiling()
                 or (REPLAYING and get_ident() in REPLAYING)):
             return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
-        if _functorch_level() is not None:  # inside torch.func transforms (vmap/grad, per-sample gradients):
+        if in_transform():  # inside torch.func transforms (vmap/grad, per-sample gradients):
             return func(*args, **kwargs)  # not recorded, as module calls there are not (their tensors are wrapped)
         if _own_code(sys._getframe(1).f_code.co_filename):
             return func(*args, **kwargs)  # nanhunt's own work (another hunt's hooks): nobody's outside code
