@@ -272,3 +272,33 @@ def test_an_earlier_micro_batchs_backward_goes_before_a_later_micro_batchs_forwa
     together = _accumulate(mode, "record", backward_between=False)
     assert (together[0].phase, together[0].module, together[0].call) == ("forward", "proj", 2), str(together[0])
     assert not any(x.phase == "backward" for x in together), [str(x) for x in together]
+
+
+def test_sentinel_walks_the_optimizers_state_at_the_first_step_and_still_finds_it_poisoned_later(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gradient of 1e22 is finite, its square is not: Adam's exp_avg_sq becomes inf, the update
+    # m / (sqrt(inf) + eps) is 0, the weights stay finite and training silently stalls. Sentinel
+    # mode reads parameters and state every 10th step; working out which tensors those are (a walk
+    # over every parameter's state) is done once, at the first step, and the later probes still
+    # see the state the optimizer holds then.
+    from nanhunt._record import probe as probe_mod
+
+    walks: list[int] = []
+    real = probe_mod.optimizer_tensors
+    step = [0]
+    monkeypatch.setattr(probe_mod, "optimizer_tensors", lambda opt: walks.append(step[0]) or real(opt))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 4)
+    with nanhunt.watch(model, optimizer=opt, mode="sentinel", on_find="record") as hunt:
+        for step[0] in range(12):
+            loss = model(x).pow(2).mean() * (1e22 if step[0] == 5 else 1.0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert walks == [0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.tensor) == ("optimizer", "2", "state['exp_avg_sq']"), str(f)
+    assert f.step == 9 and f.op == "aten.addcmul_.default"  # (read at the 10th step: sentinel's promise)

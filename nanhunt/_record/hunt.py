@@ -1858,6 +1858,8 @@ class Hunt:
                     self._judged.discard(i)
                 elif log.vectors:  # judged finite (non-finite: that log was ended, its findings made)
                     log.vectors.pop()
+        elif self._optimizer_every:
+            self._oprobes[i].prepare()
 
     def _judged_now(self, vec: torch.Tensor | Fused) -> bool:
         """Judge the optimizer's update at once where that costs no device sync (CPU tensors, one

@@ -177,6 +177,13 @@ class OptimizerProbe:
             self._sig = sig
         return self.items, self.tensors
 
+    def prepare(self) -> None:
+        """Work out the tensors now if that was never done (after the optimizer's first step, when
+        its state exists): sentinel mode's first probe, steps later, then only checks the walk
+        still holds, and a run pays the walk (~0.3 ms for a 98-parameter AdamW) on its first step."""
+        if not self._sig:
+            self.current()
+
     def probe(self) -> torch.Tensor | Fused:
         """The probe of `current()`'s tensors (call `current()` first)."""
         plan = self._plan
