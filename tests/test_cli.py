@@ -16,6 +16,7 @@ from torch.optim import optimizer as optim_mod
 from nanhunt import NonFiniteError, Report
 from nanhunt._cli.auto import AutoWatch
 from nanhunt._cli.main import main, rank_path
+from tests import zoo
 
 LOG_OF_ZERO = '''
 import sys
@@ -577,16 +578,6 @@ def test_run_of_a_gan_in_warn_mode_calls_the_generators_value_the_first():
     assert all(w.filename == __file__ for w in caught if "NaN" in str(w.message))  # the loop's line
 
 
-def _gan_round(D: nn.Module, fake: torch.Tensor, od: torch.optim.Optimizer, og: torch.optim.Optimizer) -> None:
-    """The discriminator's step on the generator's output, then the generator's through it."""
-    D(fake.detach()).mean().backward()
-    od.step()
-    od.zero_grad()
-    D(fake).mean().backward()
-    og.step()
-    og.zero_grad()
-
-
 def test_run_raises_the_generators_value_when_the_script_watches_the_generator_itself():
     import nanhunt as nh
 
@@ -601,7 +592,7 @@ def test_run_raises_the_generators_value_when_the_script_watches_the_generator_i
                     with torch.no_grad():
                         G.fc.weight.zero_()
                         G.fc.bias.zero_()
-                _gan_round(D, G(torch.randn(32, 8)), od, og)
+                zoo.gan_round(D, G(torch.randn(32, 8)), od, og)
 
     with AutoWatch(on_find="raise") as auto:
         with pytest.raises(NonFiniteError) as ei:
@@ -621,7 +612,7 @@ def test_run_lists_a_nan_made_in_the_loops_code_once_though_every_hunt_recorded_
         for step in range(3):
             h = G(torch.randn(6, 8)) * (step != 1)
             fake = h / h.norm(dim=1, keepdim=True)  # 0/0 at step 1, seen by G's hunt and D's (called last)
-            _gan_round(D, fake, od, og)
+            zoo.gan_round(D, fake, od, og)
     outside = [f for f in auto.findings() if f.module == "<outside>" and f.cause == "created"]
     assert len(outside) == 1 and outside[0].op == "aten.div.Tensor", [(f.module, f.step, f.op) for f in auto.findings()]
 

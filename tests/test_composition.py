@@ -222,13 +222,7 @@ def test_hunt_occurred_orders_the_findings_of_one_hunt_per_model() -> None:
                 with torch.no_grad():
                     g[0].weight.zero_()
                     g[0].bias.zero_()
-            fake = g(torch.randn(8, 4))
-            d(fake.detach()).mean().backward()
-            od.step()
-            od.zero_grad()
-            d(fake).mean().backward()
-            og.step()
-            og.zero_grad()
+            zoo.gan_round(d, g(torch.randn(8, 4)), od, og)
     assert hd.findings and hg.findings
     d0, g0 = hd.findings[0], hg.findings[0]
     assert (d0.step, d0.module, d0.cause) == (1, "", "input")

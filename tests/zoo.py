@@ -714,3 +714,14 @@ def train_with_a_nan_batch(model: nn.Module, opt: torch.optim.Optimizer, shape: 
         opt.zero_grad()
         if after_step is not None:
             after_step()
+
+
+def gan_round(D: nn.Module, fake: torch.Tensor, od: torch.optim.Optimizer, og: torch.optim.Optimizer) -> None:
+    """One round of a GAN's loop: the discriminator's step on the generator's output (detached),
+    then the generator's step through the discriminator."""
+    D(fake.detach()).mean().backward()
+    od.step()
+    od.zero_grad()
+    D(fake).mean().backward()
+    og.step()
+    og.zero_grad()
