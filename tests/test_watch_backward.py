@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import linecache
+import math
 from typing import Any
 
 import pytest
@@ -717,3 +718,44 @@ def test_a_retry_of_the_same_batch_after_the_error_is_the_same_step() -> None:
                     opt.zero_grad()
     assert raised == [(2, 2), (2, 2), (4, 4), (4, 4)]
     assert hunt.step == 6 and all(torch.isfinite(p).all() for p in m.parameters())
+
+
+class _SqrtEmbedding(nn.Module):
+    """A bag-of-words model whose embedding takes sparse gradients (``sparse=True``) and a sqrt of
+    its rows: a row that reaches exactly 0 has a finite output and an infinite gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.sqrt(self.emb(idx)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_sparse_gradient_made_infinite_by_sqrt_at_zero_is_found(mode: str, watched: bool) -> None:
+    # sparse gradients (nn.Embedding(sparse=True), SGD takes them) are judged by their values as
+    # the dense ones are, whether the optimizer is given to watch() or not (then judged as its
+    # step begins): never an internal fault that switches the hunt off (raise mode: InternalError
+    # out of the user's run), never an update from them
+    torch.manual_seed(0)
+    m = _SqrtEmbedding()
+    with torch.no_grad():
+        m.emb.weight.abs_()
+        m.emb.weight[7, 2] = 0.0  # sqrt(0) = 0, d sqrt/dx = inf
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    batches = [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6]), torch.tensor([1, 7, 2]), torch.tensor([0, 1])]
+    before = None
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt if watched else None, mode=mode):
+        for i, idx in enumerate(batches):
+            m(idx).sum().backward()
+            if i == 2:
+                before = snapshot(m)
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert f.phase == "backward" and f.step == 2, f
+    assert math.isinf(f.value), f
+    assert before is not None and same_state(snapshot(m), before), "a step with non-finite gradients was applied"

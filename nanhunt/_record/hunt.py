@@ -40,7 +40,8 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from threading import get_ident
 from typing import Any
 
@@ -111,6 +112,9 @@ _grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _weakref = weakref.ref
 _VERSION = attrgetter("_version")
+_GRAD = attrgetter("grad")
+_IS_META = attrgetter("is_meta")
+_IS_SPARSE = attrgetter("is_sparse")
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _CHECKED = frozenset(d for d in vars(torch).values()  # the dtypes that can hold NaN/Inf (`is_checked`)
@@ -1758,16 +1762,10 @@ class Hunt:
         if self._closed:
             return
         try:
-            params, grads = [], []
             # skip: the round's first step() judges every watched optimizer's gradients, so that a
             # skipped round applies none of them
             opts = self._opts if self.on_find == "skip" and not self._round else [opt]
-            for g in (g for o in opts for g in o.param_groups):
-                for p in g["params"]:
-                    gr = p.grad
-                    if gr is not None and not gr.is_meta:  # (a dry run on the meta device: no values)
-                        params.append(p)
-                        grads.append(gr.to_dense() if gr.is_sparse else gr)
+            params, grads = _with_grads([p for o in opts for g in o.param_groups for p in g["params"]])
             if grads:
                 self._log.vectors.append((self._grad_probe(i if len(opts) == 1 else -1).probe(params, grads),
                                           Grads(i, params)))
@@ -1968,9 +1966,8 @@ class Hunt:
         # (only after a backward in the step: an inference loop never judges gradients left from before)
         if self._root is not None and ((not self._opts and (log.backward or log.seeds)) or unstepped):
             every = self._root.parameters() if not self._opts else self._opt_params()
-            params = [p for p in every if p.grad is not None and not p.grad.is_meta]
+            params, grads = _with_grads(list(every))
             if params:
-                grads = [p.grad for p in params if p.grad is not None]
                 log.vectors.append((self._grad_probe(-2 if not self._opts else -3).probe(params, grads),
                                     Grads(-1, params)))
         drained = self._compiled.drain() if self._compiled is not None else None
@@ -2490,6 +2487,21 @@ def _on_meta(module: nn.Module, args: tuple[Any, ...]) -> bool:
     a call with keyword arguments only is watched.)"""
     with _NO_SUBCLASS():
         return any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+
+
+def _with_grads(ps: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters that have a gradient with values, and those gradients (a sparse one as
+    dense); a meta gradient (a dry run on the meta device) has none. The common case (every
+    gradient a dense tensor with values) in C-level passes: a Python loop reading three properties
+    per parameter cost ~0.25 M instructions a step on the benchmark MLP's 98 parameters (+0.7 %)."""
+    grads = list(map(_GRAD, ps))
+    there = list(map(is_not, grads, repeat(None)))
+    if not all(there):
+        ps, grads = list(compress(ps, there)), list(compress(grads, there))
+    if not any(map(_IS_META, grads)) and not any(map(_IS_SPARSE, grads)):
+        return ps, grads
+    kept = [(p, g.to_dense() if g.is_sparse else g) for p, g in zip(ps, grads) if not g.is_meta]
+    return [p for p, _ in kept], [g for _, g in kept]
 
 
 def _storage_of(t: torch.Tensor) -> int:
