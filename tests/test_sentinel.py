@@ -41,15 +41,41 @@ def _sqrt0() -> tuple[nn.Module, Callable[[nn.Module], None]]:
     return zoo.distnet(0), lambda m: None  # equal halves below: sqrt at 0 in backward
 
 
+class _LogHead(nn.Module):
+    """log features in the model's own code (between two children), then a linear head: a -inf
+    from log(0) becomes NaN in the head (-inf times weights of both signs, summed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.log(self.lin(x).clamp(min=0)))
+
+
+def _log0_own_code() -> tuple[nn.Module, Callable[[nn.Module], None]]:
+    torch.manual_seed(0)
+
+    def zero_lin(m: nn.Module) -> None:  # every feature 0: log(0) = -inf in the model's own code
+        with torch.no_grad():
+            m.lin.weight.zero_()
+            m.lin.bias.zero_()
+
+    return _LogHead(), zero_lin
+
+
 CASES: dict[str, Callable[[], tuple[nn.Module, Callable[[nn.Module], None]]]] = {
     "poisoned LayerNorm weight": _poisoned_ln,
     "log(0)": _log0,
+    "log(0) in the model's own code, NaN in the head": _log0_own_code,
     "sqrt at 0 (backward)": _sqrt0,
 }
 # what both modes must name: (phase, module, module_type, tensor, cause)
 EXPECTED = {
     "poisoned LayerNorm weight": ("forward", "1", "LayerNorm", "output", "parameter"),
     "log(0)": ("forward", "log", "Log", "output", "created"),
+    "log(0) in the model's own code, NaN in the head": ("forward", "", "_LogHead", "output", "created"),
     "sqrt at 0 (backward)": ("backward", "dist", "PairDistance", "grad_input[0]", "created"),
 }
 
