@@ -23,6 +23,7 @@ __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
     "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "read_nan", "real_view",
+    "storage_of",
 ]
 
 _F32 = torch.float32
@@ -381,3 +382,12 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[list[tuple[torch.Tens
                     tens.append(sv)
                     items.append((p, sk))
     return items, tens
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """Where ``t``'s elements live (a parameter, its ``.data``, a view of it: the same), 0 for a
+    tensor without storage of its own (a subclass's wrapper)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0

@@ -3,6 +3,7 @@ and reports."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -521,6 +522,11 @@ def _hand_update(model: nn.Module, how: str) -> None:
         elif how == "p.data = p.data - lr * p.grad":  # (no in-place op: the data descriptor's write)
             for p in model.parameters():
                 p.data = p.data - 0.01 * p.grad
+        elif how == "updates computed first":
+            ps = list(model.parameters())
+            updates = [0.01 * p.grad for p in ps]
+            for p, u in zip(ps, updates):
+                p.sub_(u)
         else:
             ps = list(model.parameters())
             torch._foreach_add_(ps, [p.grad for p in ps], alpha=-0.01)
@@ -545,6 +551,37 @@ def test_a_hand_written_update_without_an_optimizer_is_judged_before_it_writes(h
     f = ei.value.finding
     assert (f.phase, f.module, f.cause, f.step) == ("forward", "log", "created", 0), str(f)
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "the update wrote a NaN gradient"
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data.add_", "p.data = p.data - lr * p.grad", "_foreach_add_",
+                                 "updates computed first"])
+def test_skip_drops_a_hand_written_update_of_a_bad_batch(how: str, mode: str) -> None:
+    """on_find="skip" with an SGD update by hand: the step is judged at its first write, after the
+    loop computed that write's operand from the NaN gradients. Dropping the gradients then left
+    that write (and every update computed before it) to go in: the weights went NaN, and the loop's
+    next ``lr * p.grad`` failed on None. Now the update's writes into the parameters are dropped
+    until the model's next call: the run ends bit-identical to one that never saw the batch."""
+    def train(bad: int | None, watch: bool) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        g = torch.Generator().manual_seed(1)
+        with nanhunt.watch(m, on_find="skip", mode=mode) if watch else contextlib.nullcontext() as hunt:
+            for step in range(4):
+                x = torch.randn(4, 8, generator=g)
+                if step == bad:
+                    x[0, 0] = float("nan")
+                elif bad is None and step == 1:
+                    continue  # the reference: the same batches without the bad one
+                m(x).pow(2).mean().backward()
+                _hand_update(m, how)
+                m.zero_grad()
+        if watch:
+            assert hunt.skipped == [1], hunt.skipped
+        return m
+
+    got, ref = train(1, True), train(None, False)
+    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), ref.parameters())), "the skipped update was applied"
 
 
 @pytest.mark.parametrize("how", ["p -= lr * p.grad", "p.data = p.data - lr * p.grad"])

@@ -75,6 +75,7 @@ from .._tensors import (
     read_nan,
     shape_of,
     stack_probes,
+    storage_of,
     tensors,
     version,
 )
@@ -351,6 +352,7 @@ class Hunt:
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
         self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
+        self._hand_update = False  # judging a step at a hand-written update's write (see _drop_grads)
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         try:
@@ -912,6 +914,7 @@ class Hunt:
         need, and records its `Top`. ``cap``: end a step that never ends past `_MAX_ENTRIES`.
         None when ``on_find`` closed the hunt meanwhile."""
         self._outside.off()
+        self._outside.keep_writes()  # (a skipped hand-written update's writes were dropped until now)
         if self._later:  # optimizers added while torch ran their step hooks (see add_optimizer)
             later, self._later = self._later, []
             for opt in later:
@@ -1705,11 +1708,15 @@ class Hunt:
             if self._pstores[0] is not log:
                 root = self._root
                 self._pstores = (log, frozenset(
-                    _storage_of(p) for p in (root.parameters() if root is not None else ())))
+                    storage_of(p) for p in (root.parameters() if root is not None else ())))
             mine = self._pstores[1]
             ts = target if isinstance(target, (list, tuple)) else (target,)
-            if any(isinstance(t, torch.Tensor) and _storage_of(t) in mine for t in ts):
-                self._judge_before_update()
+            if any(isinstance(t, torch.Tensor) and storage_of(t) in mine for t in ts):
+                self._hand_update = True  # (see _drop_grads)
+                try:
+                    self._judge_before_update()
+                finally:
+                    self._hand_update = False
                 return True
         except NonFiniteError:
             raise
@@ -2157,6 +2164,13 @@ class Hunt:
         return True
 
     def _drop_grads(self) -> None:
+        if self._hand_update:
+            # a hand-written update is writing the parameters (`_before_write`): what it computed
+            # from the gradients is in hand already, so dropping them would not drop the step (and
+            # the loop's next ``lr * p.grad`` would fail on None). Its writes into the parameters
+            # are dropped instead, this one and every one until the model's next call
+            self._outside.drop_writes(self._pstores[1])
+            return
         if self._root is not None:
             drop_grads(self._root.parameters())
         for opt in self._opts:
@@ -2498,15 +2512,6 @@ def _with_grads(groups: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tenso
                 params.append(p)
                 grads.append(gr.to_dense() if gr.is_sparse else gr)
     return params, grads
-
-
-def _storage_of(t: torch.Tensor) -> int:
-    """Where ``t``'s elements live (a parameter, its ``.data``, a view of it: the same), 0 for a
-    tensor without storage of its own (a subclass's wrapper)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
 
 
 def _capture_top(module: nn.Module, args: tuple[Any, ...]) -> Top:

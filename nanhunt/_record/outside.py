@@ -39,7 +39,7 @@ from torch.utils._device import DeviceContext as _DeviceContext  # set_default_d
 from .._hooks import REPLAYING, in_transform
 from .._hooks import tick as _tick
 from .._steplog import Out, OutRec, StepLog
-from .._tensors import is_checked, probe
+from .._tensors import is_checked, probe, storage_of
 
 if TYPE_CHECKING:
     from .hunt import Hunt
@@ -438,6 +438,29 @@ _AUGMENTED = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__", "__it
 _DATA = torch._C.TensorBase.__dict__["data"]  # ``p.data = new``: its ``__set__`` replaces p's values
 
 
+_DROPS: dict[int, frozenset[int]] = {}  # id(Outside) -> storages whose writes are dropped (see Outside.drop_writes)
+
+
+def _writes(func: Any, name: str) -> bool:
+    """``func`` (named ``name``) writes its first argument in place (``p.data = new`` too)."""
+    return (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))
+            or (name == "__set__" and getattr(func, "__self__", None) is _DATA))
+
+
+def _writes_dropped(func: Any, args: Any) -> bool:
+    if not _writes(func, getattr(func, "__name__", "")):
+        return False
+    ts = args[0] if isinstance(args[0], (list, tuple)) else (args[0],)
+    return any(isinstance(t, torch.Tensor) and storage_of(t) in stores for stores in _DROPS.values() for t in ts)
+
+
+def _dropped(func: Any, args: Any) -> Any:
+    """What a dropped in-place call returns: its target (``p -= u`` rebinds ``p`` to it, ``p.add_``
+    returns it), None where the call itself returns None (``x[i] = v``, ``p.data = v``, foreach)."""
+    name = getattr(func, "__name__", "")
+    return None if name in ("__setitem__", "__set__") or name.startswith("_foreach") else args[0]
+
+
 class Outside(TorchFunctionMode):
     """The hunt's outside-code recorder; see the module docstring."""
 
@@ -461,7 +484,19 @@ class Outside(TorchFunctionMode):
     def off(self) -> None:
         _SWITCH.leave(self)
 
+    def drop_writes(self, storages: frozenset[int]) -> None:
+        """``on_find="skip"`` dropped the step at a hand-written update: its in-place writes into
+        these storages (the model's parameters) are not made, the one in flight and every one
+        until `keep_writes` (the model's next call). Seen by whichever mode is on the stack, a
+        stale one too (the step's judgement took this one out from inside its own handler)."""
+        _DROPS[id(self)] = storages
+
+    def keep_writes(self) -> None:
+        if _DROPS:
+            _DROPS.pop(id(self), None)
+
     def close(self) -> None:
+        self.keep_writes()
         _calls.clear()  # they hold the user's module globals (and through them, often the model)
         _SWITCH.sweep()
         if self in _SWITCH.active:
@@ -476,6 +511,8 @@ class Outside(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if kwargs is None:
             kwargs = {}
+        if _DROPS and args and _writes_dropped(func, args):
+            return _dropped(func, args)
         if (self.stale or (type(func) in _OP_TYPES and func in _UNRECORDED) or torch.compiler.is_compiling()
                 or (REPLAYING and get_ident() in REPLAYING)):
             return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
@@ -505,14 +542,15 @@ class Outside(TorchFunctionMode):
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
-        if args and (name in _AUGMENTED or (name.endswith("_") and not name.startswith("__"))
-                     or (name == "__set__" and getattr(func, "__self__", None) is _DATA)):
+        if args and _writes(func, name):
             judged = []  # a write in place (or ``p.data = p.data - lr * p.grad``): a hand-written update of a model's parameters?
             for m in recs:
                 h = m._hunt()
                 if h is not None and not h._opts and h._log.backward and h._before_write(args[0]):
                     judged.append(m)
             if judged:  # the update is not outside code of the step just judged, nor of the next
+                if _DROPS and _writes_dropped(func, args):  # on_find="skip" dropped the step
+                    return _dropped(func, args)
                 recs = [m for m in recs if m not in judged]
                 if not recs:
                     return call(func, args, kwargs)
