@@ -555,3 +555,4 @@ class StepView:
     # (`_hooks.tick`; 0: not known from the log), for ordering the findings of several hunts
     occurred: list[int] = field(default_factory=list)
     step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)
+    step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()

@@ -717,3 +717,32 @@ def test_a_nan_learning_rate_is_found_at_the_update_op_and_the_step_line(opt_cla
     assert (f.phase, f.step, f.cause) == ("optimizer", 0, "created"), f
     assert f.op is not None and f.op.startswith("aten.") and f.source is not None, f
     assert f.source.endswith(f":{line}") and "nan" in f.hint, f
+
+
+@pytest.mark.parametrize("settings", [{"mode": "sentinel"}, {"mode": "full", "optimizer_every": 0},
+                                      {"mode": "full", "optimizer_every": 10}, {"mode": "full"}],
+                         ids=["sentinel", "optimizer_every=0", "optimizer_every=10", "full"])
+def test_an_optimizer_that_stepped_earlier_in_the_round_is_not_blamed_for_the_step_before(settings: dict[str, Any]) -> None:
+    # two optimizers (one per layer, as a GAN or a split learning rate): a bad batch at step 2
+    # reaches the first optimizer's weights through its gradients, and the hit at the second one's
+    # step() finds them non-finite. Their update belongs to step 2, fed non-finite gradients; it
+    # was reported as made by the optimizer at step 1 ("created", aten.addcdiv_), the run's first finding
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    o1 = torch.optim.Adam(m[0].parameters(), lr=1e-2)
+    o2 = torch.optim.Adam(m[2].parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with nanhunt.watch(m, [o1, o2], on_find="record", **settings) as hunt:
+        for step in range(4):
+            x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+            if step == 2:
+                y = torch.full((4, 1), float("inf"))  # a bad target: the loss code makes the first inf
+            ((m(x) - y) ** 2).mean().backward()
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 2, "input"), str(f)
+    opt = [x for x in hunt.findings if x.phase == "optimizer"]
+    assert all(x.step == 2 and x.cause == "input" and x.op is None for x in opt if x.step <= 2), [str(x) for x in opt]

@@ -1128,11 +1128,13 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
     view = ctx.view
     if not view.steps_applied:
         return None  # no step() yet: whatever is non-finite was not made by the optimizer
-    last = max(ctx.step - 1, 0)
     for i, opt in enumerate(view.optimizers):
         if i in view.judged or i in view.mid_step:
             continue  # its update was judged when step() returned (found then, or finite); or its
             # state is mid-update now (a closure called again inside step(): LBFGS)
+        # the step its last step() belonged to: the one before, or this one for an optimizer
+        # that stepped earlier in a round not ended yet (a GAN's D before G's step())
+        last = view.step_of.get(i, max(ctx.step - 1, 0))
         items, tens = optimizer_tensors(opt)
         after = view.after_step.get(i, {})
         # a parameter written since its last step() (by the user: its version moved, or the loop's

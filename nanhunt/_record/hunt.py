@@ -252,6 +252,7 @@ class Hunt:
         self.on_record: list[Callable[[list[Finding]], None]] = []
         self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
         self._step_clocks: dict[int, int] = {}  # per optimizer: when its last step() ended (`_hooks.tick`)
+        self._step_of: dict[int, int] = {}  # per optimizer: the training step its last step() belonged to
         self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
@@ -1839,6 +1840,7 @@ class Hunt:
         # and on every hit, by the analysis. Versions are free to read: on a hit they tell the
         # optimizer's writes from the user's.
         self._step_clocks[i] = _tick()
+        self._step_of[i] = step  # (an optimizer of a round not yet ended: this step, not the one before)
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
@@ -2261,6 +2263,7 @@ class Hunt:
             judged=frozenset(self._judged),
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
             step_clocks=dict(self._step_clocks),
+            step_of=dict(self._step_of),
         )
 
     def _meta(self) -> dict[str, Any]:
