@@ -215,7 +215,7 @@ class OptimState:
     """Parameters and state of optimizer ``opt`` after its ``step()`` number ``step``."""
 
     kind = "optim"
-    __slots__ = ("opt", "step", "items", "tensors", "fed", "before", "clock")
+    __slots__ = ("opt", "step", "items", "tensors", "fed", "before", "clock", "since")
 
     def __init__(self, opt: int, step: int, items: list[tuple[torch.Tensor, str]],
                  tensors: list[torch.Tensor], fed: bool, clock: int = 0) -> None:
@@ -229,6 +229,10 @@ class OptimState:
         # the parameter was; None: all finite), to tell a parameter the user's code wrote before the
         # update from one the update made (`before_bad`); None: not probed
         self.before: tuple[list[torch.Tensor], torch.Tensor | None] | None = None
+        # the step whose update was probed before this one (-1: none since the watch began), when
+        # not the step before (`optimizer_every` > 1): the state may have gone non-finite at any
+        # step after it. None: not known (the analysis's reading at a hit; see StepView.probed_at)
+        self.since: int | None = None
 
     def before_bad(self, p: torch.Tensor) -> bool:
         """Was ``p`` non-finite already when this step() began (after a hit: reads back)?"""
@@ -556,3 +560,5 @@ class StepView:
     occurred: list[int] = field(default_factory=list)
     step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)
     step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()
+    probed_at: dict[int, int] = field(default_factory=dict)  # per optimizer: the step of its last probed update
+    optimizer_every: int = 1

@@ -328,3 +328,50 @@ def test_sentinel_walks_the_optimizers_state_at_the_first_step_and_still_finds_i
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.tensor) == ("optimizer", "2", "state['exp_avg_sq']"), str(f)
     assert f.step == 9 and f.op == "aten.addcmul_.default"  # (read at the 10th step: sentinel's promise)
+
+
+def _adam_stall(steps: int, big_at: int, two: bool, on_find: str = "record") -> tuple[Any, nn.Module, list[Any]]:
+    """A gradient of 1e30 at step ``big_at`` overflows Adam's exp_avg_sq of the first layer (its
+    weights stay finite: training stalls). ``two``: one Adam per layer, stepped in turn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opts = ([torch.optim.Adam(model[0].parameters(), lr=1e-3), torch.optim.Adam(model[2].parameters(), lr=1e-3)]
+            if two else [torch.optim.Adam(model.parameters(), lr=1e-3)])
+    x = torch.randn(16, 4)
+    hunt = nanhunt.watch(model, optimizer=opts, mode="sentinel", on_find=on_find)
+    with hunt:
+        for step in range(steps):
+            model(x).pow(2).mean().backward()
+            if step == big_at:
+                model[0].weight.grad.mul_(1e30)
+            for o in opts:
+                o.step()
+            for o in opts:
+                o.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return hunt, model, opts
+
+
+def test_sentinel_reads_the_state_of_each_of_several_optimizers() -> None:
+    # the every-10th-step reading counted the optimizers' step() calls together: of two stepped in
+    # turn only the second's state was ever read, and the first's overflow was never reported.
+    # Once found, the state it carries is not found again at the next readings (record mode)
+    hunt, model, opts = _adam_stall(25, 3, two=True)
+    assert not torch.isfinite(opts[0].state[model[0].weight]["exp_avg_sq"]).all()
+    opt = [f for f in hunt.findings if f.phase == "optimizer"]
+    assert [(f.module, f.tensor, f.step, f.cause) for f in opt] == [("0", "state['exp_avg_sq']", 9, "created")], \
+        [str(f) for f in opt]
+    # the step it names is the reading's; the hint says where in between it was made
+    assert "made at one of steps 0 to 9" in opt[0].hint and "optimizer_every=1" in opt[0].hint, opt[0].hint
+
+
+def test_sentinel_reads_the_state_once_more_at_close() -> None:
+    # a run that ends between two readings (here before the first) with its state overflowed was
+    # reported clean (nanhunt run exited 0 on a stalled run); close() reads it once more
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        _adam_stall(8, 3, two=False, on_find="raise")
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step) == ("optimizer", "0", "state['exp_avg_sq']", 7), str(f)
+    assert "made at one of steps 0 to 7" in f.hint, f.hint
+    hunt, _, _ = _adam_stall(10, 3, two=False)  # read at the 10th step: nothing left to read at close
+    assert [f.step for f in hunt.findings] == [9], [str(f) for f in hunt.findings]

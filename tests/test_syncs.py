@@ -74,10 +74,10 @@ def _not_counting_the_cpu_update_check(count: list[int]) -> Iterator[None]:
 
     orig = Hunt._judged_now
 
-    def judged(self: Hunt, vec: Any) -> bool:
+    def judged(self: Hunt, vec: Any, i: int) -> bool:
         before = count[0]
         try:
-            return orig(self, vec)
+            return orig(self, vec, i)
         finally:
             if count[0] > before:
                 count[0] -= 1  # its one read of the summary is not counted

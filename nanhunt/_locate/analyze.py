@@ -1143,7 +1143,10 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         flags = [j in bad and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
                  for j, (p, sk) in enumerate(items)]
         if any(flags):
-            f = _optimizer_finding(ctx, OptimState(i, last, items, tens, view.bad_grads_step == last), flags)
+            entry = OptimState(i, last, items, tens, view.bad_grads_step == last)
+            if view.optimizer_every != 1:  # its state was last read after this step's update (-1: never)
+                entry.since = view.probed_at.get(i, -1)
+            f = _optimizer_finding(ctx, entry, flags)
             if f is not None:
                 ctx.clocks[id(f)] = view.step_clocks.get(i, 0)  # (its last step(): the latest it can have been made)
             return f
@@ -1177,14 +1180,18 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             got = _optim.custom_origin(opt, p, sk, index)  # a hand-written optimizer: its own op and line
             if got is not None:
                 op, src, chain = got[0], got[1], tuple(got[2])
+        hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,
+                                     grads=_optim.grad_facts(opt, p) if opt is not None and not fed else None)
+        if sk and not at_start and entry.since is not None and step - entry.since > 1:
+            # (a parameter made non-finite shows in the next step's forward; a state, read every
+            # `optimizer_every` steps, only in the window since its last reading)
+            hint += " " + _hints.unread_window_hint(entry.since, step, ctx.view.optimizer_every)
         return Finding(
             phase="optimizer", module=mname,
             module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index,
             value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
             cause="parameter" if at_start else ("input" if fed else "created"), op=op,
-            source=src if op else None, chain=chain,
-            hint=_hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,
-                                       grads=_optim.grad_facts(opt, p) if opt is not None and not fed else None),
+            source=src if op else None, chain=chain, hint=hint,
         )
     return None

@@ -375,6 +375,16 @@ def unwatched_hint(what: str) -> str:
             "updates judged, or look for an earlier finding whose gradients it applied.")
 
 
+def unread_window_hint(since: int, step: int, every: int) -> str:
+    """The steps an optimizer state read every ``every`` steps may have gone non-finite at."""
+    how = (f"only on a hit here (optimizer_every={every})" if every <= 0 else
+           f"every {every} steps here (optimizer_every={every})")
+    was = "when the watch began" if since < 0 else f"after step {since}"
+    return (f"nanhunt reads the optimizer's state {how}: it was finite {was} and is not after step {step}, "
+            f"so it was made at one of steps {since + 1} to {step} (the op is the one that writes it at every "
+            "step). Pass optimizer_every=1 to name the step.")
+
+
 def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_start: bool = False,
                    setting: str = "", grads: dict[str, Any] | None = None) -> str:
     what = f"the optimizer state {state!r} of {param!r}" if state else f"the parameter {param!r}"

@@ -280,6 +280,8 @@ class Hunt:
         self._closed = False
         self._faulted = False  # switched itself off after an internal fault (see _fault)
         self._steps_applied = 0
+        self._applied: dict[int, int] = {}  # per optimizer: its step() calls that ran
+        self._probed_at: dict[int, int] = {}  # per optimizer: the step of the last update whose state was probed
         self._skipped_steps = 0
         self._history = History(o.history)
         self._grad_hooks = o.grad_hooks
@@ -1786,7 +1788,7 @@ class Hunt:
         no second sync); on the CPU its summary is read at once (free), and only when it is
         non-finite is each parameter probed, so that the flags are of the values before the update."""
         every = self._optimizer_every
-        if not every or (self._steps_applied + 1) % every:
+        if not every or (self._applied.get(i, 0) + 1) % every:
             return
         if not any(in_place(getattr(r.func, "__name__", "")) for r in self._log.outside):
             # nothing outside the model wrote in place since the step's forward (the loss code is
@@ -1803,7 +1805,7 @@ class Hunt:
         got = gp.probe(params, params)
         vec: torch.Tensor | None = got if isinstance(got, torch.Tensor) else (  # (Fused: on the CPU)
             None if not any_bad(got.summary) else torch.stack([probe(p) for p in params]))
-        self._before[i] = (self._steps_applied + 1, params, vec)
+        self._before[i] = (self._applied.get(i, 0) + 1, params, vec)
 
     def _grad_probe(self, key: int) -> GradProbe:
         gp = self._gprobes.get(key)
@@ -1828,6 +1830,8 @@ class Hunt:
 
     def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
         self._steps_applied += 1
+        n = self._applied[i] = self._applied.get(i, 0) + 1  # (each optimizer's own count: of two
+        # stepped in turn, counting them together probed only the second's state, every 10th step)
         if self._damage_at is opt and self._root is not None:  # the first finding's step has now ended
             self._damage_at = None
             self._damage = damage(self._root, self._opts)
@@ -1844,27 +1848,52 @@ class Hunt:
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
-        if self._optimizer_every and self._steps_applied % self._optimizer_every == 0:
-            op = self._oprobes[i]
-            items, tens = op.current()
-            if tens:
-                fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
-                vec = op.probe()
+        if self._optimizer_every and n % self._optimizer_every == 0:
+            got = self._probe_update(i, step)
+            if got is not None:
+                vec, entry = got
                 log = self._log
-                entry = OptimState(i, step, items, tens, fed, self._step_clocks[i])
                 before = self._before.pop(i, None)
-                if before is not None and before[0] == self._steps_applied:  # taken as this step() began
+                if before is not None and before[0] == n:  # taken as this step() began
                     entry.before = (before[1], before[2])
                 log.vectors.append((vec, entry))
                 self._judged.add(i)  # first: the analysis of a hit now must not read this update again
-                if not self._judged_now(vec):
+                if not self._judged_now(vec, i):
                     self._judged.discard(i)
                 elif log.vectors:  # judged finite (non-finite: that log was ended, its findings made)
                     log.vectors.pop()
         elif self._optimizer_every:
             self._oprobes[i].prepare()
 
-    def _judged_now(self, vec: torch.Tensor | Fused) -> bool:
+    def _probe_update(self, i: int, step: int) -> tuple[torch.Tensor | Fused, OptimState] | None:
+        """The probe of optimizer ``i``'s parameters and state after its update of ``step`` (device
+        side), and its log entry; None when it holds no tensors. The entry says since when the
+        state went unread (`OptimState.since`): every `optimizer_every` steps, a state made
+        non-finite at one of the steps in between is only known to be made in that window."""
+        op = self._oprobes[i]
+        items, tens = op.current()
+        if not tens:
+            return None
+        fed = self._bad_grads_step == step  # this step was given non-finite gradients (not raise mode)
+        entry = OptimState(i, step, items, tens, fed, self._step_clocks.get(i, 0))
+        entry.since = self._probed_at.get(i, -1)
+        self._probed_at[i] = step
+        return op.probe(), entry
+
+    def _probe_last_updates(self) -> None:
+        """At close: the updates since each optimizer's last sampled probe (`optimizer_every` > 1)
+        are probed once more, into the log the closing sync judges: a state that overflowed after
+        the last probe (the weights finite: the run goes on, stalled) is not left unreported."""
+        every = self._optimizer_every
+        if every <= 1 or self._paused:
+            return
+        for i, n in self._applied.items():
+            if n % every and i < len(self._oprobes):
+                got = self._probe_update(i, self._step_of.get(i, self.step))
+                if got is not None:
+                    self._log.vectors.append(got)
+
+    def _judged_now(self, vec: torch.Tensor | Fused, i: int) -> bool:
         """Judge the optimizer's update at once where that costs no device sync (CPU tensors, one
         process); True when judged. Non-finite: the finding is made now (the step's log is ended),
         so it raises from this ``step()``, before the model's next forward. On a GPU (a read there
@@ -1876,14 +1905,15 @@ class Hunt:
         if any_bad(summary):
             self._end_step(advance=False)  # judges it (and whatever else the log holds) now
         elif self._known_bad:
-            self._forget_known()
+            self._forget_known([i])
         return True
 
-    def _forget_known(self) -> None:
-        """The optimizers' parameters and state were all judged finite after a step: nothing an
-        earlier finding showed non-finite is still carried (the user rolled it back), so a new
-        overflow of it is a new finding."""
-        mine = {id(t) for o in self._opts for t in optimizer_tensors(o)[1]}
+    def _forget_known(self, opts: list[int]) -> None:
+        """The parameters and state of optimizers ``opts`` (indices) were judged finite after a
+        step: nothing of theirs an earlier finding showed non-finite is still carried (the user
+        rolled it back), so a new overflow of it is a new finding. (Only theirs: another
+        optimizer's state, not read then, may still carry what was found.)"""
+        mine = {id(t) for i in opts if i < len(self._opts) for t in optimizer_tensors(self._opts[i])[1]}
         self._known_bad = [r for r in self._known_bad if (t := r()) is not None and id(t) not in mine]
 
     def _count_step(self, i: int) -> None:
@@ -2016,7 +2046,7 @@ class Hunt:
                     bad = flag is not None and read_nan(flag)  # the step's one host read
                 if not bad:
                     if self._known_bad and any(isinstance(e, OptimState) for _, e in log.vectors):
-                        self._forget_known()  # (the parameters and state it read were finite)
+                        self._forget_known([e.opt for _, e in log.vectors if isinstance(e, OptimState)])
                     return
             failed: Exception | None = None
             made: dict[int, int] = {}  # the analysis's `occurred` of this rank's findings, by id
@@ -2264,6 +2294,8 @@ class Hunt:
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
             step_clocks=dict(self._step_clocks),
             step_of=dict(self._step_of),
+            probed_at=dict(self._probed_at),
+            optimizer_every=self._optimizer_every,
         )
 
     def _meta(self) -> dict[str, Any]:
@@ -2283,6 +2315,7 @@ class Hunt:
         _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
+                self._probe_last_updates()
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
         except Exception as exc:
             if isinstance(exc, (NonFiniteError, _dist.SilentRankError)) or exc is self._user_exc:
