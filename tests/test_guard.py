@@ -288,6 +288,30 @@ def test_findings_stay_in_order_of_occurrence_around_a_refused_checkpoint(tmp_pa
     assert hunt.findings[phases.index("optimizer")].step == 0
 
 
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_a_refused_checkpoint_in_sentinel_mode_first_finds_the_update_that_made_it(on_find: str, tmp_path: Any) -> None:
+    # an infinite learning rate at step 3 (a schedule that divided by 0), a checkpoint after every
+    # step: sentinel reads the update every 10th step, so the refusal came first and alone
+    # ('checkpoint', unknown), where full mode names the update. A refused save is a hit: the
+    # update not read yet is judged first, and in raise mode it is what raises
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode="sentinel", on_find=on_find) as hunt:
+        for step in range(6):
+            opt.param_groups[0]["lr"] = float("inf") if step == 3 else 0.1
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            torch.save(model.state_dict(), tmp_path / f"s{step}.pt")
+    first = hunt.findings[0]
+    assert (first.phase, first.module, first.tensor, first.step, first.cause) == ("optimizer", "", "weight", 3, "created"), \
+        str(first)
+    assert ei.value.finding.phase == ("optimizer" if on_find == "raise" else "checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s0.pt", "s1.pt", "s2.pt"]
+
+
 @dataclasses.dataclass
 class _TrainState:
     model: Any

@@ -1880,18 +1880,22 @@ class Hunt:
         self._probed_at[i] = step
         return op.probe(), entry
 
-    def _probe_last_updates(self) -> None:
-        """At close: the updates since each optimizer's last sampled probe (`optimizer_every` > 1)
-        are probed once more, into the log the closing sync judges: a state that overflowed after
-        the last probe (the weights finite: the run goes on, stalled) is not left unreported."""
-        every = self._optimizer_every
-        if every <= 1 or self._paused:
-            return
-        for i, n in self._applied.items():
-            if n % every and i < len(self._oprobes):
-                got = self._probe_update(i, self._step_of.get(i, self.step))
+    def _probe_last_updates(self) -> bool:
+        """Probe each optimizer's last update if it was not (`optimizer_every` > 1, or 0), into the
+        log the next sync judges; True when there is one. At close (not with 0: "only on a hit"), so
+        that a state that overflowed after the last reading (the weights finite: the run goes on,
+        stalled) is not left unreported; at a refused checkpoint, so that the step that made the
+        value is found before the refusal."""
+        if self._paused:
+            return False
+        added = False
+        for i, step in list(self._step_of.items()):
+            if self._probed_at.get(i) != step and i < len(self._oprobes):
+                got = self._probe_update(i, step)
                 if got is not None:
                     self._log.vectors.append(got)
+                    added = True
+        return added
 
     def _judged_now(self, vec: torch.Tensor | Fused, i: int) -> bool:
         """Judge the optimizer's update at once where that costs no device sync (CPU tensors, one
@@ -2250,7 +2254,11 @@ class Hunt:
 
     def _refused(self, f: Finding) -> NonFiniteError:
         """The save guard refused a checkpoint: recorded like any finding (within ``max_findings``),
-        and the error to raise."""
+        and the error to raise. The optimizers' updates not read yet (sentinel reads them every
+        10th step) are judged first, as a hit: the step that made the value is the first finding
+        (in raise mode it is what raises), the refusal after it."""
+        if not self._stack and not self._closed and self._probe_last_updates():
+            self._end_step(advance=False)
         if len(self.findings) < self.options.max_findings:
             self._add_findings([f])
         else:
@@ -2315,7 +2323,8 @@ class Hunt:
         _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
-                self._probe_last_updates()
+                if self._optimizer_every:
+                    self._probe_last_updates()
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
         except Exception as exc:
             if isinstance(exc, (NonFiniteError, _dist.SilentRankError)) or exc is self._user_exc:
