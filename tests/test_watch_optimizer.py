@@ -3,6 +3,7 @@ GradScaler's skipped steps, and several optimizers."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import warnings
@@ -746,3 +747,40 @@ def test_an_optimizer_that_stepped_earlier_in_the_round_is_not_blamed_for_the_st
     assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 2, "input"), str(f)
     opt = [x for x in hunt.findings if x.phase == "optimizer"]
     assert all(x.step == 2 and x.cause == "input" and x.op is None for x in opt if x.step <= 2), [str(x) for x in opt]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["at watch()", "load_state_dict", "written before step()"])
+def test_an_optimizer_state_non_finite_before_the_update_is_the_finding_not_the_weight_it_poisons(
+        how: str, mode: str) -> None:
+    # Adam's exp_avg holds a NaN before an update (a resumed checkpoint that was poisoned, loaded
+    # before watch() or mid-run; the loop's own write): the update carries it into the weight.
+    # The weight was reported, "created" by aten.addcdiv_ (an exploding learning rate, said the
+    # hint); the state is what was non-finite first, and no update made it
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+    m(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    poisoned = copy.deepcopy(opt.state_dict())
+    poisoned["state"][0]["exp_avg"][0, 0] = float("nan")
+    if how == "at watch()":
+        opt.load_state_dict(poisoned)
+    with nanhunt.watch(m, opt, mode=mode, on_find="record") as hunt:
+        for step in range(4):
+            if step == 2 and how == "load_state_dict":
+                opt.load_state_dict(poisoned)
+            m(x).pow(2).mean().backward()
+            if step == 2 and how == "written before step()":
+                opt.state[m.weight]["exp_avg"][0, 0] = float("nan")
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    expected = ("parameter", 0) if how == "at watch()" else ("input", 2)
+    assert f is not None and (f.phase, f.tensor, f.index, (f.cause, f.step)) == (
+        "optimizer", "state['exp_avg']", (0, 0), expected), str(f)
+    assert f.op is None, str(f)
+    assert not [g for g in hunt.findings if g.phase == "optimizer" and g.tensor == "weight"], \
+        [str(g) for g in hunt.findings]

@@ -1140,8 +1140,8 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
         # a parameter written since its last step() (by the user: its version moved, or the loop's
         # own code wrote it in place, p.data[3] = nan, which moves none) is not the optimizer's doing
         bad = set(all_bad(tens))  # (one fused read, then exact checks of the hits: a read per tensor cost ~5 ms for 300)
-        flags = [j in bad and (bool(sk) or (after.get(id(p)) == p._version and _outside.writer(ctx.log, p) is None))
-                 for j, (p, sk) in enumerate(items)]
+        flags = [j in bad and (bool(sk) or after.get(id(p)) == p._version) and _outside.writer(ctx.log, tens[j]) is None
+                 for j, (p, sk) in enumerate(items)]  # (a state the loop's code wrote: the same)
         if any(flags):
             entry = OptimState(i, last, items, tens, view.bad_grads_step == last)
             if view.optimizer_every != 1:  # its state was last read after this step's update (-1: never)
@@ -1150,25 +1150,53 @@ def _optimizer_now(ctx: _Ctx) -> Finding | None:
             if f is not None:
                 ctx.clocks[id(f)] = view.step_clocks.get(i, 0)  # (its last step(): the latest it can have been made)
             return f
+        for j in sorted(bad):  # a state the loop's code wrote non-finite since (the parameters: see the forward's finding)
+            p, sk = items[j]
+            line = _outside.writer(ctx.log, tens[j]) if sk else None
+            if line is not None and not any(x is tens[j] for x in view.known_bad):
+                return _written_state(ctx, p, sk, tens[j], line)
     return None
+
+
+def _written_state(ctx: _Ctx, p: torch.Tensor, sk: str, t: torch.Tensor, line: str) -> Finding:
+    """Optimizer state ``sk`` of ``p`` written non-finite in place by the loop's code at ``line``
+    (``opt.state[p]["exp_avg"][0] = nan``) in this step: fed in, no update made it."""
+    mname, pname, m = ctx.param_owner(p)
+    index, value, counts = element(t)
+    return Finding(
+        phase="optimizer", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
+        tensor=f"state[{sk!r}]", step=ctx.step, call=0, index=index, value=value, counts=counts,
+        shape=shape_of(t), dtype=dtype_name(t), cause="input", source=line,
+        hint=_hints.written_hint(f"the optimizer state {sk!r} of {pname!r}", line),
+    )
 
 
 def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Finding | None:
     step, fed = entry.step, entry.fed
-    for (p, sk), t, b in zip(entry.items, entry.tensors, flags):
-        if not b or any(x is t for x in ctx.view.known_bad) or not is_bad(t):
+    rows = [(p, sk, t) for (p, sk), t, b in zip(entry.items, entry.tensors, flags) if b]
+    # what was non-finite before the update (loaded so, or written by the loop's code since
+    # backward) goes first: a state that carried its NaN into the parameter, not the parameter
+    # the update then wrote, is the finding
+    rows.sort(key=lambda r: not (_at_start(ctx, r[2]) or (not fed and entry.before_bad(r[2]))))
+    known = ctx.view.known_bad
+    for p, sk, t in rows:
+        if any(x is t for x in known) or not is_bad(t):
             continue  # (already shown non-finite by an earlier finding: carried through this step, not made by it)
+        if not sk and known and any(q is p and k and any(x is u for x in known)
+                                    for (q, k), u in zip(entry.items, entry.tensors)):
+            continue  # (a parameter its state carried a known NaN into)
         mname, pname, m = ctx.param_owner(p)
         index, value, counts = element(t)
         at_start = _at_start(ctx, t) or _at_start(ctx, p)  # loaded non-finite: no step made it
-        if not sk and not at_start and not fed and entry.before_bad(p):
+        if not at_start and not fed and entry.before_bad(t):
             # non-finite already as step() began, its gradient finite: the user's code wrote it (between
             # backward and step(): p.data[3] = nan, which no version counter sees); the update only carried it on
+            what = f"the optimizer state {sk!r} of {pname!r}" if sk else f"the parameter {pname!r}"
             return Finding(
                 phase="optimizer", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
-                tensor=pname, step=step, call=0, index=index, value=value, counts=counts, shape=shape_of(t),
-                dtype=dtype_name(t), cause="input",
-                hint=_hints.written_before_step_hint(f"the parameter {pname!r} of `{mname or type(m).__name__}`"),
+                tensor=pname if not sk else f"state[{sk!r}]", step=step, call=0, index=index, value=value,
+                counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="input",
+                hint=_hints.written_before_step_hint(f"{what} of `{mname or type(m).__name__}`"),
             )
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
         op = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else None

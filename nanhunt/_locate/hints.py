@@ -357,8 +357,8 @@ def written_before_step_hint(what: str) -> str:
     """A parameter non-finite already when its optimizer's step() began: the user's code wrote it."""
     return (f"{_cap(what)} was already non-finite when optimizer.step() began, and no gradient was: code between "
             "backward and step() wrote it (p.data[...] = ..., an in-place write under torch.no_grad(), a "
-            "weight clamp or re-initialisation); the optimizer's update only carried it on. Look at what "
-            "writes the parameter outside the optimizer.")
+            "weight clamp or re-initialisation), or an optimizer.load_state_dict() since the last step loaded "
+            "it so; the optimizer's update only carried it on. Look at what writes it outside the optimizer.")
 
 
 def unheld_hint(what: str) -> str:

@@ -282,6 +282,7 @@ class Hunt:
         self._steps_applied = 0
         self._applied: dict[int, int] = {}  # per optimizer: its step() calls that ran
         self._probed_at: dict[int, int] = {}  # per optimizer: the step of the last update whose state was probed
+        self._loaded: set[int] = set()  # optimizers whose load_state_dict() ran since their last step()
         self._skipped_steps = 0
         self._history = History(o.history)
         self._grad_hooks = o.grad_hooks
@@ -432,6 +433,12 @@ class Hunt:
         self._oprobes.append(OptimizerProbe(opt))
         self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
         self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
+        self._handles.append(opt.register_load_state_dict_post_hook(partial(self._on_load, i)))
+
+    def _on_load(self, i: int, opt: torch.optim.Optimizer) -> None:
+        """Optimizer ``i`` loaded a state dict: its next update is probed before and after (see
+        `_params_before`), so that a state loaded non-finite is not taken as made by the update."""
+        self._loaded.add(i)
 
     def check(self, tensor: torch.Tensor, name: str = "check") -> torch.Tensor:
         """Check a tensor computed outside any module (the loss). Returns it unchanged."""
@@ -1781,21 +1788,23 @@ class Hunt:
             self._fault(exc, "the optimizer step pre-hook")
 
     def _params_before(self, i: int, opt: torch.optim.Optimizer) -> None:
-        """On a step whose update is probed after it (`_post_step_body`): the parameters as step()
-        begins, probed, so that on a hit a parameter already non-finite before the update (written
+        """On a step whose update is probed after it (`_post_step_body`): the parameters and state as
+        step() begins, probed, so that on a hit a parameter or state already non-finite before the update (written
         by the user's code since backward or the last step: ``p.data[3] = nan``, which no version
         counter sees) is not blamed on the optimizer. Not read here on a GPU (read on a hit only,
         no second sync); on the CPU its summary is read at once (free), and only when it is
         non-finite is each parameter probed, so that the flags are of the values before the update."""
         every = self._optimizer_every
-        if not every or (self._applied.get(i, 0) + 1) % every:
+        loaded = i in self._loaded  # (a state dict loaded since the last step(): probed whatever the step)
+        if not every or ((self._applied.get(i, 0) + 1) % every and not loaded):
             return
-        if not any(in_place(getattr(r.func, "__name__", "")) for r in self._log.outside):
+        if not loaded and not any(in_place(getattr(r.func, "__name__", "")) for r in self._log.outside):
             # nothing outside the model wrote in place since the step's forward (the loss code is
             # recorded): the parameters are what the last update left, judged then. The probe cost
             # ~1 M instructions a step on the benchmark MLP (+3 %) for a write that is rare
             return
-        params = [p for g in opt.param_groups for p in g["params"]
+        # the parameters and the state (a write into exp_avg carries into the parameter)
+        params = [p for p in self._oprobes[i].current()[1]
                   if is_checked(p) and p.layout is torch.strided and not p.is_meta]
         if not params:
             return
@@ -1848,7 +1857,8 @@ class Hunt:
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
-        if self._optimizer_every and n % self._optimizer_every == 0:
+        if self._optimizer_every and (n % self._optimizer_every == 0 or i in self._loaded):
+            self._loaded.discard(i)
             got = self._probe_update(i, step)
             if got is not None:
                 vec, entry = got
