@@ -294,3 +294,23 @@ def test_a_zip_bomb_is_refused_before_anything_is_loaded(tmp_path: Any, monkeypa
         nanhunt.audit(bomb)
     assert main(["audit", str(bomb)]) == 2
     assert "nothing was loaded" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_a_nested_tensor_is_judged_by_its_values_at_its_component_index(layout: str, tmp_path: Any, capsys: Any) -> None:
+    """A nested tensor holding NaN crashed audit (strided: "NestedTensorImpl doesn't support sizes",
+    `nanhunt audit` a traceback, exit 1) or was reported clean (jagged: its layout was not judged).
+    Its element is (component, index within it), its shape the padded one, as the watch reports them."""
+    kw = {"layout": torch.jagged} if layout == "jagged" else {}
+    nt = torch.nested.nested_tensor([torch.tensor([1.0, 2.0]), torch.tensor([3.0, float("inf"), float("nan")])], **kw)
+    ok = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], **kw)
+    path = tmp_path / "nested.pt"
+    torch.save({"n": nt, "ok": ok}, path)
+    for found in (nanhunt.audit(path), nanhunt.audit({"n": nt, "ok": ok})):
+        assert [(f.tensor, f.index, f.value, f.shape) for f in found] == [("['n']", (1, 1), float("inf"), (2, 3))]
+        assert found[0].counts == {"nan": 1, "+inf": 1, "-inf": 0}
+        assert nt.unbind()[1][1] == found[0].value
+    assert main(["audit", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "['n']  (2, 3) float32" in out and "first [1, 1] = inf" in out and "['ok']" not in out

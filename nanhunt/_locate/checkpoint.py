@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._finding import Finding
-from .._tensors import SPARSE, dtype_name, element, is_bad, is_checked, probe, stack_probes
+from .._tensors import SPARSE, dtype_name, element, is_bad, is_checked, probe, shape_of, stack_probes
 
 __all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
            "judgeable", "safe_load", "SPARSE"]
@@ -133,10 +133,11 @@ def safe_load(path: str) -> Any:
 
 
 def judgeable(t: torch.Tensor) -> bool:
-    """Floating, with elements, dense or sparse (a sparse tensor is judged by its stored values: a
-    checkpoint's sparse embedding holds its NaN there)."""
-    return (not is_lazy(t) and is_checked(t) and (t.layout is torch.strided or t.layout in SPARSE) and not t.is_meta
-            and t.numel() > 0)
+    """Floating, with elements, dense, sparse or nested (a sparse or nested tensor is judged by its
+    stored values: a checkpoint's sparse embedding holds its NaN there; a jagged nested tensor's
+    layout is neither strided nor sparse)."""
+    return (not is_lazy(t) and is_checked(t) and (t.layout is torch.strided or t.layout in SPARSE or t.is_nested)
+            and not t.is_meta and t.numel() > 0)
 
 
 def all_bad(ts: list[torch.Tensor]) -> list[int]:
@@ -156,10 +157,10 @@ def first_bad(ts: list[torch.Tensor]) -> int | None:
 
 def finding(file: str, keys: Keys, t: torch.Tensor, *, step: int, hint: str, rank: int | None = None) -> Finding:
     """A ``"checkpoint"`` finding: ``module`` the file, ``tensor`` the key path."""
-    index, value, counts = element(t)  # a sparse tensor's at its dense index
+    index, value, counts = element(t)  # a sparse tensor's at its dense index, a nested one's as (component, ...)
     return Finding(
         phase="checkpoint", module=file, module_type="checkpoint", tensor=key_path(keys), step=step,
-        call=0, index=index, value=value, counts=counts, shape=tuple(t.shape), dtype=dtype_name(t),
+        call=0, index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
         cause="unknown", rank=rank, hint=hint,
     )
 
