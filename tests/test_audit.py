@@ -314,3 +314,36 @@ def test_a_nested_tensor_is_judged_by_its_values_at_its_component_index(layout: 
     assert main(["audit", str(path)]) == 3
     out = capsys.readouterr().out
     assert "['n']  (2, 3) float32" in out and "first [1, 1] = inf" in out and "['ok']" not in out
+
+
+def test_a_view_of_more_elements_than_its_storage_is_judged_by_its_storage(tmp_path: Any) -> None:
+    """A 1 KB file holding a 10**9 x 10**9 view of one float (stride 0) made audit sum 10**18
+    elements: minutes of CPU for a file it should judge at once. Overlapping strides do the same
+    with a few hundred floats. Such a view is judged by the storage it reaches; the finding is still
+    the view's first non-finite element and its counts over all its elements."""
+    nan, inf = float("nan"), float("inf")
+    s = torch.zeros(1000)
+    s[998], s[500] = inf, nan
+    views = {
+        "expanded": torch.tensor([0.0, nan]).as_strided((10**9, 10**9), (0, 0), 1),
+        "overlap": s.as_strided((100,) * 9, (1,) * 8 + (2,)),  # 10**18 elements over 1,000 floats
+        "gaps": torch.tensor([nan, 1.0, inf, 2.0]).as_strided((3, 10**9), (1, 0), 1),  # reads 1, inf, 2
+    }
+    path = tmp_path / "views.pt"
+    torch.save(views, path)
+    try:
+        p = subprocess.run([sys.executable, "-m", "nanhunt", "audit", str(path)], capture_output=True, text=True,
+                           timeout=15)
+    except subprocess.TimeoutExpired:
+        pytest.fail("nanhunt audit of a 1 KB file ran past 15 s")
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    assert "['expanded']  (1000000000, 1000000000) float32: 1000000000000000000 nan" in p.stdout, p.stdout
+    for found in (nanhunt.audit(path), nanhunt.audit(views)):
+        assert [(f.tensor, f.index, str(f.value)) for f in found] == [
+            ("['expanded']", (0, 0), "nan"), ("['overlap']", (0, 0, 0, 0, 5, 99, 99, 99, 99), "nan"),
+            ("['gaps']", (1, 0), "inf")]
+        for name, f in zip(views, found):
+            assert f.shape == tuple(views[name].shape) and str(views[name][f.index].item()) == str(f.value)
+        assert found[0].counts == {"nan": 10**18, "+inf": 0, "-inf": 0}
+        assert found[1].counts["+inf"] == 0  # (no index of the view reaches offset 998)
+        assert found[2].counts == {"nan": 0, "+inf": 10**9, "-inf": 0}  # the nan before its first element: unread

@@ -7,6 +7,7 @@ Shared by the save guard (`_record/guard.py`), `audit` (`audit.py`) and `damage`
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import types
@@ -20,7 +21,19 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._finding import Finding
-from .._tensors import SPARSE, dtype_name, element, is_bad, is_checked, probe, shape_of, stack_probes
+from .._tensors import (
+    SPARSE,
+    dtype_name,
+    element,
+    is_bad,
+    is_checked,
+    local,
+    probe,
+    real_view,
+    shape_of,
+    stack_probes,
+    values,
+)
 
 __all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
            "judgeable", "safe_load", "SPARSE"]
@@ -140,14 +153,110 @@ def judgeable(t: torch.Tensor) -> bool:
             and not t.is_meta and t.numel() > 0)
 
 
+# ------------------------------------------------------------------ views that read an element many times
+# A view's elements may outnumber its storage: a stride of 0 (``expand``) or overlapping strides.
+# A crafted file of 1 KB holds a 10**9 x 10**9 view of one float: 10**18 elements to sum. Such a
+# view is judged by the storage span it reaches, each offset weighted by how many of its elements
+# read it: work and memory in the span's length, never in the view's elements.
+def _span(t: torch.Tensor) -> torch.Tensor | None:
+    """The storage a strided view reaches (flat, from its first element) when the view reads some
+    element of it more than once; None for any other tensor (no more elements than its storage)."""
+    if t.is_nested or t.layout is not torch.strided or local(t) is not t or t.numel() == 0:
+        return None
+    length = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.detach().as_strided((length,), (1,)) if t.numel() > length else None
+
+
+def _reads(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(span, n)``: `_span`, and how many of the view's elements read each of its offsets."""
+    span = _span(t)
+    if span is None:
+        return None
+    n = torch.ones(1, dtype=torch.int64, device=t.device)
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        n = _spread(n, size, stride)
+    return span, n
+
+
+def _spread(n: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+    """How many elements read each offset, one dimension out: ``n`` added to itself shifted by
+    ``stride``, ``2 * stride``, ... (a window of ``size`` along each residue class: one cumsum)."""
+    if stride == 0:
+        return n * size
+    length = len(n) + (size - 1) * stride
+    out = n.new_zeros(-(-length // stride) * stride)
+    out[:len(n)] = n
+    sums = out.view(-1, stride).cumsum(0)
+    sums[size:] -= sums[:-size].clone()
+    return sums.view(-1)[:length]
+
+
+def _first_read(t: torch.Tensor, bad: torch.Tensor) -> tuple[int, ...]:
+    """The first index (row-major) of the view ``t`` whose element is at a ``bad`` offset of its
+    span (a mask over the offsets it reads), one dimension at a time: the least index along it from
+    which the inner dimensions still reach a bad offset."""
+    dims = list(zip(t.shape, t.stride()))
+    reach = [torch.ones(1, dtype=torch.bool, device=bad.device)]  # reach[k]: the offsets dimensions k+1... reach
+    for size, stride in reversed(dims[1:]):
+        reach.append(_spread(reach[-1].long(), size, stride) > 0)
+    index: list[int] = []
+    for (size, stride), inner in zip(dims, reversed(reach)):
+        i = 0
+        if stride:  # per bad offset: the nearest offset inner reaches at or below it, by its residue class
+            rows = -(-len(bad) // stride)
+            at = bad.new_zeros(rows * stride)
+            at[:len(inner)] = inner
+            row = torch.arange(rows, device=bad.device).unsqueeze(1)
+            last = torch.where(at.view(rows, stride), row, -1).cummax(0).values
+            hits = bad.nonzero().squeeze(1)
+            i = int((hits // stride - last.view(-1)[hits]).min())
+        index.append(i)
+        bad = bad[i * stride:i * stride + len(inner)] & inner
+    return tuple(index)
+
+
+def _is_bad(t: torch.Tensor) -> bool:
+    reads = _reads(t)
+    if reads is None:
+        return is_bad(t)
+    span, n = reads
+    return bool((~torch.isfinite(values(span)) & (n > 0)).any())
+
+
+def _element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:
+    """`element`, for a view that reads an element many times too (counts: over all its elements)."""
+    reads = _reads(t)
+    if reads is None:
+        return element(t)  # a sparse tensor's at its dense index, a nested one's as (component, ...)
+    span, n = reads
+    with torch.no_grad():
+        vals = values(span)
+        bad = ~torch.isfinite(vals) & (n > 0)
+        r = real_view(vals)  # complex: both parts count
+        w = n.view(-1, *([1] * (r.dim() - 1)))
+        counts = {"nan": int((torch.isnan(r) * w).sum()), "+inf": int(((r == math.inf) * w).sum()),
+                  "-inf": int(((r == -math.inf) * w).sum())}
+        if not bool(bad.any()):
+            return None, None, counts
+        index = _first_read(t, bad)
+        return index, element(t[index])[1], counts
+
+
 def all_bad(ts: list[torch.Tensor]) -> list[int]:
     """Indices of the non-finite tensors: one fused probe and one read, then exact checks of the hits."""
     idx = [i for i, t in enumerate(ts) if judgeable(t)]
     if not idx:
         return []
     with torch.no_grad():
-        flags = (~torch.isfinite(stack_probes([probe(ts[i]) for i in idx]))).tolist()
-    return [i for i, f in zip(idx, flags) if f and is_bad(ts[i])]
+        flags = (~torch.isfinite(stack_probes([probe(_probed(ts[i])) for i in idx]))).tolist()
+    return [i for i, f in zip(idx, flags) if f and _is_bad(ts[i])]
+
+
+def _probed(t: torch.Tensor) -> torch.Tensor:
+    """What `probe` sums for ``t``: a view that reads an element many times, its span (all of it:
+    an offset it skips may hold a NaN, which the exact check then passes over)."""
+    span = _span(t)
+    return t if span is None else span
 
 
 def first_bad(ts: list[torch.Tensor]) -> int | None:
@@ -157,7 +266,7 @@ def first_bad(ts: list[torch.Tensor]) -> int | None:
 
 def finding(file: str, keys: Keys, t: torch.Tensor, *, step: int, hint: str, rank: int | None = None) -> Finding:
     """A ``"checkpoint"`` finding: ``module`` the file, ``tensor`` the key path."""
-    index, value, counts = element(t)  # a sparse tensor's at its dense index, a nested one's as (component, ...)
+    index, value, counts = _element(t)
     return Finding(
         phase="checkpoint", module=file, module_type="checkpoint", tensor=key_path(keys), step=step,
         call=0, index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
