@@ -240,3 +240,26 @@ def test_a_bundle_field_the_replay_cannot_use_is_refused_when_read(tmp_path, fie
     torch.save(data, path)
     with pytest.raises(BundleError, match=says):
         load(path)
+
+
+@pytest.mark.parametrize(("child", "key", "value", "says"), [
+    (False, "_parameters", {"extra": 1}, "bundle.tree.attrs._parameters is nn.Module's own state"),
+    (False, "_buffers", 5, "bundle.tree.attrs._buffers is nn.Module's own state"),
+    (True, "_modules", {"x": 3}, "bundle.tree.children.0.attrs._modules is nn.Module's own state"),
+    (False, "to", 1, "the module cannot be set up for the replay on cpu: TypeError"),
+    (True, "train", 1, "the module cannot be set up for the replay on cpu: TypeError"),
+], ids=["_parameters", "_buffers", "child._modules", "to", "child.train"])
+def test_a_saved_attribute_over_the_modules_own_state_is_refused_in_one_line(tmp_path, child, key, value, says):
+    """A crafted tree whose attrs held `_parameters` ({'extra': 1}) was written into the rebuilt
+    module's __dict__, and `nanhunt replay` died in m.to() with a traceback ("'int' object has no
+    attribute 'to'", exit 1); an attribute over a method (`to`, `train`) likewise."""
+    path = save_bundle(tmp_path / "b.pt", nn.Sequential(nn.Linear(4, 3)), (torch.ones(2, 4),))
+    data = torch.load(path, weights_only=True)
+    (data["tree"]["children"]["0"] if child else data["tree"])["attrs"][key] = value
+    torch.save(data, path)
+    with pytest.raises(BundleError, match=says):
+        replay(path)
+    p = subprocess.run([sys.executable, "-m", "nanhunt", "replay", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert says in p.stderr, p.stderr

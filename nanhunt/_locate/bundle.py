@@ -344,6 +344,10 @@ def _check_tree(tree: Any, where: str, depth: int) -> None:
     need(tree, "module_type", str, where)
     for key, tp in _TREE.items():
         need(tree, key, tp, where, None)
+    for key in tree.get("attrs") or ():
+        if key in _MODULE_KEYS and key != "training":  # rebuild() would write it over the module's own
+            raise FileFormatError(f"{where}.attrs.{key} is nn.Module's own state, never a saved attribute "
+                                  f"(parameters, buffers and children are the tree's own fields)")
     for name, child in (tree.get("children") or {}).items():
         if child is not None:
             _check_tree(child, f"{where}.children.{name}", depth + 1)
@@ -516,10 +520,13 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
             raise BundleError(str(e)) from None
         except RuntimeError as e:
             raise BundleError(f"the saved state does not fit your {type(m).__name__}: {e}") from None
-    m.train(bool(data.get("training", False)))
     saved = str(data.get("device") or "cpu")
     dev = torch.device(device) if device is not None else torch.device(saved if _available(saved) else "cpu")
-    m.to(dev)
+    try:
+        m.train(bool(data.get("training", False)))
+        m.to(dev)
+    except Exception as e:  # a saved attribute over the module's own (`train`, `to`): one clear line
+        raise BundleError(f"the module cannot be set up for the replay on {dev}: {type(e).__name__}: {e}") from None
     args, kwargs = _to(data.get("args") or (), dev), _to(data.get("kwargs") or {}, dev)
     expected = checked_fields(Finding, data["finding"], "bundle.finding", Finding.from_dict) \
         if isinstance(data.get("finding"), dict) else None
