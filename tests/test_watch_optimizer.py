@@ -784,3 +784,18 @@ def test_an_optimizer_state_non_finite_before_the_update_is_the_finding_not_the_
     assert f.op is None, str(f)
     assert not [g for g in hunt.findings if g.phase == "optimizer" and g.tensor == "weight"], \
         [str(g) for g in hunt.findings]
+
+
+def test_a_weight_decay_that_overflows_by_itself_is_named_with_its_op() -> None:
+    # AdamW decays first (p *= 1 - lr * wd), then adds the Adam step: a weight_decay of 1e41 (a
+    # config value read with the wrong unit) overflows in the decay's mul_; the finding named the
+    # last op writing the weight (addcdiv_) and blamed an exploding learning rate
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=1e41)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        m(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.tensor, f.step, f.cause, f.op) == ("optimizer", "weight", 0, "created", "aten.mul_.Tensor"), str(f)
+    assert "weight_decay=1e+41" in f.hint and "exploding learning rate" not in f.hint, f.hint

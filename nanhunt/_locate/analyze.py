@@ -1208,8 +1208,10 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             got = _optim.custom_origin(opt, p, sk, index)  # a hand-written optimizer: its own op and line
             if got is not None:
                 op, src, chain = got[0], got[1], tuple(got[2])
-        hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting,
-                                     grads=_optim.grad_facts(opt, p) if opt is not None and not fed else None)
+        facts = _optim.grad_facts(opt, p) if opt is not None and not fed else None
+        if opt is not None and facts is not None and op is not None and not at_start and _optim.settings_overflow(opt, p, sk):
+            facts["settings"] = _optim.settings_text(opt, p)  # (its update overflows from a weight of 1)
+        hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting, grads=facts)
         if sk and not at_start and entry.since is not None and step - entry.since > 1:
             # (a parameter made non-finite shows in the next step's forward; a state, read every
             # `optimizer_every` steps, only in the window since its last reading)

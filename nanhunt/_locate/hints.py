@@ -411,11 +411,16 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, and where the "
                 f"gradient of {param!r} is 0 its update divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). "
                 "Use a positive eps (the default 1e-8).")
-    if g.get("zero_grad"):
+    if g.get("zero_grad") and g.get("custom"):
         return (f"After the optimizer step, {what} is non-finite although the step was given finite "
                 f"gradients: the gradient of {param!r} is 0 everywhere, so an update that divides by "
                 "the gradient's size (a trust ratio ||w|| / ||g||, a normalised step) divides by 0. "
                 "Guard that division (where(||g|| > 0, ..., 1)) or add an eps.")
+    if g.get("settings"):
+        return (f"After the optimizer step, {what} is non-finite although the step was given finite "
+                f"gradients: the optimizer's settings alone overflow ({g['settings']}): its update makes "
+                "a weight of 1 non-finite from a gradient of 0.5. Check the values given to the optimizer "
+                "or set by a schedule.")
     return (f"After the optimizer step, {what} is non-finite although the step was given finite "
             "gradients: an update that overflowed or divided by 0 (an exploding learning rate, a "
             "denominator like sqrt(exp_avg_sq) + eps at 0).")

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
+__all__ = ["update_op", "settings_overflow", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
 
 
 def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -35,14 +35,17 @@ def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
 
 
 class _Writes(TorchDispatchMode):
+    """Notes the aten op that last wrote each target, and the first that made one non-finite."""
+
     def __init__(self, targets: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.ptrs = {t.untyped_storage().data_ptr(): k for k, t in targets.items()}
         self.last: dict[str, str] = {}
+        self.made: dict[str, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        written = []
         for i, a in enumerate(func._schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
@@ -50,12 +53,42 @@ class _Writes(TorchDispatchMode):
                     if isinstance(x, torch.Tensor):
                         k = self.ptrs.get(x.untyped_storage().data_ptr())
                         if k is not None:
-                            self.last[k] = str(func)
+                            written.append((k, x, bool(torch.isfinite(x).all())))
+        out = func(*args, **kwargs)
+        for k, x, finite in written:
+            self.last[k] = str(func)
+            if finite and k not in self.made and not bool(torch.isfinite(x).all()):
+                self.made[k] = str(func)
         return out
 
 
 def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | None:
-    """The aten op that writes ``p`` (``key=""``) or ``state[key]`` in ``opt``'s update."""
+    """The aten op that writes ``p`` (``key=""``) or ``state[key]`` in ``opt``'s update: the one
+    that made it non-finite where the shadow's update does so from a weight of 1 and a gradient of
+    0.5 (the settings alone overflow: a weight decay of 1e41 in AdamW's ``mul_``), else the last."""
+    got = _shadow_writes(opt, p)
+    return None if got is None else (got.made.get(key) or got.last.get(key))
+
+
+def settings_overflow(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> bool:
+    """Does ``opt``'s update with ``p``'s group settings make ``p`` (or ``state[key]``) non-finite
+    from a weight of 1 and a gradient of 0.5? Then the settings themselves are the cause."""
+    got = _shadow_writes(opt, p)
+    return got is not None and key in got.made
+
+
+def settings_text(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
+    """``p``'s group's numeric settings, the large ones (|x| >= 1e4) alone when there are any."""
+    try:
+        group = _group_of(opt, p)
+    except StopIteration:
+        return ""
+    nums = {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    large = {k: v for k, v in nums.items() if abs(v) >= 1e4}
+    return ", ".join(f"{k}={v:g}" for k, v in (large or nums).items())
+
+
+def _shadow_writes(opt: torch.optim.Optimizer, p: torch.Tensor) -> _Writes | None:
     try:
         if type(opt).__module__.split(".")[:2] != ["torch", "optim"]:
             return None
@@ -69,12 +102,15 @@ def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | No
             q = torch.nn.Parameter(torch.ones(1, dtype=p.dtype, device=p.device))
         q.grad = torch.full_like(q, 0.5)
         shadow = type(opt)([q], **hp)
-        shadow.step()  # creates the state
+        first = _Writes({"": q})
+        with first:
+            shadow.step()  # creates the state
         targets = {"": q, **{k: v for k, v in shadow.state[q].items() if isinstance(v, torch.Tensor) and v.dim()}}
         w = _Writes(targets)
+        w.made.update(first.made)
         with w:
             shadow.step()
-        return w.last.get(key)
+        return w
     except Exception:
         return None
 
@@ -188,6 +224,7 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
         g = g.detach()
         if not bool(torch.isfinite(g).all()):
             return {}
+        out["custom"] = type(opt).__module__.split(".")[:2] != ["torch", "optim"]
         zeros = int((g == 0).sum())
         if zeros == g.numel():
             out["zero_grad"] = True
