@@ -642,3 +642,24 @@ def test_an_error_raised_after_the_run_went_on_does_not_call_itself_the_first() 
     assert str(errors[1]).startswith("NaN: forward of `<model>` (Linear) at step 3"), str(errors[1])
     again = pickle.loads(pickle.dumps(errors[1]))
     assert str(again) == str(errors[1]) and again.first is False
+
+
+def test_a_with_block_of_the_hunt_inside_another_leaves_it_watching_the_outer_one() -> None:
+    # `with hunt:` inside `with hunt:` (a helper that wraps its own part of the loop): the inner
+    # block's end closed the hunt, and the outer block's steps ran unwatched without a word
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt) as hunt:
+        with hunt:
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not hunt.closed
+        bad = x.clone()
+        bad[1, 2] = float("nan")
+        m(bad).sum().backward()
+        opt.step()
+    assert hunt.closed
+    assert (ei.value.finding.module, ei.value.finding.step, ei.value.finding.cause) == ("0", 1, "input")

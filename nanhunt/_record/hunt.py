@@ -357,6 +357,7 @@ class Hunt:
         self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
         self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
         self._hand_update = False  # judging a step at a hand-written update's write (see _drop_grads)
+        self._depth = 0  # `with hunt:` blocks entered and not left
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         try:
@@ -482,7 +483,8 @@ class Hunt:
         self._close(raise_pending=raise_pending)
 
     def __enter__(self) -> Hunt:
-        self._open("`with hunt:`")
+        if self._open("`with hunt:`"):
+            self._depth += 1  # (`with hunt:` inside `with hunt:`: the outer block closes it)
         return self
 
     def _open(self, what: str) -> bool:
@@ -496,6 +498,9 @@ class Hunt:
         return True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._depth -= 1
+        if self._depth > 0 and not self._closed:
+            return  # an inner `with hunt:` ends; the hunt goes on watching the outer block
         self._close(raise_pending=exc_type is None)
 
     def __repr__(self) -> str:
