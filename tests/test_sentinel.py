@@ -375,3 +375,26 @@ def test_sentinel_reads_the_state_once_more_at_close() -> None:
     assert "made at one of steps 0 to 7" in f.hint, f.hint
     hunt, _, _ = _adam_stall(10, 3, two=False)  # read at the 10th step: nothing left to read at close
     assert [f.step for f in hunt.findings] == [9], [str(f) for f in hunt.findings]
+
+
+def test_sentinel_claims_no_birth_for_a_gradient_of_a_step_it_never_saw_the_model_run() -> None:
+    # a GAN watched as one container (ModuleDict) whose parts the loop calls directly: sentinel
+    # sees the model only through its own calls, and there were none; it said the gradient was
+    # "created" in the backward (full mode, which sees every call, names the generator fed a NaN)
+    torch.manual_seed(0)
+    root = nn.ModuleDict({"g": nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), "d": nn.Sequential(nn.Linear(4, 1))})
+    og = torch.optim.SGD(root["g"].parameters(), lr=0.1)
+    od = torch.optim.SGD(root["d"].parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(root, [og, od], mode="sentinel"):
+        for step in range(3):
+            z = torch.randn(4, 4)
+            if step == 1:
+                z[0, 0] = float("nan")
+            root["d"](root["g"](z)).mean().backward()
+            od.step()
+            og.step()
+            od.zero_grad()
+            og.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("grad", 1, "unknown"), str(f)
+    assert "mode='full'" in f.hint and "nanhunt.watch(g, opt_g)" in f.hint, f.hint

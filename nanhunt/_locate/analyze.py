@@ -1115,10 +1115,13 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
         g = p.grad
         index, value, counts = element(g)
         cause = "input" if earlier else ("parameter" if is_bad(p) else "created")
+        hint = ""
+        if cause == "created" and ctx.view.mode == "sentinel" and not ctx.log.tops and not ctx.log.outside:
+            cause, hint = "unknown", _hints.unseen_forward_hint()  # nothing of the step was seen: "created" would be a guess
         return Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
-            shape=shape_of(g), dtype=dtype_name(g), cause=cause,
+            shape=shape_of(g), dtype=dtype_name(g), cause=cause, hint=hint,
         )
     return None
 

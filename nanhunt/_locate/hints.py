@@ -375,6 +375,15 @@ def unwatched_hint(what: str) -> str:
             "updates judged, or look for an earlier finding whose gradients it applied.")
 
 
+def unseen_forward_hint() -> str:
+    """Sentinel mode judged non-finite gradients of a step in which the watched model was never
+    called itself (its parts were, directly)."""
+    return ("Sentinel mode sees the model through its own top-level calls, and in this step it had none: its "
+            "parts were called directly (a GAN's generator and discriminator held in one container), so "
+            "where this gradient's NaN/Inf came from was not seen. Watch each part that the loop calls "
+            "(nanhunt.watch(g, opt_g), nanhunt.watch(d, opt_d)) or use mode='full'.")
+
+
 def unread_window_hint(since: int, step: int, every: int) -> str:
     """The steps an optimizer state read every ``every`` steps may have gone non-finite at."""
     how = (f"only on a hit here (optimizer_every={every})" if every <= 0 else
