@@ -672,3 +672,36 @@ def test_float16_overflow_under_autocast_entered_inside_the_forward_is_precision
     assert torch.is_autocast_enabled("cpu") is False
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast itself is as it was)
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float16_attention_overflow_with_a_kv_cache_is_precision_and_leaves_the_cache(mode):
+    """A transformers GPT-2 as configured by default (use_cache=True): the attention call is given
+    a DynamicCache it appends its keys to. Run alone, the call got the cache as the replay left it
+    after the call (its 12 keys in), and the second run that one with 12 more: both failed (a size
+    mismatch) and the finding had no verdict. Each run now starts from its own copy of the cache
+    as the call got it; the user's cache (the output's) is not touched."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64,
+                                  attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(3000.0)  # q.k passes 65504 in float16
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 100, (2, 12))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(input_ids=ids, labels=ids)
+        cache = out.past_key_values
+        layers = [(layer.keys, layer.values, layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        out.loss.backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.verdict) == ("transformer.h.0.attn", "aten.bmm.default", "precision"), str(f)
+    assert f.reference["failing_dtype"] == "float16" and abs(f.reference["value"]) > 65504.0, f.reference
+    assert len(cache.layers) == len(layers) == 2
+    for layer, (k, v, k0, v0) in zip(cache.layers, layers):
+        assert layer.keys is k and layer.values is v  # (an update replaces them)
+        assert k.shape[-2] == v.shape[-2] == 12
+        torch.testing.assert_close((k, v), (k0, v0), rtol=0, atol=0, equal_nan=True)  # (layer 1's are NaN)

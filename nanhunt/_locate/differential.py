@@ -4,8 +4,9 @@ The failing top-level call is replayed (each replay inside :func:`nanhunt._locat
 same inputs, RNG, grad mode; buffers and the user's RNG put back) in the failing configuration, to
 learn whether it reproduces and whether identical replays agree, then in reference configurations:
 eager instead of compiled (``torch.compiler.set_stance("force_eager")``), and float32 instead of
-float16/bfloat16: the failing module call is run alone on the inputs the replay gave it, from the
-RNG state it started at, once as it failed and once in float32 (float32 copies of that module's own
+float16/bfloat16: the failing module call is run alone on the inputs the replay gave it (as the call
+began, each run on its own copy: a call changes a KV cache it is given), from the RNG state it
+started at, once as it failed and once in float32 (float32 copies of that module's own
 parameters and of its inputs through ``torch.func.functional_call``, autocast off, deterministic
 algorithms), both under a dispatch mode that keeps every op's output. The two runs are compared op
 by op: the first op whose float32 value passes the largest value of the dtype it ran in when the
@@ -24,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 import socket
 import sys
 import threading
+import types
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,6 +57,12 @@ REDUCED = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fn
 # ops that move or cast values and never compute one: left out when the two runs are aligned
 _MOVES = frozenset({"_to_copy", "to", "copy_", "clone", "contiguous", "detach", "alias", "lift_fresh",
                     "_unsafe_view", "empty_like", "empty", "zeros_like", "ones_like"})
+_logger = logging.getLogger("nanhunt")
+
+
+def _failed(what: str, exc: Exception) -> None:
+    """A replay that failed leaves the verdict out: why, at DEBUG (a bug of the replay's own shows here)."""
+    _logger.debug("nanhunt: %s failed (%s: %s)", what, type(exc).__name__, exc)
 
 
 @dataclass
@@ -67,7 +77,8 @@ class _Scope:
     """Global module hooks during one replay: catches the output of the ``ordinal``-th watched
     call and runs ``mode`` only inside it."""
 
-    def __init__(self, names: dict[nn.Module, str], ordinal: int, mode: TorchDispatchMode | None) -> None:
+    def __init__(self, names: dict[nn.Module, str], ordinal: int, mode: TorchDispatchMode | None,
+                 inputs: bool = False) -> None:
         self.names = names
         self.ordinal = ordinal
         self.mode = mode
@@ -81,9 +92,19 @@ class _Scope:
         self.module: nn.Module | None = None
         self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self.inputs: tuple[Any, Any] | None = None
+        self.want_inputs = inputs
+        self.own: list[Any] = []  # per-module pre-hooks, with kwargs
+        self.thread = 0
 
     def __enter__(self) -> _Scope:
         self.hooks = ReplayHooks(self.pre, self.post)
+        if self.want_inputs:
+            # the inputs as the call starts (a global pre-hook gets no kwargs): after it, the call has
+            # changed what it was given (appended its keys to a transformers Cache)
+            self.thread = threading.get_ident()
+            for m in self.names:
+                with contextlib.suppress(RuntimeError):  # (a ScriptModule takes none: read after the call)
+                    self.own.append(m.register_forward_pre_hook(self.start, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -91,6 +112,14 @@ class _Scope:
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+        for h in self.own:
+            h.remove()
+        self.own.clear()
+
+    def start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if (module is self.module and self.inputs is None and self.depth and self.depth[-1]
+                and threading.get_ident() == self.thread):
+            self.inputs = _fresh((args, kwargs if isinstance(kwargs, dict) else {}))
 
     def leave(self) -> None:
         if self.entered:
@@ -121,7 +150,8 @@ class _Scope:
             self.done = True
             # as they are now: the caller's code may write them in place after the call (a clamp_)
             self.output = tree_map(as_it_is, output)
-            self.inputs = tree_map(as_it_is, (args, kwargs if isinstance(kwargs, dict) else {}))
+            if self.want_inputs and self.inputs is None:  # (its pre-hook did not run)
+                self.inputs = _fresh((args, kwargs if isinstance(kwargs, dict) else {}))
 
 
 class _Trace(TorchDispatchMode):
@@ -221,6 +251,52 @@ def _as32(x: Any) -> Any:
                     if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
 
 
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout))
+_MAX_WALK = 1 << 14  # objects walked for the tensors an input holds; past that it is kept as it is
+
+
+def _fresh(x: Any) -> Any:
+    """A call's inputs for one run of it: tensors copied as they are now, and any other object (a
+    transformers ``Cache``, empty until the call fills it) deep-copied, its tensors detached. A call
+    changes what it is given (a Cache it appends its keys to, an input written in place): each run
+    needs its own copy, and the user's objects stay untouched. Modules and functions are shared; an
+    object that cannot be copied (or refers to too many to walk) is kept as it is."""
+    return tree_map(lambda v: as_it_is(v) if isinstance(v, torch.Tensor) else _copy_object(v), x)
+
+
+def _copy_object(obj: Any) -> Any:
+    if type(obj) in _ATOMS or isinstance(obj, (nn.Module, type)) or callable(obj):
+        return obj  # (a module, a function, a bound method: shared, never copied)
+    held: dict[int, Any] = {}  # the tensors and modules it refers to
+    seen: set[int] = set()
+    todo = [obj]
+    try:
+        while todo:
+            v = todo.pop()
+            if isinstance(v, (torch.Tensor, nn.Module)):
+                held[id(v)] = v
+                continue
+            if type(v) in _ATOMS or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if len(seen) > _MAX_WALK:
+                return obj
+            if isinstance(v, dict):
+                todo.extend(v.values())
+            elif isinstance(v, (list, tuple, set, frozenset, deque)):
+                todo.extend(v)
+            elif isinstance(v, types.MethodType):
+                todo.append(v.__self__)  # (deepcopy copies a bound method's object)
+            else:
+                todo.extend(getattr(v, "__dict__", {}).values())
+        # its tensors copied as they are (deepcopy refuses one with a history); a module stays shared
+        memo = {k: as_it_is(v) for k, v in held.items()}
+        return copy.deepcopy(obj, memo)
+    except Exception as exc:
+        _failed(f"a copy of a {type(obj).__name__} input (kept as it is)", exc)
+        return obj
+
+
 @dataclass
 class _Run:
     output: torch.Tensor | None  # the target call's output at the path (None: not reached)
@@ -243,11 +319,13 @@ def _float32(top: Top) -> tuple[Top, dict[str, Any]]:
 
 
 def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, compiled: Any = None,
-         eager: bool = False, float32: bool = False, trace: bool = False, keep: Sequence[torch.Tensor] = ()) -> _Run:
-    """One replay of ``top``; what the ``ordinal``-th watched call put at output ``path``."""
+         eager: bool = False, float32: bool = False, trace: bool = False, keep: Sequence[torch.Tensor] = (),
+         inputs: bool = False) -> _Run:
+    """One replay of ``top``; what the ``ordinal``-th watched call put at output ``path`` (``inputs``:
+    and what it was given, to run it alone)."""
     saved = [t.clone() for t in keep]
     mode = _Trace() if trace else None
-    scope = _Scope(names, ordinal, mode)
+    scope = _Scope(names, ordinal, mode, inputs)
     run = top
     try:
         if float32:
@@ -281,7 +359,8 @@ def _run(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path, *, com
         got = got.detach() if got is not None else None  # values only (a float() of it would warn)
         return _Run(got, is_bad(got) if got is not None else None, mode.ops if mode is not None else [],
                     mode.casts if mode is not None else [], scope)
-    except Exception:
+    except Exception as exc:
+        _failed(f"a verdict's replay of {type(top.module).__name__}", exc)
         return _Run(None, None, [])
     finally:
         with torch.no_grad():
@@ -310,12 +389,12 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     else:
         run.training = (not top.training) if any(m is module for m in top.odd_modes) else top.training
     run.odd_modes = ()
-    run.args, run.kwargs = inputs
     try:
+        run.args, run.kwargs = _fresh(inputs)  # (each run its own copy: the call changes what it is given)
         with torch.no_grad():
             if float32:
                 run.autocast = ()
-                run.args, run.kwargs = _as32(inputs[0]), _as32(inputs[1])
+                run.args, run.kwargs = _as32(run.args), _as32(run.kwargs)
                 state = {k: _as32(v) for k, v in own.items()}
             with _reference_mode(float32, deterministic=float32, float32=float32), faithful(run), mode:
                 if float32:
@@ -327,7 +406,8 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
         got = dict(tensors(out)).get(tuple(path))
         got = got.detach() if got is not None else None
         return _Run(got, is_bad(got) if got is not None else None, mode.ops, mode.casts)
-    except Exception:
+    except Exception as exc:
+        _failed(f"{prefix or type(module).__name__} run alone ({'float32' if float32 else 'as it failed'})", exc)
         return _Run(None, None, [])
 
 
@@ -384,7 +464,8 @@ def _run_backward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Pat
         if gx is None:
             return _Run(None, False, [])
         return _Run(gx, is_bad(gx), [])
-    except Exception:
+    except Exception as exc:
+        _failed(f"a verdict's backward replay of {type(top.module).__name__}", exc)
         return _Run(None, None, [])
     finally:
         scope.hooks.remove()
@@ -507,7 +588,8 @@ def examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pat
     """
     try:
         return _examine(top, names, f, ordinal, path, compiled, prefix, keep, op_dtype)
-    except Exception:
+    except Exception as exc:
+        _failed("the verdict's analysis", exc)
         return None
 
 
@@ -541,7 +623,7 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         return Examined("numerics", _numerics(f.dtype or "float32", f, f.value))
     # the failing call alone, on the inputs a replay gives it, as it failed and in float32: the
     # reference never holds more than that module's parameters in float32 (a big model's would not fit)
-    cap = _run(top, names, ordinal, path)
+    cap = _run(top, names, ordinal, path, inputs=True)
     if cap.scope is None:
         return None
     fail = _alone(top, cap.scope, path, float32=False)
@@ -593,7 +675,8 @@ def examine_backward(top: Top, names: dict[nn.Module, str], f: Finding, ordinal:
         got: dict[str, Any] = {"dtype": "float32", "op": f.op, "value": value, "limit": float(torch.finfo(low).max),
                                "failing_dtype": str(low).removeprefix("torch."), "failing": f.value}
         return Examined("precision", got)
-    except Exception:
+    except Exception as exc:
+        _failed("the verdict's analysis (backward)", exc)
         return None
 
 
@@ -640,7 +723,8 @@ def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Te
         return Examined("precision", {"dtype": "float32", "op": f.op, "value": value,
                                       "limit": float(torch.finfo(low).max),
                                       "failing_dtype": str(low).removeprefix("torch."), "failing": f.value})
-    except Exception:
+    except Exception as exc:
+        _failed(f"the float32 replay of {node}", exc)
         return None
     finally:
         for h in handles:
