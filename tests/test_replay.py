@@ -340,3 +340,27 @@ def test_a_replay_puts_back_what_the_modules_forward_appended_to_its_own_contain
     m = model[0]
     assert hunt.findings and m.seen == [5, 6, 7], m.seen
     assert m.by_size == {0: 5, 1: 6, 2: 7} and m.sizes == {0, 1, 2}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_replays_leave_the_kv_cache_the_user_passed_in_as_the_calls_left_it(mode: str) -> None:
+    # generation with a transformers KV cache passed in: each call appends its keys to it. The
+    # analysis of a hit replays the call with what it was given, and every replay appended to the
+    # user's own cache (6 tokens + 2 calls read 13): the run went on generating from a corrupted
+    # cache. Replays now run on a copy of every non-tensor input
+    from tests import zoo
+
+    pytest.importorskip("transformers")
+    m = zoo.gpt2(dropout=0.0).eval()
+    ids = torch.randint(0, m.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = m(input_ids=ids, use_cache=True).past_key_values
+        m.transformer.wte.weight[5, 0] = float("nan")  # the next token's embedding
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(m, on_find="record", mode=mode) as hunt, torch.no_grad():
+            m(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+            m(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True)
+    f = hunt.first
+    assert f is not None and (f.module, f.cause) == ("transformer.wte", "parameter"), str(f)
+    assert cache.get_seq_length() == 8

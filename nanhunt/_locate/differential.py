@@ -30,9 +30,7 @@ import math
 import socket
 import sys
 import threading
-import types
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,7 +47,7 @@ from .._tensors import Path, format_path, get_path, is_bad, own_tensors, tensors
 from .graph import GraphOrigin, locate_graph, watched_name
 from .inductor import inductor_settings, locate_inductor
 from .nodes import blame_nodes, graph_nodes
-from .replay import as_it_is, faithful
+from .replay import as_it_is, faithful, fresh
 
 __all__ = ["Examined", "examine", "judge", "REDUCED"]
 
@@ -119,7 +117,7 @@ class _Scope:
     def start(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if (module is self.module and self.inputs is None and self.depth and self.depth[-1]
                 and threading.get_ident() == self.thread):
-            self.inputs = _fresh((args, kwargs if isinstance(kwargs, dict) else {}))
+            self.inputs = fresh((args, kwargs if isinstance(kwargs, dict) else {}))
 
     def leave(self) -> None:
         if self.entered:
@@ -151,7 +149,7 @@ class _Scope:
             # as they are now: the caller's code may write them in place after the call (a clamp_)
             self.output = tree_map(as_it_is, output)
             if self.want_inputs and self.inputs is None:  # (its pre-hook did not run)
-                self.inputs = _fresh((args, kwargs if isinstance(kwargs, dict) else {}))
+                self.inputs = fresh((args, kwargs if isinstance(kwargs, dict) else {}))
 
 
 class _Trace(TorchDispatchMode):
@@ -251,52 +249,6 @@ def _as32(x: Any) -> Any:
                     if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
 
 
-_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout))
-_MAX_WALK = 1 << 14  # objects walked for the tensors an input holds; past that it is kept as it is
-
-
-def _fresh(x: Any) -> Any:
-    """A call's inputs for one run of it: tensors copied as they are now, and any other object (a
-    transformers ``Cache``, empty until the call fills it) deep-copied, its tensors detached. A call
-    changes what it is given (a Cache it appends its keys to, an input written in place): each run
-    needs its own copy, and the user's objects stay untouched. Modules and functions are shared; an
-    object that cannot be copied (or refers to too many to walk) is kept as it is."""
-    return tree_map(lambda v: as_it_is(v) if isinstance(v, torch.Tensor) else _copy_object(v), x)
-
-
-def _copy_object(obj: Any) -> Any:
-    if type(obj) in _ATOMS or isinstance(obj, (nn.Module, type)) or callable(obj):
-        return obj  # (a module, a function, a bound method: shared, never copied)
-    held: dict[int, Any] = {}  # the tensors and modules it refers to
-    seen: set[int] = set()
-    todo = [obj]
-    try:
-        while todo:
-            v = todo.pop()
-            if isinstance(v, (torch.Tensor, nn.Module)):
-                held[id(v)] = v
-                continue
-            if type(v) in _ATOMS or id(v) in seen:
-                continue
-            seen.add(id(v))
-            if len(seen) > _MAX_WALK:
-                return obj
-            if isinstance(v, dict):
-                todo.extend(v.values())
-            elif isinstance(v, (list, tuple, set, frozenset, deque)):
-                todo.extend(v)
-            elif isinstance(v, types.MethodType):
-                todo.append(v.__self__)  # (deepcopy copies a bound method's object)
-            else:
-                todo.extend(getattr(v, "__dict__", {}).values())
-        # its tensors copied as they are (deepcopy refuses one with a history); a module stays shared
-        memo = {k: as_it_is(v) for k, v in held.items()}
-        return copy.deepcopy(obj, memo)
-    except Exception as exc:
-        _failed(f"a copy of a {type(obj).__name__} input (kept as it is)", exc)
-        return obj
-
-
 @dataclass
 class _Run:
     output: torch.Tensor | None  # the target call's output at the path (None: not reached)
@@ -390,7 +342,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
         run.training = (not top.training) if any(m is module for m in top.odd_modes) else top.training
     run.odd_modes = ()
     try:
-        run.args, run.kwargs = _fresh(inputs)  # (each run its own copy: the call changes what it is given)
+        run.args, run.kwargs = fresh(inputs)  # (each run its own copy: the call changes what it is given)
         with torch.no_grad():
             if float32:
                 run.autocast = ()

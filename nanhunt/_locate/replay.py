@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+import logging
 import sys
 import threading
+import types
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from operator import is_not
@@ -20,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .._hooks import REPLAYING, ReplayHooks, replaying
 from .._steplog import Top, given
@@ -39,6 +44,8 @@ from .._tensors import (
 )
 
 __all__ = ["ReplayCall", "Replay", "replay_top", "faithful", "as_it_is"]
+
+_logger = logging.getLogger("nanhunt")
 
 
 @dataclass
@@ -177,7 +184,11 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
     modes = [(m, m.training) for m in mod.modules()] if mod.training != top.training else []
     kept = _Attributes(mod)
     stack = contextlib.ExitStack()
+    given_in = (top.args, top.kwargs)
     try:
+        # a Cache the user passed in (generation), a list the call appends to: the replay runs on
+        # copies (5 replays appended 5 keys to the user's KV cache, which the run then generated from)
+        top.args, top.kwargs = given_objects(given_in)
         for m, _ in modes:
             m.training = top.training
         if modes:
@@ -215,6 +226,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
                     if not same(b, v):
                         b.data.copy_(v)
         finally:
+            top.args, top.kwargs = given_in
             kept.restore()  # the modules' own Python state (their training flags too)
 
 
@@ -227,6 +239,62 @@ def as_it_is(x: Any) -> Any:
     with torch.no_grad():
         c = x.detach().clone()
     return c.requires_grad_(x.requires_grad) if c.is_floating_point() or c.is_complex() else c
+
+
+_ATOMS = frozenset((type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout))
+_MAX_WALK = 1 << 14  # objects walked for the tensors an input holds; past that it is kept as it is
+
+
+def given_objects(x: Any) -> Any:
+    """A call's inputs for a replay: the tensors themselves (a replay maps them to the log), every
+    other object (a transformers ``Cache`` the user passed in, a list the call appends to) a copy,
+    so that a replay never changes what the user holds (`copy_object`)."""
+    return tree_map(lambda v: v if isinstance(v, torch.Tensor) else copy_object(v), x)
+
+
+def fresh(x: Any) -> Any:
+    """A call's inputs for one run of it: tensors copied as they are now, and any other object (a
+    transformers ``Cache``, empty until the call fills it) deep-copied, its tensors detached. A call
+    changes what it is given (a Cache it appends its keys to, an input written in place): each run
+    needs its own copy, and the user's objects stay untouched. Modules and functions are shared; an
+    object that cannot be copied (or refers to too many to walk) is kept as it is."""
+    return tree_map(lambda v: as_it_is(v) if isinstance(v, torch.Tensor) else copy_object(v), x)
+
+
+def copy_object(obj: Any) -> Any:
+    """``obj`` deep-copied with the tensors it holds copied as they are (see `fresh`); ``obj``
+    itself when it is a value, a module, a function, or cannot be copied."""
+    if type(obj) in _ATOMS or isinstance(obj, (nn.Module, type)) or callable(obj):
+        return obj  # (a module, a function, a bound method: shared, never copied)
+    held: dict[int, Any] = {}  # the tensors and modules it refers to
+    seen: set[int] = set()
+    todo = [obj]
+    try:
+        while todo:
+            v = todo.pop()
+            if isinstance(v, (torch.Tensor, nn.Module)):
+                held[id(v)] = v
+                continue
+            if type(v) in _ATOMS or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if len(seen) > _MAX_WALK:
+                return obj
+            if isinstance(v, dict):
+                todo.extend(v.values())
+            elif isinstance(v, (list, tuple, set, frozenset, deque)):
+                todo.extend(v)
+            elif isinstance(v, types.MethodType):
+                todo.append(v.__self__)  # (deepcopy copies a bound method's object)
+            else:
+                todo.extend(getattr(v, "__dict__", {}).values())
+        # its tensors copied as they are (deepcopy refuses one with a history); a module stays shared
+        memo = {k: as_it_is(v) for k, v in held.items()}
+        return copy.deepcopy(obj, memo)
+    except Exception as exc:
+        _logger.debug("nanhunt: a copy of a %s input failed, kept as it is (%s: %s)", type(obj).__name__,
+                      type(exc).__name__, exc)
+        return obj
 
 
 def _holds_compiled(mod: nn.Module) -> bool:
