@@ -759,3 +759,48 @@ def test_a_sparse_gradient_made_infinite_by_sqrt_at_zero_is_found(mode: str, wat
     assert f.phase == "backward" and f.step == 2, f
     assert math.isinf(f.value), f
     assert before is not None and same_state(snapshot(m), before), "a step with non-finite gradients was applied"
+
+
+class _ExpLSTM(nn.Module):
+    """exp of a projection into an LSTM: a large input overflows exp to +inf, the LSTM's gates
+    saturate and its output stays finite; its backward multiplies a 0 gradient by that inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.lstm = nn.LSTM(6, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(self.proj(x).exp())[0]
+
+
+class _ExpTanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.fc(x).exp()))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("model", [_ExpLSTM, _ExpTanh], ids=["exp->LSTM", "exp->tanh"])
+def test_a_forward_overflow_a_saturating_op_hid_is_fed_into_the_backward_not_born_there(model: Any, mode: str) -> None:
+    # the forward's +inf never reaches a module output (tanh, the LSTM's gates saturate), so the
+    # first non-finite value any probe sees is the backward's 0 * inf: it was reported 'created'
+    # there, with the '0/0 from finite inputs' hint. It came in with the forward's value
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            x = torch.randn(2, 5, 4)
+            if step == 1:
+                x[0, 2] = 200.0
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("backward", 1, "input"), str(f)
+    assert "overflow" in f.hint and "from finite inputs" not in f.hint, f.hint

@@ -808,6 +808,8 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
     if rc.params_bad:
         cause = "parameter"
+    elif any(rc.in_bad):  # its forward was given a non-finite value (an overflow before it that its
+        cause = "input"   # saturating gates hid from its output): the backward's 0 * inf only shows it
     index, value, counts = element(grad)
     f = Finding(
         phase="backward", module=rc.name, module_type=type(rc.module).__name__,
@@ -935,8 +937,10 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         module_type=type(module).__name__, tensor=tensor,
         step=ctx.step,
         call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=shape_of(b.grad),
-        dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
-        reproducible=True, verdict="numerics" if numerics else None,
+        # a forward value it saved was non-finite (an overflow a saturating op hid from every output):
+        # fed in by the forward, the 0 * inf of its backward only shows it
+        dtype=dtype, cause="input" if b.facts.get("saved_bad") else "created", op=b.op, source=b.source,
+        chain=tuple(b.chain), reproducible=True, verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
     )
     if not numerics:  # made in float16/bfloat16 (or under autocast): the same backward in float32

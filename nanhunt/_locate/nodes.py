@@ -93,6 +93,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
     order: list[tuple[Any, list[bool], list[bool], tuple[Any, ...]]] = []
     handles = []
     inner: list[OpOrigin | None] = []  # the first creator's, when it is a custom Function's node
+    saved_bad: list[bool] = []  # ... and whether a forward value it saved was non-finite already
 
     def hook(fn: Any) -> Any:
         def post(gi: Any, go: Any) -> None:
@@ -101,6 +102,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
             order.append((fn, ib, ob, tuple(gi) if any(ob) else ()))
             if any(ob) and not any(ib) and not inner:  # the creator, as blamed below: its saved tensors are alive now
                 inner.append(python_backward(fn, go, gi, ob.index(True)))
+                saved_bad.append(_saved_bad(fn))
         return post
 
     try:
@@ -123,10 +125,26 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
             s = bad_out[nxt].index(True)
             nxt = nxt.next_functions[s][0] if s < len(nxt.next_functions) else None
         feeders = [f for f in bad_out if any(n is fn for n, _ in f.next_functions)]
-        facts = {"where_trap": any(f.name().startswith(_SELECT) for f in feeders)}
+        trap = any(f.name().startswith(_SELECT) for f in feeders)
+        # (a where-trap's saved value is non-finite too, where the where masked it: its own hint)
+        facts = {"where_trap": trap, "saved_bad": bool(saved_bad and saved_bad[0]) and not trap}
         nth = sum(1 for o in order[:i] if o[0].name() == fn.name())
         return Blame(fn, slot, gi[slot], chain, facts, nth, inner[0] if inner else None)
     return None
+
+
+def _saved_bad(fn: Any) -> bool:
+    """Does node ``fn`` hold a non-finite forward value it saved (``exp``'s +inf result, which a
+    tanh after it hid from every output: its backward's 0 * inf is the NaN)?"""
+    try:
+        for a in dir(fn):
+            if a.startswith("_saved_"):
+                v = getattr(fn, a, None)
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and is_bad(v):
+                    return True
+    except Exception:  # (a saved value already freed, an attribute that cannot be read)
+        return False
+    return False
 
 
 def creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None],
