@@ -705,3 +705,29 @@ def test_float16_attention_overflow_with_a_kv_cache_is_precision_and_leaves_the_
         assert layer.keys is k and layer.values is v  # (an update replaces them)
         assert k.shape[-2] == v.shape[-2] == 12
         torch.testing.assert_close((k, v), (k0, v0), rtol=0, atol=0, equal_nan=True)  # (layer 1's are NaN)
+
+
+def test_a_bfloat16_overflow_that_float32_shares_is_not_told_to_move_to_float32_or_bfloat16() -> None:
+    # exp of 100 under bfloat16 autocast: float32 overflows too (verdict numerics); the remedy said
+    # "keep this module in float32/bfloat16", which it already is, and which would not help
+    class ExpHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).exp()
+
+    torch.manual_seed(0)
+    m = ExpHead()
+    with torch.no_grad():
+        m.fc.bias.fill_(100.0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(torch.randn(2, 4))
+        y.float().sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert f.verdict == "numerics", str(f)
+    assert "values themselves are too large" in f.hint and "float32/bfloat16" not in f.hint, f.hint

@@ -63,6 +63,7 @@ _BACKWARD = {
     "AcoshBackward0": "the gradient of acosh at 1 is infinite (1/sqrt(x^2 - 1)): clamp its argument to >= 1 + eps",
 }
 
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _op_key(op: str) -> str:
@@ -201,9 +202,13 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
     if "reached" in fx:
-        if fx["dtype"] in ("float32", "float64"):  # no wider dtype to move to: the values are the trouble
+        if fx["dtype"] in ("float32", "float64") or abs(fx["reached"]) > _F32_MAX:
+            # no wider dtype to move to, or float32 overflows too (bfloat16 has its range): the
+            # values are the trouble
             remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
                       "learning rate, gradient clipping, normalising the inputs)")
+        elif fx["dtype"] == "bfloat16":
+            remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
         wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
