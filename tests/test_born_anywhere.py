@@ -1129,3 +1129,24 @@ def test_a_gradient_norm_that_overflows_in_clip_grad_norm_is_found_at_its_op(for
     op = "aten._foreach_norm.Scalar" if foreach is None else "aten.linalg_vector_norm.default"
     assert f.op == op and f.chain == (f"{op} @ {f.source}",) and f.source == line("clip"), f
     assert "norm" in f.hint and "overflows" in f.hint and f.reproducible is None, f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_label_smoothing_over_a_minus_inf_mask_is_told_as_the_mask_meeting_a_sum(mode: str) -> None:
+    # classes masked with -inf in the loss code are harmless until label smoothing takes a share of
+    # every class: the smoothing term sums the masked -inf log-probabilities, the loss is +inf. The
+    # hint read "the mask fills -inf; harmless unless a whole row is masked" (it spoke only to NaN)
+    torch.manual_seed(0)
+    m = nn.Linear(4, 5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mask = torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            logits = m(x).masked_fill(mask, float("-inf"))
+            F.cross_entropy(logits, y, label_smoothing=0.1 if step == 1 else 0.0).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.module, f.step) == ("<outside>", 1) and f.value == math.inf, str(f)
+    assert "label smoothing" in f.hint and "harmless unless" not in f.hint, f.hint

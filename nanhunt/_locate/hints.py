@@ -221,9 +221,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("masked_row"):
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
-    if fx.get("mask_written") and f.value is not None and math.isnan(f.value):
-        return (f"A -inf mask written by {op} reached arithmetic that made nan of it (-inf * 0: p * log p at a "
-                "masked position, whose probability is 0; inf - inf; a sum over masked positions). Mask with a "
+    if fx.get("mask_written") and f.value is not None and not math.isfinite(f.value):
+        return (f"A -inf mask written by {op} reached arithmetic that made {f.value} of it (-inf * 0: p * log p at a "
+                "masked position, whose probability is 0; inf - inf; a sum or mean over masked positions, as "
+                "label smoothing takes over every class). Mask with a "
                 "large finite value (torch.finfo(dtype).min) instead of -inf, or keep masked positions out of the "
                 "computation (torch.special.xlogy(p, p) for p * log p).")
     if fx.get("mask_fed"):
