@@ -1150,3 +1150,31 @@ def test_label_smoothing_over_a_minus_inf_mask_is_told_as_the_mask_meeting_a_sum
     f = ei.value.finding
     assert (f.module, f.step) == ("<outside>", 1) and f.value == math.inf, str(f)
     assert "label smoothing" in f.hint and "harmless unless" not in f.hint, f.hint
+
+
+class _PaddedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fully_padded_row_in_multihead_attentions_fast_path_is_told_as_a_fully_masked_softmax(mode: str) -> None:
+    # eval under no_grad takes the fused kernel (_native_multi_head_attention): a sample whose keys
+    # are all padding gets a NaN row. The hint was p * log p's ("-inf * 0 ... xlogy"): the mask
+    # check knew only the softmax ops, not the fused attention's own softmax over its mask
+    torch.manual_seed(0)
+    m = _PaddedAttention().eval()
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[2, :] = True
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, mode=mode), torch.no_grad():
+        m(torch.randn(3, 5, 8), torch.zeros(3, 5, dtype=torch.bool))
+        m(torch.randn(3, 5, 8), pad)
+    f = ei.value.finding
+    assert (f.module, f.step, f.index) == ("attn", 1, (2, 0, 0)), str(f)
+    assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint

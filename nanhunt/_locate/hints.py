@@ -75,6 +75,12 @@ def _op_key(op: str) -> str:
 _MASK_WRITERS = frozenset({"fill", "masked_fill", "index_put", "index_fill", "full", "full_like", "copy",
                            "scatter", "masked_scatter", "where"})
 
+# fused attention ops (nn.MultiheadAttention's fast path, SDPA): a softmax inside, over their mask
+_ATTENTION = frozenset({"_native_multi_head_attention", "_masked_softmax", "scaled_dot_product_attention",
+                        "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
+                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                        "_transformer_encoder_layer_fwd"})
+
 # ops that fold many rows into fewer values (a scalar loss, a per-sample mean): the rows hint
 _REDUCTIONS = frozenset({
     "sum", "mean", "prod", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "logsumexp", "std",
@@ -99,6 +105,9 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
+            elif name in _ATTENTION and any(i.code is not None and i.code.dim() and bool((i.code == 3).all(-1).any())
+                                            for i in r.ins):  # (its mask: a row all -inf)
+                out["masked_row"] = True
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
         code0 = first.outs[0][1] if first.outs else None
