@@ -312,7 +312,8 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
             why = _OPS.get(_op_key(f.op))
             if why:
                 mx = dtype_max(f.dtype)
-                extra = f" ({f.dtype}'s largest finite value is {mx:g})" if mx and "overflow" in why else ""
+                extra = (f" ({f.dtype}'s largest finite value is {mx:g})"  # (an inf: a NaN is no overflow's)
+                         if mx and "overflow" in why and f.value is not None and math.isinf(f.value) else "")
                 return why[0].upper() + why[1:] + extra + "."
     mx = dtype_max(f.dtype) if f.dtype else None
     if f.value is not None and math.isinf(f.value) and f.dtype in ("float16", "bfloat16") and mx:
