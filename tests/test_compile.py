@@ -524,3 +524,63 @@ def test_a_compiled_model_with_a_compiled_part_is_watched_and_left_as_it_was() -
                                                                          "created"), f
     assert (net.__dict__["_compiled_call_impl"], net.block.__dict__["_compiled_call_impl"]) == own
     torch._dynamo.reset()
+
+
+class _AddLog(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + torch.log(mask)  # -inf where the mask is 0
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.addlog = _AddLog()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.addlog(self.fc(x), mask))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_a_compiled_module_is_judged_after_the_users_forward_hook_as_eagerly(how: str) -> None:
+    # "your own forward hooks run first: nanhunt judges the output your program sees". Compiled,
+    # the in-graph check took the output before the user's hook cleaned it (nan_to_num): a healthy
+    # run raised. Eagerly and now compiled: nothing; and a hook that makes a -inf is found in it
+    torch.manual_seed(0)
+    m = _Masked()
+    m.addlog.register_forward_hook(lambda mod, i, o: torch.nan_to_num(o, neginf=0.0))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    if how == "torch.compile":
+        fn: Any = torch.compile(m, backend="aot_eager")
+    else:
+        m.compile(backend="aot_eager")
+        fn = m
+    with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
+        for step in range(3):
+            mask = torch.ones(2, 1)
+            if step == 1:
+                mask[0] = 0
+            out = fn(torch.randn(2, 4), mask)
+            assert torch.isfinite(out).all()
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [], [str(f) for f in hunt.findings]
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    keep = [torch.ones(2, 1)]
+    seq[0].register_forward_hook(lambda mod, i, o: o + torch.log(keep[0]))  # the user's hook makes -inf; tanh hides it
+    opt = torch.optim.SGD(seq.parameters(), lr=1e-2)
+    fn = torch.compile(seq, backend="aot_eager")
+    with nanhunt.watch(seq, optimizer=opt, on_find="record") as hunt:
+        for step in range(3):
+            keep[0] = torch.ones(2, 1)
+            if step == 1:
+                keep[0][0] = 0
+            fn(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.op) == ("forward", "0", 1, "aten.log.default"), str(f)

@@ -262,6 +262,7 @@ class Hunt:
         self._names: dict[int, tuple[str, Any]] | None = None  # see _build_names
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
         self._cnames: dict[nn.Module, int | None] | None = None  # for compiled graphs: _compiled_names
+        self._clate: dict[nn.Module, bool] = {}  # ... the modules with forward hooks of the user's: judged after them
         self._log = StepLog()
         self._stack: list[Call] = []
         self._owner: int | None = None  # the thread whose calls this step records
@@ -768,6 +769,15 @@ class Hunt:
             self._cnames = self._compiled.assign(
                 {m: (None if i in self._ignored else n) for i, (n, r) in self._names.items()
                  if (m := r()) is not None and type(m).__name__ != "OptimizedModule"})
+            if self._per_module:
+                # a module with forward hooks of the user's: its output is judged as the program
+                # sees it, after them (as `_late_post` does eagerly; the global hook runs before
+                # them: a hook that cleans a -inf was judged on the raw output, and raised)
+                self._clate = {}
+                for m in self._cnames:
+                    if any(not isinstance(h, _OnModule) for h in m._forward_hooks.values()):
+                        self._late_hook(m)
+                        self._clate[m] = True
 
     def _prepare_compiled(self, device: torch.device | None) -> None:
         """The in-graph checks' buffer (on ``device``, else the model's) and its slots."""
@@ -1278,6 +1288,9 @@ class Hunt:
             hooks.move_to_end(h.id)  # type: ignore[attr-defined]
 
     def _late_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: Any, output: Any = _NO) -> None:
+        if _is_compiling():
+            self._post_compiled(module, kwargs if output is _NO else output, late=True)
+            return
         if self._evbuf and self._inner == _get_ident():  # (a user's hook that called watched modules)
             self._flush()
         try:
@@ -1391,7 +1404,7 @@ class Hunt:
             self._outside.on()
 
     # torch.compile: traced into the graph; see _compiled (no list, no branch: no graph break)
-    def _post_compiled(self, module: nn.Module, output: Any) -> None:
+    def _post_compiled(self, module: nn.Module, output: Any, late: bool = False) -> None:
         slots, comp = self._cnames, self._compiled
         if comp is None:
             self._traced = True  # compiled without slots to write into (compiled after watch()): see _after_trace
@@ -1399,8 +1412,8 @@ class Hunt:
         if slots is None:  # (no _paused here: a guard on it would recompile the graph for the analysis'
             return  # compiled replay, whose writes into the slots are put back anyway: graph.guarded)
         slot = slots.get(module)
-        if slot is None:
-            return
+        if slot is None or (not late and module in self._clate):
+            return  # (ignored; or judged after the user's hooks: `_late_post`)
         comp.record(slot, output)
 
     def _compiled_buffer(self, args: tuple[Any, ...]) -> None:
@@ -2401,6 +2414,7 @@ class Hunt:
         self._before = {}
         self._names = None
         self._cnames = None
+        self._clate = {}
         self._odd = None  # (holds modules)
         self._ignored = set()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
