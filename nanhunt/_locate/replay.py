@@ -247,9 +247,10 @@ _MAX_WALK = 1 << 14  # objects walked for the tensors an input holds; past that 
 
 def given_objects(x: Any) -> Any:
     """A call's inputs for a replay: the tensors themselves (a replay maps them to the log), every
-    other object (a transformers ``Cache`` the user passed in, a list the call appends to) a copy,
-    so that a replay never changes what the user holds (`copy_object`)."""
-    return tree_map(lambda v: v if isinstance(v, torch.Tensor) else copy_object(v), x)
+    other object (a transformers ``Cache`` the user passed in, a list the call appends to) a copy
+    holding the same tensors, so that a replay never changes what the user holds (a cache's
+    appends make new tensors; a static cache's in-place writes put back what the call wrote)."""
+    return tree_map(lambda v: v if isinstance(v, torch.Tensor) else copy_object(v, share=True), x)
 
 
 def fresh(x: Any) -> Any:
@@ -261,9 +262,9 @@ def fresh(x: Any) -> Any:
     return tree_map(lambda v: as_it_is(v) if isinstance(v, torch.Tensor) else copy_object(v), x)
 
 
-def copy_object(obj: Any) -> Any:
-    """``obj`` deep-copied with the tensors it holds copied as they are (see `fresh`); ``obj``
-    itself when it is a value, a module, a function, or cannot be copied."""
+def copy_object(obj: Any, share: bool = False) -> Any:
+    """``obj`` deep-copied with the tensors it holds copied as they are (``share``: the same
+    tensors; see `fresh`); ``obj`` itself when it is a value, a module, a function, or cannot be copied."""
     if type(obj) in _ATOMS or isinstance(obj, (nn.Module, type)) or callable(obj):
         return obj  # (a module, a function, a bound method: shared, never copied)
     held: dict[int, Any] = {}  # the tensors and modules it refers to
@@ -289,7 +290,7 @@ def copy_object(obj: Any) -> Any:
             else:
                 todo.extend(getattr(v, "__dict__", {}).values())
         # its tensors copied as they are (deepcopy refuses one with a history); a module stays shared
-        memo = {k: as_it_is(v) for k, v in held.items()}
+        memo = {k: v if share or isinstance(v, nn.Module) else as_it_is(v) for k, v in held.items()}
         return copy.deepcopy(obj, memo)
     except Exception as exc:
         _logger.debug("nanhunt: a copy of a %s input failed, kept as it is (%s: %s)", type(obj).__name__,
