@@ -584,3 +584,48 @@ def test_a_compiled_module_is_judged_after_the_users_forward_hook_as_eagerly(how
             opt.zero_grad()
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.op) == ("forward", "0", 1, "aten.log.default"), str(f)
+
+
+class _Net(nn.Module):
+    """A custom root (not a Sequential): torch runs its ``_call_impl`` untraced under torch.compile,
+    so each global hook around the compiled forward is a frame dynamo compiles on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.inp(x)) * 2)
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_a_watched_compiled_model_compiles_as_many_graphs_as_unwatched_when_the_batch_size_changes(how: str) -> None:
+    # full mode wrote the root's in-graph slot from its post-hook, a frame of its own here: one
+    # graph more than unwatched, guarded on the output's shape, compiled again at each new batch
+    # size. The root's call is seen eagerly around the compiled call, its output judged there
+    from torch._dynamo.utils import counters
+
+    def graphs(watch: bool) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        m = _Net()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        if how == "torch.compile":
+            fn: Any = torch.compile(m, backend="aot_eager")
+        else:
+            m.compile(backend="aot_eager")
+            fn = m
+        hunt = nanhunt.watch(m, optimizer=opt) if watch else None
+        try:
+            for b in (4, 4, 5, 6):
+                fn(torch.randn(b, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if hunt is not None:
+                hunt.close()
+        return int(counters["stats"]["unique_graphs"])
+
+    assert graphs(True) == graphs(False)

@@ -263,6 +263,9 @@ class Hunt:
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
         self._cnames: dict[nn.Module, int | None] | None = None  # for compiled graphs: _compiled_names
         self._clate: dict[nn.Module, bool] = {}  # ... the modules with forward hooks of the user's: judged after them
+        # ... and the modules whose calls are seen eagerly around their compiled call (torch.compile(m)'s
+        # wrapper, m.compile()): no slot, their outputs are judged there (see _around_compiled)
+        self._around: dict[nn.Module, bool] = {}
         self._log = StepLog()
         self._stack: list[Call] = []
         self._owner: int | None = None  # the thread whose calls this step records
@@ -767,7 +770,7 @@ class Hunt:
             # (not a torch.compile wrapper inside the model: net.block = torch.compile(net.block). Its
             # graph runs the module it wraps, and dynamo, tracing this dict, met that module twice)
             self._cnames = self._compiled.assign(
-                {m: (None if i in self._ignored else n) for i, (n, r) in self._names.items()
+                {m: (None if i in self._ignored or m in self._around else n) for i, (n, r) in self._names.items()
                  if (m := r()) is not None and type(m).__name__ != "OptimizedModule"})
             if self._per_module:
                 # a module with forward hooks of the user's: its output is judged as the program
@@ -792,6 +795,18 @@ class Hunt:
         if self._croot is None and self._root is not None:
             self._croot = CompiledRoot(self._root, self._compiled_begin, self._compiled_end)
             self._handles.append(self._croot)
+            self._around_compiled(self._root)
+
+    def _around_compiled(self, module: nn.Module) -> None:
+        """``module``'s calls are seen eagerly around its compiled call (a torch.compile wrapper's
+        hooks, `CompiledRoot`), and its outputs judged there: its own hooks, which dynamo compiles
+        as frames of their own when the call they hook runs untraced (torch's ``_call_impl``),
+        write no slot. A slot made the post-hook a graph of its own, guarded on the output's
+        shape: every new batch size compiled it again."""
+        if module not in self._around:
+            self._around[module] = True
+            if self._compiled is not None:
+                self._compiled_names()  # (before the call's first trace: no recompile)
 
     def _catch_compiled_parts(self) -> None:
         """Full mode: a watched submodule compiled in place (``model.block.compile()``) runs its
@@ -809,6 +824,7 @@ class Hunt:
             if got is not None and got.model is m and m.__dict__.get("_compiled_call_impl") is got.call:
                 continue
             self._cparts[id(m)] = part = CompiledRoot(m, self._compiled_begin, self._compiled_end)
+            # (its slot stays: inside a compiled root its wrapper is traced, its call not seen eagerly)
             self._handles.append(part)
 
     def _module_names(self) -> dict[nn.Module, str]:
@@ -904,6 +920,7 @@ class Hunt:
             if e is None or e[1]() is not orig:
                 return
             wrapper, module = module, orig
+            self._around_compiled(module)
             self._compiled_buffer(args)
         if not self._stack and _redirected(module):  # (a watched module's top-level call only: never an unwatched one's)
             return  # Lightning's strategies run training_step as the model's forward: its own call of the model is the top
@@ -2415,6 +2432,7 @@ class Hunt:
         self._names = None
         self._cnames = None
         self._clate = {}
+        self._around = {}
         self._odd = None  # (holds modules)
         self._ignored = set()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
