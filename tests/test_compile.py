@@ -542,6 +542,14 @@ class _Masked(nn.Module):
         return self.head(self.addlog(self.fc(x), mask))
 
 
+def _compiled(m: nn.Module, how: str) -> Any:
+    """What the loop calls: ``torch.compile(m)``'s wrapper, or ``m`` compiled in place."""
+    if how == "torch.compile":
+        return torch.compile(m, backend="aot_eager")
+    m.compile(backend="aot_eager")
+    return m
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
 def test_a_compiled_module_is_judged_after_the_users_forward_hook_as_eagerly(how: str) -> None:
     # "your own forward hooks run first: nanhunt judges the output your program sees". Compiled,
@@ -551,11 +559,7 @@ def test_a_compiled_module_is_judged_after_the_users_forward_hook_as_eagerly(how
     m = _Masked()
     m.addlog.register_forward_hook(lambda mod, i, o: torch.nan_to_num(o, neginf=0.0))
     opt = torch.optim.SGD(m.parameters(), lr=1e-2)
-    if how == "torch.compile":
-        fn: Any = torch.compile(m, backend="aot_eager")
-    else:
-        m.compile(backend="aot_eager")
-        fn = m
+    fn = _compiled(m, how)
     with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
         for step in range(3):
             mask = torch.ones(2, 1)
@@ -612,11 +616,7 @@ def test_a_watched_compiled_model_compiles_as_many_graphs_as_unwatched_when_the_
         torch.manual_seed(0)
         m = _Net()
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-        if how == "torch.compile":
-            fn: Any = torch.compile(m, backend="aot_eager")
-        else:
-            m.compile(backend="aot_eager")
-            fn = m
+        fn = _compiled(m, how)
         hunt = nanhunt.watch(m, optimizer=opt) if watch else None
         try:
             for b in (4, 4, 5, 6):
