@@ -381,7 +381,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             # an op in torch's own layers all the way up (an nn.Sequential of them): the user's line
             # is the one that called the model
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
-            facts = got.facts
+            facts = {**got.facts, "saved_bad": True} if facts.get("saved_bad") else got.facts
     f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
     ref = f.reference
     if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:
@@ -818,6 +818,8 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         shape=shape_of(grad), dtype=dtype_name(grad), cause=cause, reproducible=True,
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
+    if cause == "input":
+        ctx.facts[id(f)] = {"saved_bad": True}  # (for the hint: the forward held the value, see nodes._saved_bad)
     return f
 
 

@@ -278,7 +278,7 @@ def hint(f: Finding, fx: dict[str, Any] | None = None) -> str:
 
 
 def _hint(f: Finding, fx: dict[str, Any]) -> str:
-    if f.phase == "backward" and f.cause == "input" and (fx.get("saved_bad") or f.tensor.startswith("grad_input")):
+    if f.phase == "backward" and f.cause == "input" and fx.get("saved_bad"):
         return ("The forward already held a non-finite value here (an overflow, exp or pow past the dtype's "
                 "largest value, that a saturating op after it, tanh, sigmoid, an LSTM's gates, hid from "
                 "every output): the backward multiplies its 0 gradient by that inf, which makes the NaN. "
