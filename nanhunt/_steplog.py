@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._tensors import Path, grain, poison, stack_probes
+from ._tensors import Path, grain, poison, stack_probes, tensors
 
 _FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _SHAPE = attrgetter("shape")
@@ -101,6 +101,14 @@ class Top:
         self.outside_at = 0  # torch calls outside watched calls recorded before it in the step (StepLog.outside)
         self.src: str | None = None  # the user's line that made the call (an op in torch's own layers has no other)
         self.clock = 0  # when it began (`_hooks.tick`: the order of events across hunts)
+
+    def batch(self) -> int | None:
+        """The length of the first dimension of its first tensor input with one (the batch size,
+        for a hint that names rows of a reduction as samples); None when it has none."""
+        for _, t in tensors((self.args, self.kwargs or {})):
+            if t.dim():
+                return int(t.shape[0])
+        return None
 
 
 @dataclass

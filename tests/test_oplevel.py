@@ -684,3 +684,25 @@ def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_
     f = ei.value.finding
     assert (f.phase, f.module, f.module_type, f.op) == ("forward", "1", "Threshold", "aten.threshold.default"), f
     assert same_source(f.source, line("torch-only-call")), f.source
+
+
+def test_rows_of_a_weight_summed_are_not_called_samples() -> None:
+    # an L2 penalty (w ** 2).sum() over a weight that SGD at lr=10 blows up: the reduction's rows
+    # are the weight's elements, not samples of a batch (the model takes no batch)
+    class Penalty(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([1.0, -0.5]))
+
+        def forward(self) -> torch.Tensor:
+            return (self.w ** 2).sum()
+
+    m = Penalty()
+    opt = torch.optim.SGD(m.parameters(), lr=10)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for _ in range(40):
+            m().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert "over 2 rows" in f.hint and "sample" not in f.hint, f.hint

@@ -367,6 +367,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
+        batch = top.batch()  # (rows of a reduction are samples only where they are the batch's)
         if phase == "forward":
             got = _oplevel.locate_forward(top, ctx.names, ordinal, path)
         else:
@@ -382,6 +383,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             # is the one that called the model
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
             facts = {**got.facts, "saved_bad": True} if facts.get("saved_bad") else got.facts
+            facts = {**facts, "batch": batch}
     f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
     ref = f.reference
     if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:

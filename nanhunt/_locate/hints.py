@@ -267,8 +267,10 @@ def rows_sentence(fx: dict[str, Any]) -> str:
         return ""
     n = fx.get("nbad", len(rows))
     which = f"row {rows[0]}" if n == 1 else f"rows {', '.join(map(str, rows))}{'…' if n > len(rows) else ''}"
+    what = (f" ({'that sample' if n == 1 else 'those samples'})"  # (rows of the batch, not of a weight)
+            if fx.get("batch") is not None and fx.get("batch") == fx.get("nrows") else "")
     return (f" The reported value is a reduction ({fx.get('reduction')}) over {fx.get('nrows')} rows: "
-            f"its input was non-finite at {which} ({'that sample' if n == 1 else 'those samples'}).")
+            f"its input was non-finite at {which}{what}.")
 
 
 def hint(f: Finding, fx: dict[str, Any] | None = None) -> str:

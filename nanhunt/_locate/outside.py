@@ -348,7 +348,8 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         reference={"dtype": dtype, "op": got.op if got is not None else None, "tensor": tensor, "value": value}
         if numerics else {},
     )
-    return dataclasses.replace(f, hint=_hints.hint(f, fx))
+    batch = log.tops[-1].batch() if log.tops else None  # (the loss code's rows: the last batch's samples)
+    return dataclasses.replace(f, hint=_hints.hint(f, {**fx, "batch": batch}))
 
 
 def _feeds(x: torch.Tensor) -> bool:
