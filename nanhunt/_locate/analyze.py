@@ -1210,7 +1210,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
                 hint=_hints.written_before_step_hint(f"{what} of `{mname or type(m).__name__}`"),
             )
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
-        op = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else None
+        op, alone = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else (None, False)
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
         setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""
         src = ctx.view.step_lines.get(entry.opt)
@@ -1220,7 +1220,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
             if got is not None:
                 op, src, chain = got[0], got[1], tuple(got[2])
         facts = _optim.grad_facts(opt, p) if opt is not None and not fed else None
-        if opt is not None and facts is not None and op is not None and not at_start and _optim.settings_overflow(opt, p, sk):
+        if opt is not None and facts is not None and alone:
             facts["settings"] = _optim.settings_text(opt, p)  # (its update overflows from a weight of 1)
         hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting, grads=facts)
         if sk and not at_start and entry.since is not None and step - entry.since > 1:

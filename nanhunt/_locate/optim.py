@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "settings_overflow", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
+__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
 
 
 def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -62,19 +62,16 @@ class _Writes(TorchDispatchMode):
         return out
 
 
-def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> str | None:
-    """The aten op that writes ``p`` (``key=""``) or ``state[key]`` in ``opt``'s update: the one
-    that made it non-finite where the shadow's update does so from a weight of 1 and a gradient of
-    0.5 (the settings alone overflow: a weight decay of 1e41 in AdamW's ``mul_``), else the last."""
+def update_op(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> tuple[str | None, bool]:
+    """The aten op that writes ``p`` (``key=""``) or ``state[key]`` in ``opt``'s update, and whether
+    the settings alone make it non-finite: the shadow's update does so from a weight of 1 and a
+    gradient of 0.5 (a weight decay of 1e41 in AdamW's ``mul_``); the op is then the one that
+    did, else the last that writes it."""
     got = _shadow_writes(opt, p)
-    return None if got is None else (got.made.get(key) or got.last.get(key))
-
-
-def settings_overflow(opt: torch.optim.Optimizer, p: torch.Tensor, key: str) -> bool:
-    """Does ``opt``'s update with ``p``'s group settings make ``p`` (or ``state[key]``) non-finite
-    from a weight of 1 and a gradient of 0.5? Then the settings themselves are the cause."""
-    got = _shadow_writes(opt, p)
-    return got is not None and key in got.made
+    if got is None:
+        return None, False
+    made = got.made.get(key)
+    return made or got.last.get(key), made is not None
 
 
 def settings_text(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
