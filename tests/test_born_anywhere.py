@@ -1054,6 +1054,59 @@ def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) 
     assert f.reference["dtype"] == "float32" and f.reference["op"] == "aten.log.default" and math.isnan(f.reference["value"])
 
 
+_LOW_LOSSES = {
+    # a squared error summed in float16: 300 ** 2 = 90000 is past float16's 65504
+    "pow of a float16 difference": lambda out, y: ((out.half() - y.half()) ** 2).sum(),
+    # the cast itself overflows: 1e5 has no float16
+    "cast to float16": lambda out, y: ((out - y) * 1e3).to(torch.float16).sum(),
+    # a float16 sum of finite squares overflows
+    "float16 sum": lambda out, y: (out - y).half().pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("pattern", list(_LOW_LOSSES))
+def test_a_float16_overflow_in_loss_code_gets_the_precision_verdict(mode: str, pattern: str) -> None:
+    """Loss code computed in float16 overflowed: the recorded calls replayed in float32 (float16
+    tensors and casts widened) are finite, so the verdict is "precision", with the float32 value
+    and the limit. (No verdict was given outside the model before.) The user's tensors and RNG
+    stream are untouched by that replay."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = torch.randn(16, 4), torch.full((16, 4), 300.0)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        out = model(x)
+        loss = _LOW_LOSSES[pattern](out, y)
+        assert not torch.isfinite(loss), "test set-up: the float16 loss overflows"
+        kept = (out.detach().clone(), y.clone(), torch.get_rng_state())
+        loss.float().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(out.detach(), kept[0]) and torch.equal(y, kept[1])
+    f = hunt.first
+    assert f is not None and f.module == "<outside>" and f.dtype == "float16", f
+    assert f.verdict == "precision", f
+    ref = f.reference
+    assert ref["dtype"] == "float32" and ref["failing_dtype"] == "float16" and ref["limit"] == 65504.0, ref
+    assert math.isfinite(ref["value"]) and abs(ref["value"]) > 65504.0, ref
+    assert "float32" in f.hint and "this module" not in f.hint, f.hint
+
+
+def test_a_float16_value_that_float32_cannot_hold_either_gets_the_numerics_verdict() -> None:
+    """log of a zero in float16 loss code is -inf in float32 too: the math itself."""
+    torch.manual_seed(0)
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        out = model(torch.randn(4, 4))
+        (out.half() * 0).abs().log().sum().float().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("<outside>", "aten.log.default", "numerics"), f
+    assert f.reference["dtype"] == "float32" and f.reference["value"] == -math.inf, f.reference
+
+
 @pytest.mark.parametrize("how", ["set_default_device between steps", "DeviceContext around the forward"])
 def test_torchs_default_device_context_stays_at_the_bottom_of_the_mode_stack(how: str) -> None:
     """torch.set_default_device's DeviceContext keeps itself at the very bottom of the mode stack

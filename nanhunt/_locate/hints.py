@@ -216,6 +216,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             # values are the trouble
             remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
                       "learning rate, gradient clipping, normalising the inputs)")
+        elif f.module == "<outside>":  # (the loop's own code: no module to keep in float32)
+            remedy = "compute it in float32 (.float() before it, outside autocast) or scale before it"
         elif fx["dtype"] == "bfloat16":
             remedy = "keep this module in float32 or scale before it"
         else:

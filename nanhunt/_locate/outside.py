@@ -31,6 +31,7 @@ from .._finding import Finding
 from .._steplog import Out, OutRec, StepLog
 from .._tensors import dtype_name, element, is_bad, shape_of, values
 from . import hints as _hints
+from .differential import REDUCED
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 
@@ -70,9 +71,15 @@ class _Tag(TorchDispatchMode):
 
 
 class _Replay:
-    def __init__(self, recs: list[OutRec], grad: bool, returned: dict[int, torch.Tensor] | None = None) -> None:
+    """``wide``: the float32 reference of the recorded code: float16/bfloat16/float8 tensors come in
+    as float32, casts to them (``.half()``, ``.to(torch.float16)``, a ``dtype=`` argument) keep
+    float32, and autocast stays off."""
+
+    def __init__(self, recs: list[OutRec], grad: bool, returned: dict[int, torch.Tensor] | None = None,
+                 wide: bool = False) -> None:
         self.recs = recs
         self.grad = grad
+        self.wide = wide
         self.returned = returned or {}  # id of a watched call's output written in place since -> its value at the return
         self.sub: dict[int, torch.Tensor] = {}
         self.keep: list[torch.Tensor] = []
@@ -88,6 +95,8 @@ class _Replay:
             return r
         with torch.no_grad():
             c = self.returned.get(id(x), x).detach().clone()
+            if self.wide and str(c.dtype).removeprefix("torch.") in REDUCED:
+                c = c.float()
         if self.grad and x.requires_grad and (x.is_floating_point() or x.is_complex()):
             c.requires_grad_(True)
             self.leaves.append(c)
@@ -111,6 +120,11 @@ class _Replay:
                 tag.on = False
             args = tree_map(self.ext, r.args)
             kwargs = tree_map(self.ext, r.kwargs)
+            func = r.func
+            if self.wide:
+                args, kwargs = tree_map(_wide_dtype, (args, kwargs))
+                if getattr(func, "__name__", "") in _NARROWING and args and isinstance(args[0], torch.Tensor):
+                    func = _same_tensor  # x.half(): x stays float32
             if self.grad:
                 known.update(t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
             if tag is not None:
@@ -118,8 +132,11 @@ class _Replay:
                 tag.on = True
             with contextlib.ExitStack() as casts:
                 for dev, dtype in r.autocast:  # as the call ran (a loss under torch.autocast)
-                    casts.enter_context(torch.autocast(dev, dtype=dtype))
-                out = r.func(*args, **kwargs)
+                    casts.enter_context(torch.autocast(dev, dtype=dtype, enabled=not self.wide))
+                if self.wide:  # (the analysis may run inside the user's own autocast block)
+                    for dev in ("cpu", "cuda"):
+                        casts.enter_context(torch.autocast(dev, enabled=False))
+                out = func(*args, **kwargs)
             if tag is not None:
                 tag.on = False
             if out is None and getattr(r.func, "__name__", "") == "__setitem__":
@@ -141,6 +158,39 @@ class _Replay:
                         continue
                     self.node_rec[fn] = i
                     todo.extend(n for n, _ in fn.next_functions)
+
+
+_NARROWING = frozenset({"half", "bfloat16"})  # Tensor methods that cast to a reduced dtype
+
+
+def _same_tensor(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return x
+
+
+def _wide_dtype(x: Any) -> Any:
+    """A reduced floating dtype named in a call's arguments, as float32 (the wide replay)."""
+    return torch.float32 if isinstance(x, torch.dtype) and str(x).removeprefix("torch.") in REDUCED else x
+
+
+def reference32(recs: list[OutRec], ri: int, j: int, index: tuple[int, ...] | None,
+                returned: dict[int, torch.Tensor] | None = None) -> tuple[bool, float | None] | None:
+    """The recorded code up to call ``ri`` replayed in float32 (`_Replay`'s ``wide``): is output
+    ``j`` non-finite there too, and its value at ``index``. None when it cannot be replayed."""
+    try:
+        rep = _Replay(recs, grad=False, returned=returned, wide=True)
+        with _rng(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rep.run(ri, None)
+        outs = rep.outs[ri]
+        if j >= len(outs):
+            return None
+        w = outs[j]
+        value = None
+        if index is not None and len(index) == w.dim() and all(0 <= i < s for i, s in zip(index, w.shape)):
+            value = float(w[index])
+        return is_bad(w), value
+    except Exception:
+        return None
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -337,6 +387,26 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     # float32/float64 code outside autocast, reproduced by its replay: that replay is the float32
     # eager reference, so the verdict is the math itself (as a module's float32 finding gets)
     numerics = got is not None and not fx.get("unreplayed") and dtype in ("float32", "float64") and not r.autocast
+    verdict: str | None = "numerics" if numerics else None
+    reference: dict[str, Any] = ({"dtype": dtype, "op": got.op if got is not None else None, "tensor": tensor,
+                                  "value": value} if numerics else {})
+    if got is not None and not fx.get("unreplayed") and (dtype in REDUCED or r.autocast):
+        # float16/bfloat16 code, or code under autocast: the float32 reference is the same calls
+        # replayed in float32, autocast off
+        ref = reference32(log.outside, rec_i, out_i, index, returned)
+        if ref is not None:
+            bad32, value32 = ref
+            reference = {"dtype": "float32", "op": got.op, "tensor": tensor, "value": value32}
+            if bad32:
+                verdict = "numerics"
+            else:
+                verdict = "precision"
+                low = dtype if dtype in REDUCED else next(
+                    (str(d).removeprefix("torch.") for _, d in r.autocast if str(d).removeprefix("torch.") in REDUCED),
+                    dtype)
+                if low in REDUCED:
+                    reference.update(limit=float(torch.finfo(getattr(torch, low)).max), failing_dtype=low)
+                reference["failing"] = value
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=shape_of(t),
@@ -344,9 +414,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         op=got.op if got is not None else None, source=got.source if got is not None else r.src,
         chain=tuple(got.chain) if got is not None else (),
         reproducible=True if got is not None and not fx.get("unreplayed") else None,
-        verdict="numerics" if numerics else None,
-        reference={"dtype": dtype, "op": got.op if got is not None else None, "tensor": tensor, "value": value}
-        if numerics else {},
+        verdict=verdict, reference=reference,
     )
     batch = log.tops[-1].batch() if log.tops else None  # (the loss code's rows: the last batch's samples)
     return dataclasses.replace(f, hint=_hints.hint(f, {**fx, "batch": batch}))
