@@ -804,3 +804,35 @@ def test_a_forward_overflow_a_saturating_op_hid_is_fed_into_the_backward_not_bor
     f = ei.value.finding
     assert (f.phase, f.step, f.cause) == ("backward", 1, "input"), str(f)
     assert "overflow" in f.hint and "from finite inputs" not in f.hint, f.hint
+
+
+def _nan_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
+    g = grad_input[0]
+    return (g / (g - g),)  # 0/0 and x/0: the hook's own arithmetic
+
+
+def _nan_grad_output(module: nn.Module, grad_output: Any) -> Any:
+    return (grad_output[0].log() * 0,)  # log of a negative gradient: nan
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("kind", ["register_full_backward_hook", "register_full_backward_pre_hook"])
+def test_a_gradient_made_non_finite_by_a_users_backward_hook_names_that_module_and_hook(mode: str, kind: str) -> None:
+    """A module's full backward (pre-)hook that returns non-finite gradients: the finding is that
+    module's, at the hook's line, with a hint naming the hook. It was the root's ('' , no line):
+    the node the hook runs in wraps the module's inputs (or outputs), outside its own graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    hook = _nan_grad_input if kind == "register_full_backward_hook" else _nan_grad_output
+    getattr(model[2], kind)(hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause, f.op) == ("backward", "2", "created", "BackwardHookFunctionBackward"), f
+    line = hook.__code__.co_firstlineno
+    assert f.source == f"{__file__}:{line}", f.source
+    assert hook.__qualname__ in f.hint, f.hint
+    assert same_state(snapshot(model), before)  # raise: the step was not applied

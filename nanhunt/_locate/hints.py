@@ -204,6 +204,9 @@ def _leaves(x: Any) -> list[Any]:
 def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     """The sentence the numbers support, or "" when they support none."""
     op = f.op or "this op"
+    if fx.get("backward_hook"):
+        return (f"Made by the backward hook {fx['backward_hook']} on this module (at {f.source}): the gradients "
+                "it returned are non-finite where the ones it was given were finite.")
     if fx.get("overwritten"):
         return ("Its call's inputs were written in place after the call (a reused input buffer: "
                 "buf.copy_(batch)), so no replay could see the values it had: pass the model a fresh tensor "

@@ -199,8 +199,43 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     owner, call = _owner(got.fn, done)
     op, src, chain, facts = named(got, lambda n: mode.node_src.get(n, (None, False))[0],
                                   mode.node_src.get(got.fn, (None, False))[0])
+    hooked = _hook_owner(got.fn, done) if got.fn.name() == _HOOK_NODE else None
+    if hooked is not None:  # the user's backward hook of a module made it: that module, at the hook's line
+        owner, call, hook = hooked
+        src = _where(hook)
+        facts = {**facts, "backward_hook": getattr(hook, "__qualname__", None) or type(hook).__name__}
     return Born(op, src, got.grad, got.slot, chain, owner, names.get(owner, "") if owner is not None else "",
                 facts, got.nth, call, got.fn.name())
+
+
+_HOOK_NODE = "BackwardHookFunctionBackward"  # the node a module's full backward (pre-)hooks run in
+
+
+def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module, int, Any] | None:
+    """The module whose full backward hooks run in node ``fn``: the one whose inputs it wraps
+    (``register_full_backward_hook``: the hook returns the gradients of the inputs) or whose
+    outputs it wraps (``register_full_backward_pre_hook``: the gradients of the outputs); that
+    module, which of its calls, and the hook (the first: which of several made it, no node says)."""
+    for i, (module, inputs, output) in enumerate(done):
+        full = list(module._backward_hooks.values()) if getattr(module, "_is_full_backward_hook", None) else []
+        pre = list(module._backward_pre_hooks.values())
+        if not full and not pre:
+            continue
+        call = sum(1 for m, _, _ in done[:i] if m is module)
+        if full and fn in {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}:
+            return module, call, full[0]
+        outs = {t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)}
+        if pre and any(n in outs for n, _ in fn.next_functions if n is not None):
+            return module, call, pre[0]
+    return None
+
+
+def _where(hook: Any) -> str | None:
+    """``file:line`` where a hook function is defined."""
+    f = getattr(hook, "func", hook)  # (a functools.partial)
+    call = vars(type(f)).get("__call__")  # (a callable object: its class's method)
+    code = getattr(f, "__code__", None) or getattr(call, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
 def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module | None, int]:
