@@ -199,6 +199,19 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     t = values(t).detach()  # cheaper than a no_grad context per call
     if t.dtype is _F32:
         return t.sum()
+    return probe_sum(t)
+
+
+_WIDE = (torch.float64, torch.complex128)
+
+
+def probe_sum(t: torch.Tensor) -> torch.Tensor:
+    """`probe` of a tensor that is not float32 (its values, detached): summed in float32, but a
+    float64 tensor in float64, then 0 or NaN (``s - s``), so that its values past float32's range
+    (1e40, finite in float64) are no alarm."""
+    if t.dtype in _WIDE:
+        s = real_view(t).sum()
+        return (s - s).float()
     return real_view(t).sum(dtype=_F32)
 
 

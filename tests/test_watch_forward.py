@@ -414,6 +414,37 @@ def test_every_float_dtype(dtype: torch.dtype) -> None:
                    cause="created", expected=torch.log(x))
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_float64_values_past_float32s_range_are_no_alarm_and_a_nan_still_is(mode: str, dtype: torch.dtype) -> None:
+    """A float64 model whose finite values pass float32's largest (1e40: physics and scientific
+    models train in float64 for that range). Their probes were summed in float32: inf, a hit, and
+    in raise mode a NonFiniteError ('origin unknown, not reproduced') that stopped a healthy run at
+    its first step. A NaN the float64 model makes later is still found, at its step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(3, 4, dtype=dtype) * 1e40
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for step in range(4):
+            if step == 3:
+                x = x * float("nan")  # the data goes bad at step 3
+            out = model(x)
+            loss = (out * out.conj()).real.mean() if dtype.is_complex else out.pow(2).mean()
+            if step < 3:
+                assert torch.isfinite(loss) and abs(loss.item()) > 3.4e38, "test set-up: finite, past float32"
+            try:
+                loss.backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                assert step == 3
+                break
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and f.step == 3 and f.cause == "input", f
+
+
 def test_complex_output_either_part() -> None:
     m = zoo.ComplexNet()
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, -1.0, 2.0, -2.0]])  # row 1 sums to 0: spectrum / 0

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._tensors import any_bad, grain, local, optimizer_tensors, real_view
+from .._tensors import any_bad, grain, local, optimizer_tensors, probe_sum, real_view
 
 __all__ = ["fused_probe", "Fused", "GradProbe", "OptimizerProbe"]
 
@@ -111,8 +111,7 @@ def _run(plan: _Plan, tensors: list[torch.Tensor]) -> torch.Tensor | Fused:
         sums = []
         for i in plan.rest:
             t = tensors[i]
-            sums.append(t.sum() if t.dtype is _F32 else
-                        real_view(t).sum(dtype=_F32))
+            sums.append(t.sum() if t.dtype is _F32 else probe_sum(t))
         for j in plan.joins:
             sums.append((tensors[j] if isinstance(j, int) else torch.cat(j(tensors))).sum())
         return Fused(torch.stack(sums), tensors)
@@ -208,7 +207,7 @@ def _per_tensor(tensors: list[torch.Tensor]) -> torch.Tensor:
         try:
             with torch.no_grad():
                 return torch.stack([
-                    t.sum() if t.dtype is _F32 else real_view(t).sum(dtype=_F32)
+                    t.sum() if t.dtype is _F32 else probe_sum(t)
                     for t in tensors
                 ])
         except RuntimeError:  # tensors on several devices
