@@ -1223,9 +1223,10 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         if opt is not None and facts is not None and alone:
             facts["settings"] = _optim.settings_text(opt, p)  # (its update overflows from a weight of 1)
         hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting, grads=facts)
-        if sk and not at_start and entry.since is not None and step - entry.since > 1:
-            # (a parameter made non-finite shows in the next step's forward; a state, read every
-            # `optimizer_every` steps, only in the window since its last reading)
+        if not at_start and entry.since is not None and step - entry.since > 1:
+            # (a state, read every `optimizer_every` steps, shows only in the window since its last
+            # reading; so does a parameter whose non-finite part no forward since used: the rows of
+            # an embedding that the next batches did not look up)
             hint += " " + _hints.unread_window_hint(entry.since, step, ctx.view.optimizer_every)
         return Finding(
             phase="optimizer", module=mname,
