@@ -505,7 +505,17 @@ class Hunt:
         self._depth -= 1
         if self._depth > 0 and not self._closed:
             return  # an inner `with hunt:` ends; the hunt goes on watching the outer block
+        before = len(self.findings)
         self._close(raise_pending=exc_type is None)
+        if (isinstance(exc, Exception) and not isinstance(exc, NonFiniteError) and len(self.findings) > before
+                and self.on_find in ("raise", "skip", "breakpoint")):
+            # the block left by an error of its own (clip_grad_norm_(error_if_nonfinite=True), an
+            # assert on the loss) before the step ended: the finding this close made is not raised
+            # over it, but the traceback the user reads carries it
+            try:
+                exc.add_note("nanhunt: " + paragraph(self.findings[0], first=before == 0))
+            except Exception:  # (an exception type that refuses attributes)
+                pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "watching"
