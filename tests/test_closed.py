@@ -137,3 +137,37 @@ def test_close_from_a_backward_hook_leaves_no_mode_on_the_stack() -> None:
     model(torch.randn(3, 4))  # the user's loop goes on
     assert not torch.overrides._get_current_function_mode_stack(), "the closed hunt's mode is still on the stack"
     assert dict(torch.nn.modules.module._global_forward_pre_hooks) == hooks, "a hook was left behind"
+
+
+# The user's own NaN check (clip_grad_norm_(error_if_nonfinite=True), an assert on the loss) raises
+# inside `with nanhunt.watch(...)` before the step ends: the hunt closed with the finding recorded
+# but said nothing, so the traceback the user reads had none of nanhunt's answer.
+
+def _run_with_own_check(on_find: str = "raise") -> tuple[BaseException, nanhunt.Hunt]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError) as ei:
+        with nanhunt.watch(m, optimizer=opt, on_find=on_find) as hunt:
+            for step in range(3):
+                x = torch.randn(6, 4)
+                if step == 1:
+                    x[0, 0] = float("inf")
+                m(x).mean().backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=True)
+                opt.step()
+                opt.zero_grad()
+    return ei.value, hunt
+
+
+def test_the_users_own_error_carries_the_finding_as_a_note() -> None:
+    exc, hunt = _run_with_own_check()
+    assert not isinstance(exc, nanhunt.NonFiniteError)  # the user's error stays the user's
+    assert hunt.first is not None and hunt.first.step == 1
+    notes = getattr(exc, "__notes__", [])
+    assert any("nanhunt" in n and "step 1" in n and "`0` (Linear)" in n for n in notes), notes
+
+
+def test_record_mode_adds_no_note() -> None:
+    exc, hunt = _run_with_own_check("record")
+    assert hunt.first is not None and not getattr(exc, "__notes__", [])
