@@ -627,3 +627,50 @@ def test_copies_and_saves_of_a_watched_model_are_what_they_would_be_unwatched(mo
     ema[0].__class__ = _Patched  # a class swapped (or patched) after the copy reaches it
     x = torch.ones(1, 4)
     assert torch.equal(ema[0](x), nn.functional.linear(x, ema[0].weight, ema[0].bias) * 100)
+
+
+@pytest.mark.parametrize("how", ["class", "instance_class"])
+def test_a_class_forward_patched_after_watch_runs_as_it_would_unwatched(how: str) -> None:
+    """A library patching a module class (or swapping an instance's ``__class__``) after watch():
+    the watched model runs the patched forward, as torch would, and a NaN it makes is found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+
+    class Doubled(nn.ReLU):
+        def forward(self, t):
+            return torch.relu(t) * 2
+
+    class Broken(nn.ReLU):
+        def forward(self, t):
+            return torch.relu(t) / 0  # 0/0 = nan, x/0 = inf
+
+    def patch(cls: type) -> Any:
+        if how == "class":
+            saved = nn.ReLU.forward
+            nn.ReLU.forward = cls.forward
+            return lambda: setattr(nn.ReLU, "forward", saved)
+        model[1].__class__ = cls
+        twin[1].__class__ = cls
+        return lambda: None
+
+    hunt = nanhunt.watch(model, on_find="record")
+    try:
+        model(x)
+        undo = patch(Doubled)
+        try:
+            same = torch.equal(model(x), twin(x))
+        finally:
+            undo()
+        undo = patch(Broken)
+        try:
+            model(x)
+            hunt.close()  # (the step is judged, and replayed, while the patch stands)
+        finally:
+            undo()
+    finally:
+        hunt.close()
+    assert same
+    f = hunt.first
+    assert f is not None and (f.module, f.phase, f.op) == ("1", "forward", "aten.div.Tensor")

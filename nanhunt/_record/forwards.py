@@ -66,7 +66,8 @@ class Forward:
         self.hunt = hunt
         self.ref = weakref.ref(module)  # (no cycle: a module dropped from the model dies as before)
         self.own = own  # the instance's own forward before (accelerate's, a user's), else None
-        self.func = type(module).forward
+        self.func = type(module).forward  # (only once the module is gone: a live one's class is asked at each call,
+        # as torch does: a class patched or an instance's __class__ swapped after watch() runs as it would unwatched)
         self.cls = type(module)  # (its `copyreg` entry is counted by class: see copies.py)
         self.lean = False  # its calls are only noted (`Hunt._lean_flags`), recorded at the next `Hunt._flush`
         self.name = ""  # its qualified name (set with `lean`)
@@ -94,7 +95,7 @@ class Forward:
                 c = h._push(m, args)
             try:
                 own = self.own
-                out = own(*args, **kwargs) if own is not None else self.func(m, *args, **kwargs)
+                out = own(*args, **kwargs) if own is not None else type(m).forward(m, *args, **kwargs)
             except Exception:
                 h._post(m, args, None)  # (as torch's always-called hook: the stack unwinds)
                 raise
@@ -146,7 +147,7 @@ class Forward:
         if m is None:
             raise RuntimeError("nanhunt: this forward belongs to a module that no longer exists (a shallow "
                                "copy.copy of a watched module outlived it); use copy.deepcopy")
-        return self.func(m, *args, **kwargs)
+        return type(m).forward(m, *args, **kwargs)
 
     # what the module's forward looks like to code that inspects it
     @property
@@ -154,7 +155,7 @@ class Forward:
         if self.own is not None:
             return self.own
         m = self.ref()
-        return types.MethodType(self.func, m) if m is not None else self.func
+        return types.MethodType(type(m).forward, m) if m is not None else self.func
 
     @property
     def __self__(self) -> Any:
@@ -169,7 +170,10 @@ class Forward:
         if self.own is not None:
             return copy.deepcopy(self.own, memo)
         m = self.ref()
-        return types.MethodType(self.func, copy.deepcopy(m, memo)) if m is not None else self.func
+        if m is None:
+            return self.func
+        c = copy.deepcopy(m, memo)
+        return types.MethodType(type(c).forward, c)
 
     def __copy__(self) -> Any:
         return self.__wrapped__
