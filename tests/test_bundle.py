@@ -263,3 +263,11 @@ def test_a_saved_attribute_over_the_modules_own_state_is_refused_in_one_line(tmp
                        timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert says in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("bundle", [5, None, [1], 2.5])
+def test_replay_of_something_not_a_bundle_says_what_it_takes(bundle):
+    """``nanhunt.replay(5)``: a TypeError naming replay() and what it was given, not os.fspath's."""
+    with pytest.raises(TypeError, match=r"nanhunt\.replay\(\) takes a bundle's path .*got "
+                                        + type(bundle).__name__):
+        replay(bundle)

@@ -488,6 +488,9 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
     and grad mode are restored around the call and put back after.
     """
 
+    if not isinstance(bundle, (str, bytes, os.PathLike, dict)):
+        raise TypeError(f"nanhunt.replay() takes a bundle's path (a .pt file that watch(bundle=...) wrote) or the "
+                        f"dict loaded from it, got {type(bundle).__name__}: {_short(bundle)}")
     data = bundle if isinstance(bundle, dict) else load(bundle)
     if isinstance(bundle, dict):
         if data.get("format") != FORMAT:
