@@ -246,9 +246,13 @@ def test_a_bundle_field_the_replay_cannot_use_is_refused_when_read(tmp_path, fie
     (False, "_parameters", {"extra": 1}, "bundle.tree.attrs._parameters is nn.Module's own state"),
     (False, "_buffers", 5, "bundle.tree.attrs._buffers is nn.Module's own state"),
     (True, "_modules", {"x": 3}, "bundle.tree.children.0.attrs._modules is nn.Module's own state"),
-    (False, "to", 1, "the module cannot be set up for the replay on cpu: TypeError"),
-    (True, "train", 1, "the module cannot be set up for the replay on cpu: TypeError"),
-], ids=["_parameters", "_buffers", "child._modules", "to", "child.train"])
+    (False, "to", 1, "bundle.tree.attrs.to is a method of nn.Module"),
+    (True, "train", 1, "bundle.tree.children.0.attrs.train is a method of nn.Module"),
+    # an activation function (saved by its torch.nn.functional name) in place of the module's forward:
+    # the replay ran F.relu instead of the saved Linear and said "Not reproduced"
+    (False, "forward", {"__nanhunt_fn__": "relu"}, "bundle.tree.attrs.forward is a method of nn.Module"),
+    (True, "__call__", {"__nanhunt_fn__": "relu"}, "bundle.tree.children.0.attrs.__call__ is a method"),
+], ids=["_parameters", "_buffers", "child._modules", "to", "child.train", "forward", "child.__call__"])
 def test_a_saved_attribute_over_the_modules_own_state_is_refused_in_one_line(tmp_path, child, key, value, says):
     """A crafted tree whose attrs held `_parameters` ({'extra': 1}) was written into the rebuilt
     module's __dict__, and `nanhunt replay` died in m.to() with a traceback ("'int' object has no
@@ -271,3 +275,16 @@ def test_replay_of_something_not_a_bundle_says_what_it_takes(bundle):
     with pytest.raises(TypeError, match=r"nanhunt\.replay\(\) takes a bundle's path .*got "
                                         + type(bundle).__name__):
         replay(bundle)
+
+
+def test_a_bundle_input_viewing_a_tiny_storage_as_gigabytes_is_refused(tmp_path):
+    """A 9 KB crafted bundle whose input is ``torch.zeros(1).expand(2**31, 4)``: the replay tried to
+    allocate 32 GiB. Refused as it is read, naming the field; an honest broadcast input is not."""
+    path = save_bundle(tmp_path / "b.pt", nn.Linear(4, 3), (torch.ones(2, 4).expand(5, 2, 4),))
+    load(path)  # (a view reading its storage a few times over: fine)
+    data = torch.load(path, weights_only=True)
+    data["args"] = [torch.zeros(1).expand(2**31, 4)]
+    torch.save(data, path)
+    assert os.path.getsize(path) < 64 * 1024
+    with pytest.raises(BundleError, match=r"bundle\.args\[0\] is a view of 8589934592 elements \(32 GiB\)"):
+        replay(path)

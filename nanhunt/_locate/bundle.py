@@ -331,6 +331,7 @@ def check(data: dict[str, Any], source: str = "bundle") -> None:
                 raise FileFormatError(f"bundle.autocast[{i}]: autocast runs in float16 or bfloat16, not {str(dtype)[:40]!r}")
         if "tree" in data:
             _check_tree(data["tree"], "bundle.tree", 0)
+        _check_views(data)
         if isinstance(data.get("finding"), dict):
             checked_fields(Finding, data["finding"], "bundle.finding", Finding.from_dict)
     except FileFormatError as e:
@@ -348,9 +349,36 @@ def _check_tree(tree: Any, where: str, depth: int) -> None:
         if key in _MODULE_KEYS and key != "training":  # rebuild() would write it over the module's own
             raise FileFormatError(f"{where}.attrs.{key} is nn.Module's own state, never a saved attribute "
                                   f"(parameters, buffers and children are the tree's own fields)")
+        if not isinstance(key, str) or (hasattr(nn.Module, key) and key != "training") or key.startswith("__"):
+            # (an instance attribute named forward would run in place of the module's own method)
+            name = key if isinstance(key, str) and _NAME.match(key) else _short(key)
+            raise FileFormatError(f"{where}.attrs.{name} is a method of nn.Module, never a saved attribute")
     for name, child in (tree.get("children") or {}).items():
         if child is not None:
             _check_tree(child, f"{where}.children.{name}", depth + 1)
+
+
+_VIEW_LIMIT = 8 << 30  # bytes: a saved view that reads its storage many times over, past this, is refused
+
+
+def _check_views(data: Any) -> None:
+    """A tensor of the bundle that is a view reading a small storage over and over (``expand``:
+    2**31 x 4 elements of one float in a few KB) is refused past `_VIEW_LIMIT`: the replay would
+    allocate all of it. (A tensor that is no such view holds no more than the file's own bytes.)"""
+    todo: list[tuple[Any, str]] = [(data, "bundle")]
+    while todo:
+        x, where = todo.pop()
+        if isinstance(x, dict):
+            todo.extend((v, f"{where}.{k}" if isinstance(k, str) and _NAME.match(k) else f"{where}[{_short(k)}]")
+                         for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            todo.extend((v, f"{where}[{i}]") for i, v in enumerate(x))
+        elif isinstance(x, torch.Tensor) and x.layout is torch.strided and not x.is_nested:
+            size = x.numel() * x.element_size()
+            stored = x.untyped_storage().nbytes()
+            if size > _VIEW_LIMIT and size > 1000 * max(stored, 1):
+                raise FileFormatError(f"{where} is a view of {x.numel()} elements ({size / 2**30:.0f} GiB) over "
+                                      f"{stored} bytes of storage: a replay would allocate all of it")
 
 
 # ------------------------------------------------------------------ rebuilding
