@@ -219,6 +219,22 @@ def test_a_report_that_cannot_be_written_never_replaces_the_finding(tmp_path, ca
     assert not out.exists()
 
 
+def test_the_warning_that_a_report_was_not_written_points_at_the_users_line(tmp_path) -> None:
+    """It pointed at nanhunt's own hunt.py (`self._handle(found, ...)` shown as the user's source)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    model = nn.Sequential(nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        hunt = nanhunt.watch(model, on_find="record", report=out / "r.json")
+        out.rmdir()
+        model(torch.full((2, 4), float("nan")))
+        model(torch.ones(2, 4))  # (the step with the finding ends here: the report is written now)
+        hunt.close()
+    said = [w for w in seen if "could not write the report" in str(w.message)]
+    assert said and all(w.filename == __file__ for w in said), [(w.filename, w.lineno) for w in said]
+
+
 # ---------------------------------------------------------------- bundles
 def _good_bundle(tmp_path) -> dict[str, Any]:
     torch.manual_seed(0)

@@ -2331,7 +2331,7 @@ class Hunt:
             self.report.save(self._report_path)  # type: ignore[arg-type]
         except Exception as e:  # never break the user's run over a report (a full disk, a bad name...)
             msg = f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}"
-            warn_unwritten(msg, stacklevel=3)
+            warn_unwritten(msg, stacklevel=user_stacklevel())  # (at the user's line, as a NonFiniteWarning)
             return msg
         return None
 
