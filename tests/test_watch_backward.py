@@ -836,3 +836,36 @@ def test_a_gradient_made_non_finite_by_a_users_backward_hook_names_that_module_a
     assert f.source == f"{__file__}:{line}", f.source
     assert hook.__qualname__ in f.hint, f.hint
     assert same_state(snapshot(model), before)  # raise: the step was not applied
+
+
+def _normalize(g: torch.Tensor) -> torch.Tensor:
+    return g / g.norm()  # 0/0 for a zero gradient
+
+
+def _normalize_in_place(p: torch.Tensor) -> None:
+    assert p.grad is not None
+    p.grad.div_(p.grad.norm())
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_made_non_finite_by_a_hook_on_the_parameter_names_the_hook(mode: str, kind: str) -> None:
+    """A hook of the user's on a weight that normalises its gradient (0/0 on a batch whose loss is
+    masked to 0): the grad finding's source is the hook's line and its hint names the hook. It had
+    no line, and its hint blamed gradient accumulation over several backward passes, of which the
+    step had one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    hook = _normalize if kind == "register_hook" else _normalize_in_place
+    getattr(model[2].weight, kind)(hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        for step in range(3):
+            loss = model(torch.randn(5, 4)).sum() * (0.0 if step == 1 else 1.0)  # a batch masked out
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.tensor, f.step, f.cause) == ("grad", "2", "weight.grad", 1, "created"), f
+    assert f.source == f"{__file__}:{hook.__code__.co_firstlineno}", f.source
+    assert hook.__qualname__ in f.hint and "accumulated" not in f.hint, f.hint

@@ -1126,11 +1126,17 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
         hint = ""
         if cause == "created" and ctx.view.mode == "sentinel" and not ctx.log.tops and not ctx.log.outside:
             cause, hint = "unknown", _hints.unseen_forward_hint()  # nothing of the step was seen: "created" would be a guess
-        return Finding(
+        hooks = _nodes.tensor_hooks(p) if cause == "created" else []
+        f = Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
             shape=shape_of(g), dtype=dtype_name(g), cause=cause, hint=hint,
+            source=_nodes.hook_line(hooks[0]) if hooks else None,  # (a hook of the user's on it: its line)
         )
+        h = getattr(hooks[0], "func", hooks[0]) if hooks else None
+        ctx.facts[id(f)] = {"grad_hook": getattr(h, "__qualname__", None) or type(h).__name__} if hooks else {
+            "backwards": len(ctx.log.seeds)}
+        return f
     return None
 
 

@@ -204,6 +204,10 @@ def _leaves(x: Any) -> list[Any]:
 def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     """The sentence the numbers support, or "" when they support none."""
     op = f.op or "this op"
+    if fx.get("grad_hook"):
+        return (f"A gradient hook on this parameter, {fx['grad_hook']} (at {f.source}), ran on its gradient: a "
+                "hook that divides by the gradient's norm or scale makes 0/0 of a zero gradient (a batch that "
+                "does not reach this weight). Check it first.")
     if fx.get("backward_hook"):
         return (f"Made by the backward hook {fx['backward_hook']} on this module (at {f.source}): the gradients "
                 "it returned are non-finite where the ones it was given were finite.")
@@ -326,6 +330,9 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.value is not None and math.isinf(f.value) and f.dtype in ("float16", "bfloat16") and mx:
         return f"Overflow past {f.dtype}'s largest finite value ({mx:g}); compute this in float32 or scale it down."
     if f.phase == "grad":
+        if fx.get("backwards") == 1:  # (one backward() in the step: nothing was summed)
+            return ("The gradient became non-finite in the step's one backward, though every module's "
+                    "gradients were finite: inf * 0 in a weight gradient, or a gradient written after backward.")
         return ("The gradient became non-finite while being accumulated (several backward passes summed "
                 "past the dtype's max) or from inf * 0 in a weight gradient.")
     if f.value is not None and math.isnan(f.value):

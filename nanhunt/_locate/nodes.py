@@ -26,7 +26,7 @@ from .._tensors import is_bad, tensors
 from .oplevel import _SELECT, OpOrigin, _fmt, _Mode, _Recorder, python_backward
 from .replay import faithful
 
-__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes"]
+__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "tensor_hooks"]
 
 
 
@@ -202,7 +202,7 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     hooked = _hook_owner(got.fn, done) if got.fn.name() == _HOOK_NODE else None
     if hooked is not None:  # the user's backward hook of a module made it: that module, at the hook's line
         owner, call, hook = hooked
-        src = _where(hook)
+        src = hook_line(hook)
         facts = {**facts, "backward_hook": getattr(hook, "__qualname__", None) or type(hook).__name__}
     return Born(op, src, got.grad, got.slot, chain, owner, names.get(owner, "") if owner is not None else "",
                 facts, got.nth, call, got.fn.name())
@@ -230,7 +230,7 @@ def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Mod
     return None
 
 
-def _where(hook: Any) -> str | None:
+def hook_line(hook: Any) -> str | None:
     """``file:line`` where a hook function is defined."""
     f = getattr(hook, "func", hook)  # (a functools.partial)
     call = vars(type(f)).get("__call__")  # (a callable object: its class's method)
@@ -255,3 +255,11 @@ def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Modu
             seen.add(fn)
             todo.extend(n for n, _ in fn.next_functions)
     return None, 0
+
+
+def tensor_hooks(p: torch.Tensor) -> list[Any]:
+    """The user's hooks on a tensor's gradient (``register_hook``, ``register_post_accumulate_grad_hook``),
+    nanhunt's own left out."""
+    hooks = [*(getattr(p, "_backward_hooks", None) or {}).values(),
+             *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
+    return [h for h in hooks if not str(getattr(getattr(h, "func", h), "__module__", "")).startswith("nanhunt.")]
