@@ -1054,6 +1054,62 @@ def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) 
     assert f.reference["dtype"] == "float32" and f.reference["op"] == "aten.log.default" and math.isnan(f.reference["value"])
 
 
+class _EncHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+_BETWEEN = {  # the user's own code between two watched calls, as a Lightning training_step has it;
+    # the op, and the text of the line the finding names (the forward's line, a Function's backward)
+    "sqrt at 0": (lambda h: torch.sqrt(h * 0), "SqrtBackward0", "torch.sqrt(h * 0)"),
+    "bad custom Function": (lambda h: zoo._BadBackward.apply(h), None, "torch.where(x < 0"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_BETWEEN))
+def test_a_backward_nan_born_in_code_between_two_watched_calls_is_found_at_its_line(kind: str) -> None:
+    """``h = model.enc(x)``, then the user's code, then ``model.head(h)``: the gradient that code
+    made from finite ones was reported as the first call's ``grad_output`` fed in ("made by the code
+    after the model: pass the loss to hunt.check"), with no op and no line: the outside backward's
+    replay started at the loss and stopped at the second call. The watched calls between are now
+    run again on the replayed values, so the backward reaches that code. The replay leaves the
+    model's buffers and the run as they would be unwatched (record mode)."""
+    make, op, text = _BETWEEN[kind]
+
+    def run(watch: bool) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = _EncHead()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        hunt = nanhunt.watch(model, opt, on_find="record") if watch else None
+        for step in range(3):
+            x = torch.randn(8, 4)
+            h = model.enc(x)
+            if step == 1:
+                h = make(h)
+            loss = model.head(h).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return model, hunt
+
+    watched, hunt = run(True)
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("backward", "<outside>", 1, "created"), f
+    assert f.op == op if op else f.op.startswith("aten."), f.op  # (a Function's: the op of its backward)
+    path, line = f.source.rsplit(":", 1)
+    assert text in linecache.getline(path, int(line)), f.source
+    plain, _ = run(False)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values()):
+        assert torch.equal(a, b) or (torch.isnan(a).any() and torch.equal(torch.isnan(a), torch.isnan(b)))
+
+
 _LOW_LOSSES = {
     # a squared error summed in float16: 300 ** 2 = 90000 is past float16's 65504
     "pow of a float16 difference": lambda out, y: ((out.half() - y.half()) ** 2).sum(),

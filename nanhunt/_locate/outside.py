@@ -28,12 +28,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .._finding import Finding
-from .._steplog import Out, OutRec, StepLog
-from .._tensors import dtype_name, element, is_bad, shape_of, values
+from .._steplog import Out, OutRec, StepLog, Top
+from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, tensors, values
 from . import hints as _hints
 from .differential import REDUCED
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
+from .replay import faithful, given_objects
 
 __all__ = ["OUTSIDE", "Born", "forward_origin", "backward_origin", "producer", "forward_finding", "in_place",
            "backward_finding", "check_origin", "writer"]
@@ -76,10 +77,14 @@ class _Replay:
     float32, and autocast stays off."""
 
     def __init__(self, recs: list[OutRec], grad: bool, returned: dict[int, torch.Tensor] | None = None,
-                 wide: bool = False) -> None:
+                 wide: bool = False, tops: list[tuple[int, Top, list[tuple[torch.Tensor, Path]]]] | None = None) -> None:
         self.recs = recs
         self.grad = grad
         self.wide = wide
+        # watched top-level calls between the recorded ones (`_watched_between`): run again where one
+        # takes a value the recorded code made, so that a backward reaches that code through them
+        self.tops = list(tops or ())
+        self.made: set[int] = set()  # ids of the user's tensors that a recorded call made
         self.returned = returned or {}  # id of a watched call's output written in place since -> its value at the return
         self.sub: dict[int, torch.Tensor] = {}
         self.keep: list[torch.Tensor] = []
@@ -111,6 +116,9 @@ class _Replay:
     def run(self, upto: int, tag: _Tag | None) -> None:
         known: set[Any] = set()
         for i, r in enumerate(self.recs[: upto + 1]):
+            while self.tops and self.tops[0][0] <= i:
+                _, top, held = self.tops.pop(0)
+                self._top(top, held)
             if r.func is None:  # released (known finite, no backward): later calls hold their own inputs
                 self.outs.append([])
                 continue
@@ -148,6 +156,7 @@ class _Replay:
             origs = [t for t in tree_leaves(orig) if isinstance(t, torch.Tensor)]
             for o, n in zip(origs, outs):
                 self.sub[id(o)] = n
+                self.made.add(id(o))
                 self.keep.append(o)
             self.outs.append(outs)
             if self.grad:
@@ -158,6 +167,43 @@ class _Replay:
                         continue
                     self.node_rec[fn] = i
                     todo.extend(n for n, _ in fn.next_functions)
+
+
+    def _top(self, top: Top, outs: list[tuple[torch.Tensor, Path]]) -> None:
+        """A watched top-level call that took a value the recorded code made (``h = self.enc(x)``,
+        code of the user's, then ``self.head(h)``: a Lightning ``training_step``): run again on the
+        replayed values, its outputs standing for the ones the later recorded calls took."""
+        given = [t for _, t in tensors((top.args, top.kwargs or {}))]
+        if not outs or not any(id(t) in self.made for t in given):
+            return  # (nothing of the recorded code goes into it: its outputs stay what they were)
+        try:
+            args, kwargs = given_objects(tree_map(self.ext, (top.args, top.kwargs or {})))
+            with faithful(top), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = top.module(*args, **kwargs)
+        except Exception:
+            return
+        for orig, path in outs:
+            try:
+                new = get_path(out, path)
+            except (LookupError, AttributeError, TypeError):
+                continue
+            if isinstance(new, torch.Tensor):
+                self.sub[id(orig)] = new
+                self.made.add(id(orig))  # (a later watched call it feeds runs again too)
+                self.keep.append(orig)
+
+
+def _watched_between(log: StepLog) -> list[tuple[int, Top, list[tuple[torch.Tensor, Path]]]]:
+    """The step's watched top-level calls, each with the recorded call it began before
+    (`Top.outside_at`) and its output tensors (and their paths), for `_Replay`'s ``tops``."""
+    got = []
+    for c in log.calls:
+        if c.depth != 0 or not c.out_keys or not 0 <= c.top < len(log.tops):
+            continue
+        outs = [(t, path) for k, path in c.out_keys if (t := log.tensors[k].ref()) is not None]
+        got.append((log.tops[c.top].outside_at, log.tops[c.top], outs))
+    return sorted(got, key=lambda x: x[0])
 
 
 _NARROWING = frozenset({"half", "bfloat16"})  # Tensor methods that cast to a reduced dtype
@@ -267,18 +313,22 @@ class _rng:
         torch.set_rng_state(self.saved)
 
 
-def backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]]) -> Born | None:
-    """The autograd node of the outside code that made the first non-finite gradient."""
+def backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]],
+                    tops: list[tuple[int, Top, list[tuple[torch.Tensor, Path]]]] | None = None) -> Born | None:
+    """The autograd node of the outside code that made the first non-finite gradient. ``tops``:
+    the watched calls among the recorded ones (`_watched_between`), run again where they take a
+    value the recorded code made."""
     try:
-        return _backward_origin(recs, seeds)
+        return _backward_origin(recs, seeds, tops)
     except Exception:
         return None
 
 
-def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]]) -> Born | None:
+def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]],
+                     tops: list[tuple[int, Top, list[tuple[torch.Tensor, Path]]]] | None = None) -> Born | None:
     if not recs or not seeds:
         return None
-    rep = _Replay(recs, grad=True)
+    rep = _Replay(recs, grad=True, tops=tops)
     with _rng(), torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rep.run(len(recs) - 1, None)
@@ -531,7 +581,7 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
     """The outside code's backward made the first non-finite gradient (a loss function's)."""
     if not log.outside or not log.seeds:
         return None
-    b = backward_origin(log.outside, log.seeds)
+    b = backward_origin(log.outside, log.seeds, _watched_between(log))
     if b is None:
         return None
     index, value, counts = element(b.grad)
