@@ -259,7 +259,8 @@ def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Modu
 
 def tensor_hooks(p: torch.Tensor) -> list[Any]:
     """The user's hooks on a tensor's gradient (``register_hook``, ``register_post_accumulate_grad_hook``),
-    nanhunt's own left out."""
+    nanhunt's and torch's own (DDP's, FSDP's) left out."""
     hooks = [*(getattr(p, "_backward_hooks", None) or {}).values(),
              *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
-    return [h for h in hooks if not str(getattr(getattr(h, "func", h), "__module__", "")).startswith("nanhunt.")]
+    return [h for h in hooks
+            if not str(getattr(getattr(h, "func", h), "__module__", None) or "").startswith(("nanhunt.", "torch."))]

@@ -168,7 +168,6 @@ class _Replay:
                     self.node_rec[fn] = i
                     todo.extend(n for n, _ in fn.next_functions)
 
-
     def _top(self, top: Top, outs: list[tuple[torch.Tensor, Path]]) -> None:
         """A watched top-level call that took a value the recorded code made (``h = self.enc(x)``,
         code of the user's, then ``self.head(h)``: a Lightning ``training_step``): run again on the
