@@ -196,7 +196,9 @@ def probe(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim float32 tensor on ``t``'s device, outside autograd: non-finite iff ``t`` has a
     non-finite element (or, rarely, its finite values overflow the sum: every hit is re-checked
     exactly before it becomes a finding). Reads nothing back to the host."""
-    t = values(t).detach()  # cheaper than a no_grad context per call
+    t = values(t)
+    if t.requires_grad:
+        t = t.detach()  # cheaper than a no_grad context per call (a gradient, a no_grad output: none needed)
     if t.dtype is _F32:
         return t.sum()
     return probe_sum(t)
