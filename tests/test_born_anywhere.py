@@ -1287,3 +1287,25 @@ def test_a_fully_padded_row_in_multihead_attentions_fast_path_is_told_as_a_fully
     f = ei.value.finding
     assert (f.module, f.step, f.index) == ("attn", 1, (2, 0, 0)), str(f)
     assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_backward_nan_born_after_a_second_call_fed_by_the_loop_s_own_code_is_found_at_its_line(mode: str) -> None:
+    """Two forwards a step, the second on a tensor the loop's code made (``model(x + noise)``: a
+    consistency loss), and a gradient born in the code after that second call (sqrt at 0). The
+    second call is run again in the outside backward's replay (it took a recorded value); its
+    outputs hold no leaf of the replay, so the backward pruned the code after it and the finding
+    was the model's ``grad_output``, "fed in", with no op and no line."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        out = m(x)
+        out2 = m(x + 0.5)
+        loss = out.mean() + torch.sqrt((out2 - out2.detach()).abs()).sum()  # @second-call-sqrt
+        loss.backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "SqrtBackward0", "created"), f
+    assert same_source(f.source, line("second-call-sqrt")), f.source

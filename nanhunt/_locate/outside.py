@@ -89,6 +89,9 @@ class _Replay:
         self.sub: dict[int, torch.Tensor] = {}
         self.keep: list[torch.Tensor] = []
         self.leaves: list[torch.Tensor] = []
+        # outputs of watched calls run again (`_top`): the backward must reach them too, else the
+        # recorded code after a call fed by recorded code (``model(x + 1)``) is pruned from it
+        self.rerun: list[torch.Tensor] = []
         self.outs: list[list[torch.Tensor]] = []
         self.node_rec: dict[Any, int] = {}
 
@@ -188,6 +191,8 @@ class _Replay:
             except (LookupError, AttributeError, TypeError):
                 continue
             if isinstance(new, torch.Tensor):
+                if self.grad and new.requires_grad:
+                    self.rerun.append(new)
                 self.sub[id(orig)] = new
                 self.made.add(id(orig))  # (a later watched call it feeds runs again too)
                 self.keep.append(orig)
@@ -346,11 +351,12 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     leaves = rep.leaves
     if any(is_bad(x) for x in leaves):
         return None  # the loss code was fed non-finite values (a poisoned forward): its backward only carries them
+    ends = leaves + rep.rerun  # (a watched call run again holds no leaf of the replay: its outputs stand for one)
 
     def run() -> None:
-        torch.autograd.grad(roots, leaves, grads, allow_unused=True)
+        torch.autograd.grad(roots, ends, grads, allow_unused=True)
 
-    if not leaves:
+    if not ends:
         return None
     got = blame_nodes(list(rep.node_rec), run)
     if got is None:
