@@ -639,3 +639,23 @@ def test_run_in_warn_mode_calls_the_first_the_first_beside_a_model_called_once()
                 opt.zero_grad()
     firsts = [str(w.message) for w in caught if str(w.message).startswith("First NaN")]
     assert len(firsts) == 1 and "at step 1" in firsts[0], [str(w.message)[:80] for w in caught]
+
+
+def test_run_bundle_says_why_none_was_written_when_the_script_watches_the_model_itself(tmp_path, cli):
+    """The script's own hunt holds the first finding: `--bundle` cannot apply to it (a model the
+    script watches is left to its hunt). The run ended with exit 3, the report, and no bundle, saying
+    nothing about it; an old bundle at that path does not count as written."""
+    script = tmp_path / "own.py"
+    script.write_text(textwrap.dedent('''
+        import torch, nanhunt
+        from torch import nn
+        m = nn.Linear(4, 4)
+        with nanhunt.watch(m):  # the script's own hunt
+            torch.sqrt(m(torch.randn(2, 4)) - 100.0).sum()
+        '''))
+    bundle = tmp_path / "first.pt"
+    bundle.write_bytes(b"an old bundle")
+    rc, out, err = cli("run", "--bundle", str(bundle), str(script))
+    assert rc == 3, err
+    assert f"no repro bundle written to {bundle}" in err and "bundle=" in err, err
+    assert bundle.read_bytes() == b"an old bundle"

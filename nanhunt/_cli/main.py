@@ -317,6 +317,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     from .._finding import NonFiniteError
     from .auto import AutoWatch
 
+    bundle_was = _stamp(extra.get("bundle"))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *ns.args]
     here = os.path.dirname(os.path.abspath(script))
@@ -349,6 +350,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             sys.argv = saved_argv
             sys.path[:] = saved_path
     report = auto.report()
+    unbundled = _bundle_left_to_script(auto, extra.get("bundle"), bundle_was)
     if not report.findings and raised is not None:  # the script's own nanhunt.watch raised
         report = raised.report if raised.report is not None else type(report)([raised.finding])
     report, group = _merge_ranks(report, ns.dist_timeout)
@@ -367,6 +369,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             print_report(report, sys.stderr)
             if report_path is not None:
                 print(f"\nnanhunt: report written to {report_path}", file=sys.stderr)
+            if unbundled is not None:
+                _err(unbundled)
         elif group is not None:
             _err(f"rank {group.rank}: NaN/Inf found (first on rank {report.findings[0].rank}); rank 0 has the report")
     if group is not None:
@@ -378,6 +382,28 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             _err(str(e))
         group.close()
     return code
+
+
+def _stamp(path: str | None) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_mtime_ns, st.st_ino)
+
+
+def _bundle_left_to_script(auto: Any, bundle: str | None, was: tuple[int, int] | None) -> str | None:
+    """Why ``--bundle`` was not written, when the first finding is one of the script's own hunts'
+    (a model the script watches itself is left to its hunt, which saves a bundle only with its
+    own ``bundle=``); else None. ``was``: the file's `_stamp` before the run (an old bundle there
+    is not this run's)."""
+    if bundle is None or (os.path.exists(bundle) and _stamp(bundle) != was):
+        return None
+    merged = auto._merged()
+    if not merged or not any(merged[0][0] is h for h in auto.script_hunts):
+        return None
+    return (f"no repro bundle written to {bundle}: the first finding was made by the script's own "
+            "nanhunt.watch, which saves one only when given bundle= itself")
 
 
 def _merge_ranks(report: Any, timeout: float) -> tuple[Any, Any]:
