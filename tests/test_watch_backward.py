@@ -139,6 +139,50 @@ def test_custom_autograd_function_with_a_bad_backward() -> None:
                    step=0, call=0, cause="created", expected=rec.grad_in("bad"))
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: float) -> torch.Tensor:
+        ctx.k = k
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g * ctx.k, None
+
+
+class _HugeGrad(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaleGrad.apply(x, self.k)
+
+
+@pytest.mark.parametrize("k", [2e38, math.inf])
+@pytest.mark.parametrize("how", ["grad_hooks", "ops"])
+def test_finite_gradients_whose_sum_passes_float32s_range_are_no_finding(how: str, k: float) -> None:
+    # each gradient element 2e38, finite: the gradient probes (sums) overflowed, the replay was
+    # finite, and a finding "born here in backward, not reproduced: suspect the hardware" stopped
+    # a healthy run; a real inf gradient is still found
+    model = nn.Sequential(nn.Linear(4, 4), _HugeGrad(k), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    options: dict[str, Any] = {"grad_hooks": True} if how == "grad_hooks" else {"mode": "ops"}
+    with nanhunt.watch(model, opt, on_find="record", **options) as hunt:
+        for _ in range(2):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    if math.isfinite(k):
+        assert hunt.findings == [], hunt.first
+    else:
+        f = hunt.first
+        assert f is not None and (f.phase, f.module, f.step, f.cause) == ("backward", "1", 0, "created"), f
+        assert f.reproducible is True
+
+
 def test_nan_gradient_in_the_second_micro_batch() -> None:
     xs = _batches(bad_at=1, n=2)
     ref = zoo.distnet()

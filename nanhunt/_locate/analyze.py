@@ -775,6 +775,8 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
     f = _backward_from_replay(ctx, top_i, r)
     if f is not None:
         return f
+    if r is not None and r.error is None and _overflowed_sums(log, sbad, r):
+        return None
     # no replay: attribute from the log alone (no element)
     events = [(m.tensor, b) for m, b in zip(log.meta, sbad) if isinstance(m, Bwd)]
     got = _backward_culprit(events, [c for c in log.calls if c.top == top_i])
@@ -783,6 +785,21 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
         c, _, path, cause = got
         return _partial(ctx, "backward", c.name, c.module, _grad_input_name(path), c.call, cause, reproducible)
     return _fed_backward(ctx, top_i, None, reproducible)
+
+
+def _overflowed_sums(log: StepLog, sbad: list[bool], r: Replay) -> bool:
+    """The log's gradient probes are sums: finite gradients whose sum passed float32's range
+    (2e38 in each of a few elements) flag them too, and the log keeps no gradient to read again.
+    When every flagged probe is an infinity (a NaN gradient sums to NaN), the step's backward
+    replay is finite and one of its gradients sums past the range as well, the flag was that sum:
+    no finding (it was reported as born in backward, "not reproduced: suspect the hardware")."""
+    flagged = [log.sums[j] if j < len(log.sums) else None
+               for j, (m, b) in enumerate(zip(log.meta, sbad)) if b and isinstance(m, Bwd)]
+    if not flagged or any(s is None or bool(torch.isnan(s)) for s in flagged):
+        return False
+    grads = [g for _, g in r.grads]
+    return (bool(grads) and not any(is_bad(g) for g in grads)
+            and any(not bool(torch.isfinite(probe(g))) for g in grads))
 
 
 def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | None:
