@@ -357,6 +357,9 @@ class StepLog:
         self.backward = False  # a gradient arrived at a top-level output (a backward ran)
         self.bwd_clock = 0  # when the latest one arrived (`_hooks.tick`), else 0
         self.found_in_evaluation = False  # (set by the analysis: its findings are all in evaluation passes)
+        # the model ran as a compiled graph whose hooks the hunt had not prepared (compiled after watch(),
+        # sentinel under torch.compile(model)): its calls in this step were not recorded (see Hunt._after_trace)
+        self.traced = False
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet

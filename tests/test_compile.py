@@ -202,6 +202,37 @@ def test_a_model_compiled_after_watch_is_watched_from_the_next_step(mode):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(("how", "mode", "order"), [("torch.compile", "sentinel", "before"),
+                                                  ("module.compile", "full", "after"),
+                                                  ("module.compile", "sentinel", "after")])
+def test_a_nan_in_the_first_step_of_a_graph_not_hooked_yet_is_not_blamed_on_a_weight_gradient(how, mode, order):
+    # the first step's calls ran in a graph the hunt catches from the step after: the NaN its
+    # forward made reached a weight gradient, reported "created" there ("summed past the dtype's
+    # max while being accumulated") or, in sentinel, as a GAN's parts called directly
+    torch._dynamo.reset()
+    model = _LogInOwnCode()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    keep = torch.ones(4, 8)
+    keep[1, 0] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn = zoo.compiled(model, how, "aot_eager") if order == "before" else None
+        with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+            if fn is None:
+                fn = zoo.compiled(model, how, "aot_eager")
+            fn(torch.randn(4, 8), keep).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    torch._dynamo.reset()
+    first = hunt.first
+    assert first is not None and first.step == 0
+    if first.phase == "grad":
+        assert first.cause == "unknown" and "compiled graph" in first.hint, first
+        assert "accumulated" not in first.hint and "GAN" not in first.hint, first.hint
+    else:
+        assert (first.phase, first.op) == ("forward", "aten.log.default"), first
+
+
 class _LogInOwnCode(nn.Module):
     """A root whose own forward makes -inf (log of 0) that its child then consumes."""
 

@@ -1141,8 +1141,12 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
         index, value, counts = element(g)
         cause = "input" if earlier else ("parameter" if is_bad(p) else "created")
         hint = ""
-        if cause == "created" and ctx.view.mode == "sentinel" and not ctx.log.tops and not ctx.log.outside:
-            cause, hint = "unknown", _hints.unseen_forward_hint()  # nothing of the step was seen: "created" would be a guess
+        if cause == "created" and not ctx.log.tops and not ctx.log.outside:
+            # nothing of the step was seen: "created" would be a guess
+            if ctx.log.traced:  # its calls ran in a compiled graph not hooked yet (caught from the next step)
+                cause, hint = "unknown", _hints.untraced_forward_hint()
+            elif ctx.view.mode == "sentinel":
+                cause, hint = "unknown", _hints.unseen_forward_hint()
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []
         f = Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",

@@ -420,6 +420,16 @@ def unseen_forward_hint() -> str:
             "(nanhunt.watch(g, opt_g), nanhunt.watch(d, opt_d)) or use mode='full'.")
 
 
+def untraced_forward_hint() -> str:
+    """Non-finite gradients of a step whose model calls all ran in a compiled graph the hunt had not
+    hooked yet (the model compiled after watch(); sentinel under torch.compile(model)): caught from
+    the step after, so where this one's value came from was not seen."""
+    return ("The model ran as a compiled graph that the hunt catches from the next step on, so where this "
+            "gradient's NaN/Inf came from was not seen; its forward may have made it. A model compiled after "
+            "watch(): call watch() after compiling; mode='sentinel' under torch.compile(model): use mode='full' "
+            "to see the first step too.")
+
+
 def unread_window_hint(since: int, step: int, every: int) -> str:
     """The steps an optimizer state read every ``every`` steps may have gone non-finite at."""
     how = (f"only on a hit here (optimizer_every={every})" if every <= 0 else

@@ -2045,6 +2045,7 @@ class Hunt:
             self._evbuf.clear()
         self._ev = None
         if self._traced:
+            self._log.traced = True
             self._after_trace()
         self._resolve(self._log)
         log, self._log = self._log, StepLog()
