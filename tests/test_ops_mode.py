@@ -67,3 +67,45 @@ def test_ops_mode_clean_run_is_bit_identical():
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_ops_mode_keeps_a_compiled_model_compiled(how):
+    # the op mode on the dispatch stack made dynamo run every frame eagerly: the user's compiled
+    # model silently ran uncompiled while watched (Inductor's outputs no longer bit for bit, a NaN
+    # only the compiled graph makes never made); the compiled graph now runs, and a NaN it makes
+    # is still found at its module
+    import warnings
+
+    ran: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+        def run(*args):
+            ran.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ExpOverflow()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if how == "torch.compile":
+        fn = torch.compile(model, backend=backend)
+    else:
+        model.compile(backend=backend)
+        fn = model
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, optimizer=opt, mode="ops", on_find="record") as hunt:
+                for step in range(3):
+                    fn(torch.randn(3, 4) * (0.01 if step < 2 else 100.0)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+    finally:
+        torch._dynamo.reset()
+    assert len(ran) >= 3  # every call ran the compiled graph
+    f = hunt.first
+    assert f is not None and (f.phase, f.step, f.op) == ("forward", 2, "aten.exp.default"), f
+    assert torch._C._len_torch_dispatch_stack() == 0

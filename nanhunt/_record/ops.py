@@ -31,6 +31,13 @@ _SKIP = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch
 class _OpsMode(TorchDispatchMode):
     """Hands each op's outputs to ``sink(op, autograd node or None, outputs)`` unless muted."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # the user's torch.compile'd code stays compiled: any other mode makes dynamo run every
+        # frame eagerly (outputs no longer the compiled ones, a NaN only the compiled graph makes
+        # never made); compiled graphs are judged by full mode's in-graph checks
+        return True
+
     def __init__(self, sink: Callable[[str, str | None, list[torch.Tensor]], None]) -> None:
         super().__init__()
         self.sink = sink
