@@ -231,6 +231,10 @@ def reference_text(f: Finding) -> str:
         # the op's own float32 value, or (``tensor``) the reported element's when no op passed the range
         s = f"float32 gives {_exact(r.get('value'))} in {r['tensor']}" if r.get("tensor") else f"float32{at} = {_exact(r.get('value'))}"
         lim, val = r.get("limit"), r.get("value")
+        if r.get("underflow"):
+            dt = r.get("failing_dtype", "the dtype")
+            return (s + f", below {dt}'s smallest normal value {_exact(r.get('smallest'))}: {dt} rounds it to 0 "
+                    f"(failing run: {fmt(r.get('failing', 0.0))})")
         if lim is not None:
             dt = r.get("failing_dtype", "the dtype")
             if isinstance(val, (int, float)) and math.isfinite(val) and abs(val) <= lim:
@@ -268,6 +272,10 @@ def remedy(f: Finding) -> str:
     if v == "numerics":
         return ("More precision will not help: guard the op's domain (clamp or add an epsilon before a "
                 "log/sqrt/division, mask after a softmax, not before it with -inf on a whole row).")
+    if v == "precision" and f.reference.get("underflow"):
+        wider = " or use bfloat16 (float32's range)" if f.reference.get("failing_dtype") == "float16" else ""
+        return (f"Run {op} in float32 (keep it out of autocast, or .float() around it){wider}, or keep what "
+                "follows from the 0 it rounds to (an epsilon or clamp before a log, a division, a sqrt's gradient).")
     if v == "precision":
         wider = " or use bfloat16 (float32's range)" if f.reference.get("failing_dtype") == "float16" else ""
         return (f"Run {op} in float32 (keep it out of autocast, or .float() around it), or keep its inputs "

@@ -731,3 +731,40 @@ def test_a_bfloat16_overflow_that_float32_shares_is_not_told_to_move_to_float32_
     f = ei.value.finding
     assert f.verdict == "numerics", str(f)
     assert "values themselves are too large" in f.hint and "float32/bfloat16" not in f.hint, f.hint
+
+
+class _SquareLog(nn.Module):
+    """log of a square: a float16 square of 1e-5 rounds to 0, and the log of it is -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log((self.a(x) * 1e-3) ** 2)
+
+
+@pytest.mark.parametrize("how", ["autocast", "half"])
+def test_a_float16_underflow_is_precision_with_the_op_that_rounded_to_zero_and_its_remedy(how: str) -> None:
+    """A square that float16 rounds to 0 (then log(0) = -inf): the verdict was right (precision),
+    but its reference spoke of a value passing 65504 and the remedy said to keep the inputs smaller,
+    which makes an underflow worse. It now names the op whose float32 value is below float16's
+    smallest normal number, that value, and a remedy for an underflow."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SquareLog(), nn.Linear(8, 1))
+    if how == "half":
+        model = model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, optimizer=opt, on_find="record") as hunt:
+        x = torch.randn(4, 8)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=how == "autocast"):
+            out = model(x.half() if how == "half" else x)
+        out.float().sum().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("0", "aten.log.default", "precision"), f
+    ref = f.reference
+    assert ref.get("underflow") and ref["op"] == "aten.pow.Tensor_Scalar" and ref["failing_dtype"] == "float16", ref
+    assert 0 < abs(ref["value"]) < ref["smallest"] == torch.finfo(torch.float16).tiny, ref
+    text = str(nanhunt.NonFiniteError(f))
+    assert "smallest normal value" in text and "65504" not in text and "inputs smaller" not in text, text

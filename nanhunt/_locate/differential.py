@@ -486,6 +486,38 @@ def _overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.T
     return got
 
 
+def _underflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
+               f: Finding) -> dict[str, Any] | None:
+    """No op passed the range: the first op (the two runs lined up) whose float32 value is below
+    the dtype's smallest normal number where the failing run holds 0 (a square of 1e-4 in float16:
+    0, then log(0) = -inf): first among the ops of the reported tensor's shape, at its element (on
+    its way), else any. Its float32 value there, the smallest normal (``smallest``), ``underflow``."""
+    if len(fail) != len(ref) or not all(a[0] == b[0] for a, b in zip(fail, ref)):
+        return None
+    tiny = float(torch.finfo(low).tiny)
+    shape, index = tuple(f.shape or ()), tuple(f.index) if f.index is not None else None
+    anywhere: tuple[str, torch.Tensor, tuple[int, ...]] | None = None
+    with torch.no_grad():
+        for (op, t), (_, u) in zip(ref, fail):
+            if u.dtype != low or tuple(u.shape) != tuple(t.shape) or not t.is_floating_point():
+                continue
+            lost = (u == 0) & (t != 0) & (t.abs() < tiny)
+            if index is not None and tuple(t.shape) == shape and len(index) == t.dim():
+                if bool(lost[index]):
+                    return _underflow_ref(op, float(t[index]), tiny, low)
+            elif anywhere is None and bool(lost.any()):
+                anywhere = (op, t, tuple(int(i) for i in lost.nonzero()[0]))
+    if anywhere is None:
+        return None
+    op, t, at = anywhere
+    return _underflow_ref(op, float(t[at]), tiny, low)
+
+
+def _underflow_ref(op: str, value: float, tiny: float, low: torch.dtype) -> dict[str, Any]:
+    return {"dtype": "float32", "op": op, "value": value, "smallest": tiny,
+            "failing_dtype": str(low).removeprefix("torch."), "failing": 0.0, "underflow": True}
+
+
 def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
                        f: Finding, before: int | None) -> dict[str, Any] | None:
     if not ref:
@@ -588,6 +620,8 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
             value = float(ref32.output[f.index])
         return Examined("numerics", _numerics("float32", f, value))
     got = _overflow(fail.trace, ref32.trace, low, f, fail.casts)
+    if got is None:
+        got = _underflow(fail.trace, ref32.trace, low, f)
     if got is None:
         # no op passed the dtype's range: the value is the reported element's, named by ``tensor``
         # (``op`` made the first non-finite value; its own float32 value is not this one)
