@@ -312,6 +312,44 @@ def test_a_refused_checkpoint_in_sentinel_mode_first_finds_the_update_that_made_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s0.pt", "s1.pt", "s2.pt"]
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("on_find", ["skip", "raise"])
+def test_a_checkpoint_after_a_gradscaler_skipped_iteration_judges_that_iteration_first(
+        on_find: str, mode: str, tmp_path: Any) -> None:
+    # a GradScaler not given to watch() skipped opt.step() on a batch with a NaN record; its
+    # forward wrote NaN into the BatchNorm running stats, and the loop saves a checkpoint after each
+    # iteration. nanhunt judges such an iteration at the model's next call; the refusal came first:
+    # skip mode stopped the run with a "checkpoint" error (its state was clean once the step was
+    # dropped), and in full raise mode the checkpoint, not the forward, was the first finding
+    torch.manual_seed(0)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(5)]
+    batches[2][0][3, 1] = float("nan")
+    raised = []
+    with nanhunt.watch(model, opt, on_find=on_find, mode=mode) as hunt:
+        for i, (x, y) in enumerate(batches):
+            try:
+                scaler.scale(F.cross_entropy(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                torch.save(model.state_dict(), tmp_path / f"s{i}.pt")
+            except nanhunt.NonFiniteError as e:
+                raised.append((i, e.finding.phase))
+                opt.zero_grad()
+    assert hunt.first is not None and (hunt.first.phase, hunt.first.step) == ("forward", 2), str(hunt.first)
+    if on_find == "skip":
+        assert raised == [] and hunt.skipped == [2] and hunt.step == 5
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"s{i}.pt" for i in range(5)]
+        assert nanhunt.audit(tmp_path / "s2.pt") == []
+    else:
+        assert raised == [(2, "forward")]
+    assert torch.isfinite(model.bn.running_mean).all() and torch.isfinite(model.bn.running_var).all()
+
+
 @dataclasses.dataclass
 class _TrainState:
     model: Any

@@ -409,6 +409,11 @@ class SaveGuard:
             # tensor subclass that refuses a read): the save goes on as it would unwatched, unjudged
             _logger.debug("nanhunt: torch.save's object was not judged (%s: %s)", type(exc).__name__, exc)
             return
+        if got is not None and hunt._judge_before_refusal():
+            try:  # (a skipped step's buffers went back: the object may be clean now)
+                got = self.check(obj, file_name(f), whole)
+            except Exception:
+                pass
         if got is not None:
             raise hunt._refused(got)
 

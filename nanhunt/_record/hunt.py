@@ -981,15 +981,9 @@ class Hunt:
             log.root_calls += 1
         elif (cap and len(log) > _MAX_ENTRIES and not self.distributed) or (
                 module is self._root and self._iteration_over(log)):
-            skips = len(self.skipped)
-            self._end_step(advance=False)
+            self._end_iteration(log)
             if self._closed:
                 return None
-            if len(self.skipped) > skips and log.backward:
-                # an iteration without step() (a GradScaler not given to watch() skipped it) that
-                # on_find="skip" dropped: a skipped step still counts, as the user's loop does
-                self.step += 1
-                self._calls_before = _Counted()
             log = self._log
         taken = None
         if log.tops:
@@ -1014,6 +1008,17 @@ class Hunt:
         self._state.capture(t, taken)
         log.tops.append(t)
         return log, t
+
+    def _end_iteration(self, log: StepLog) -> None:
+        """Judge ``log`` (the step's, its iteration over without a ``step()``) now; a skipped one
+        still counts."""
+        skips = len(self.skipped)
+        self._end_step(advance=False)
+        if not self._closed and len(self.skipped) > skips and log.backward:
+            # an iteration without step() (a GradScaler not given to watch() skipped it) that
+            # on_find="skip" dropped: a skipped step still counts, as the user's loop does
+            self.step += 1
+            self._calls_before = _Counted()
 
     def _odd_modes(self, root: nn.Module) -> tuple[nn.Module, ...]:
         """The modules whose train/eval mode is not the root's (a BatchNorm frozen in eval): looked
@@ -2274,8 +2279,29 @@ class Hunt:
         ``torch.save``, e.g. safetensors). Nothing when ``guard_saves=False``."""
         if self._guard is not None:
             f = self._guard.check(obj, name)
+            if f is not None and self._judge_before_refusal():
+                f = self._guard.check(obj, name)  # (a skipped step's buffers went back)
             if f is not None:
                 raise self._refused(f)
+
+    def _judge_before_refusal(self) -> bool:
+        """A checkpoint is about to be refused: what made the value is judged first, as a hit, so
+        that it is the first finding (in raise mode, the error) and, in skip mode, its step is
+        dropped and its buffers put back before the checkpoint is judged again. Judged: the
+        optimizers' updates not read yet (sentinel reads them every 10th step), and an iteration
+        that ended without a ``step()`` (a GradScaler not given to watch() skipped it), which the
+        model's next call would judge. True when something was judged."""
+        if self._stack or self._closed or self._paused:
+            return False
+        added = self._probe_last_updates()
+        log = self._log
+        if self._root is not None and self._iteration_over(log):
+            self._end_iteration(log)
+            return True
+        if added:
+            self._end_step(advance=False)
+            return True
+        return False
 
     def _add_findings(self, found: list[Finding], made: dict[int, int] | None = None) -> None:
         """Keep ``findings`` in order of occurrence: a finding of an earlier step made later (the
@@ -2310,11 +2336,7 @@ class Hunt:
 
     def _refused(self, f: Finding) -> NonFiniteError:
         """The save guard refused a checkpoint: recorded like any finding (within ``max_findings``),
-        and the error to raise. The optimizers' updates not read yet (sentinel reads them every
-        10th step) are judged first, as a hit: the step that made the value is the first finding
-        (in raise mode it is what raises), the refusal after it."""
-        if not self._stack and not self._closed and self._probe_last_updates():
-            self._end_step(advance=False)
+        and the error to raise (what made the value was judged first: `_judge_before_refusal`)."""
         if len(self.findings) < self.options.max_findings:
             self._add_findings([f])
         else:
