@@ -768,3 +768,32 @@ def test_a_float16_underflow_is_precision_with_the_op_that_rounded_to_zero_and_i
     assert 0 < abs(ref["value"]) < ref["smallest"] == torch.finfo(torch.float16).tiny, ref
     text = str(nanhunt.NonFiniteError(f))
     assert "smallest normal value" in text and "65504" not in text and "inputs smaller" not in text, text
+
+
+class _CancelThenTiny(nn.Module):
+    """A float16 variance E[x^2] - E[x]^2 below 0 (cancellation) makes the NaN (sqrt or log of it);
+    a harmless float16 underflow (exp(-18) rounds to 0) is added after it."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.mean(-1, keepdim=True)
+        v = (x * x).mean(-1, keepdim=True) - m * m
+        return getattr(torch, self.op)(v) + torch.exp(-x * 0.09).mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("op", ["sqrt", "log"])
+def test_a_harmless_float16_underflow_is_not_named_as_the_cause_of_a_precision_nan(op: str) -> None:
+    """The underflow reference named the harmless exp's 0 (`aten.mean.dim`, computed after the NaN
+    was born, or feeding no op that a 0 can blow up) and told the user to run that op in float32:
+    only an op before the birth, and only for an op a 0 can make non-finite, is an underflow's."""
+    x = torch.tensor([[200.125, 200.375, 200.125, 200.25, 200.0, 200.375, 200.25, 200.0]]).half()
+    model = nn.Sequential(nn.Identity(), _CancelThenTiny(op))
+    assert torch.isnan(model(x)).all() and torch.isfinite(model.float()(x.float())).all(), "set-up"
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("1", f"aten.{op}.default", "precision"), f
+    assert not f.reference.get("underflow") and f.reference.get("op") != "aten.mean.dim", f.reference

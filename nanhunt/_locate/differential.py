@@ -494,6 +494,8 @@ def _underflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.
     its way), else any. Its float32 value there, the smallest normal (``smallest``), ``underflow``."""
     if len(fail) != len(ref) or not all(a[0] == b[0] for a, b in zip(fail, ref)):
         return None
+    if f.op is not None and f.op.startswith("aten.") and f.op.split(".")[1].rstrip("_") not in _FROM_ZERO:
+        return None  # (sqrt of a negative variance: no 0 makes that op's NaN, so no 0 is the cause)
     tiny = float(torch.finfo(low).tiny)
     shape, index = tuple(f.shape or ()), tuple(f.index) if f.index is not None else None
     anywhere: tuple[str, torch.Tensor, tuple[int, ...]] | None = None
@@ -507,10 +509,17 @@ def _underflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.
                     return _underflow_ref(op, float(t[index]), tiny, low)
             elif anywhere is None and bool(lost.any()):
                 anywhere = (op, t, tuple(int(i) for i in lost.nonzero()[0]))
+            if u.is_floating_point() and not bool(torch.isfinite(u).all()):
+                break  # (the value was born here: an op after it cannot have caused it)
     if anywhere is None:
         return None
     op, t, at = anywhere
     return _underflow_ref(op, float(t[at]), tiny, low)
+
+
+# ops that make a NaN/Inf of a 0 (log(0), x/0, 0/0, 0 ** -1, rsqrt(0)): only their values can be born of an underflow
+_FROM_ZERO = frozenset({"log", "log2", "log10", "div", "true_divide", "floor_divide", "reciprocal", "rsqrt", "pow",
+                        "float_power", "lgamma", "digamma", "polygamma", "remainder", "fmod", "xlogy"})
 
 
 def _underflow_ref(op: str, value: float, tiny: float, low: torch.dtype) -> dict[str, Any]:
