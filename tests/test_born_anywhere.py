@@ -1149,6 +1149,28 @@ def test_a_float16_overflow_in_loss_code_gets_the_precision_verdict(mode: str, p
     assert "float32" in f.hint and "this module" not in f.hint, f.hint
 
 
+
+def test_the_float32_reference_of_loss_code_keeps_a_cast_s_copy_apart_from_its_source() -> None:
+    """``h = out.half()`` is a copy, but its float32 reference ``out.float()`` is ``out`` itself: a
+    write into ``h`` (``h.mul_(1000)``) changed ``out`` in the reference, so ``exp(out.half() * 20)``
+    (6.6e7: a float16 overflow) was exp(18000) there, and the verdict "numerics" with an inf."""
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(0.1)
+        model.bias.fill_(0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        out = model(torch.ones(2, 4))
+        h = out.half()
+        h.mul_(1000.0)
+        z = torch.exp(out.half() * 20)
+        (z.float().sum() + h.float().sum()).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.dtype) == ("<outside>", "aten.exp.default", "float16"), f
+    assert f.verdict == "precision" and math.isfinite(f.reference["value"]) and f.reference["value"] > 65504, f.reference
+
+
 def test_a_float16_value_that_float32_cannot_hold_either_gets_the_numerics_verdict() -> None:
     """log of a zero in float16 loss code is -inf in float32 too: the math itself."""
     torch.manual_seed(0)

@@ -148,6 +148,9 @@ class _Replay:
                     for dev in ("cpu", "cuda"):
                         casts.enter_context(torch.autocast(dev, enabled=False))
                 out = func(*args, **kwargs)
+            if (self.wide and isinstance(out, torch.Tensor) and args and out is args[0]
+                    and isinstance(r.out, torch.Tensor) and r.args and r.out is not r.args[0]):
+                out = out.clone()  # (x.half() made a copy; the float32 x.float() is x: a write into it is not x's)
             if tag is not None:
                 tag.on = False
             if out is None and getattr(r.func, "__name__", "") == "__setitem__":
