@@ -1117,6 +1117,9 @@ _LOW_LOSSES = {
     "cast to float16": lambda out, y: ((out - y) * 1e3).to(torch.float16).sum(),
     # a float16 sum of finite squares overflows
     "float16 sum": lambda out, y: (out - y).half().pow(2).sum(),
+    # the legacy spellings of the cast: the reference kept them float16 ("numerics", an inf)
+    "type(torch.HalfTensor)": lambda out, y: (out - y).type(torch.HalfTensor).pow(2).sum(),
+    "type('torch.HalfTensor')": lambda out, y: (out - y).type("torch.HalfTensor").pow(2).sum(),
 }
 
 

@@ -222,7 +222,18 @@ def _same_tensor(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 def _wide_dtype(x: Any) -> Any:
     """A reduced floating dtype named in a call's arguments, as float32 (the wide replay)."""
-    return torch.float32 if isinstance(x, torch.dtype) and str(x).removeprefix("torch.") in REDUCED else x
+    if isinstance(x, torch.dtype):
+        return torch.float32 if str(x).removeprefix("torch.") in REDUCED else x
+    if isinstance(x, (type, str)):  # x.type(torch.HalfTensor), x.type("torch.cuda.BFloat16Tensor")
+        name = x if isinstance(x, str) else f"{getattr(x, '__module__', '')}.{getattr(x, '__name__', '')}"
+        if name.startswith("torch.") and name.endswith(_LEGACY):
+            wide = name.rsplit(".", 1)[0] + ".FloatTensor"
+            return wide if isinstance(x, str) else getattr(torch.cuda if wide.startswith("torch.cuda.") else torch,
+                                                           "FloatTensor")
+    return x
+
+
+_LEGACY = (".HalfTensor", ".BFloat16Tensor")  # the legacy tensor types of a reduced dtype
 
 
 def reference32(recs: list[OutRec], ri: int, j: int, index: tuple[int, ...] | None,
