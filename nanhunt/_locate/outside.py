@@ -228,8 +228,9 @@ def _wide_dtype(x: Any) -> Any:
         name = x if isinstance(x, str) else f"{getattr(x, '__module__', '')}.{getattr(x, '__name__', '')}"
         if name.startswith("torch.") and name.endswith(_LEGACY):
             wide = name.rsplit(".", 1)[0] + ".FloatTensor"
-            return wide if isinstance(x, str) else getattr(torch.cuda if wide.startswith("torch.cuda.") else torch,
-                                                           "FloatTensor")
+            if isinstance(x, str):
+                return wide
+            return torch.cuda.FloatTensor if wide.startswith("torch.cuda.") else torch.FloatTensor  # type: ignore[attr-defined]
     return x
 
 
