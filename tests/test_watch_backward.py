@@ -913,3 +913,28 @@ def test_a_gradient_made_non_finite_by_a_hook_on_the_parameter_names_the_hook(mo
     assert f is not None and (f.phase, f.module, f.tensor, f.step, f.cause) == ("grad", "2", "weight.grad", 1, "created"), f
     assert f.source == f"{__file__}:{hook.__code__.co_firstlineno}", f.source
     assert hook.__qualname__ in f.hint and "accumulated" not in f.hint, f.hint
+
+
+def _log_norm(g: torch.Tensor) -> None:  # a harmless hook: it reads the gradient, returns None
+    float(g.norm())
+
+
+def test_a_harmless_hook_on_a_parameter_is_not_blamed_alone_for_a_gradient_summed_past_float16s_max() -> None:
+    """Four float16 backward passes summed into a weight gradient past 65504, a logging hook on that
+    weight: the finding named the hook's line as its source and told the user to check the hook
+    first. Several backward passes were summed: the hint now names both, and no source is claimed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(0.01)
+        model[0].bias.zero_()
+    model[0].weight.register_hook(_log_norm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.full((2, 4), 100.0, dtype=torch.float16)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for _ in range(4):
+            (model(x).sum() * 100.0).backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.tensor) == ("grad", "weight.grad"), f
+    assert f.source is None and "4 backward passes" in f.hint and "_log_norm" in f.hint, (f.source, f.hint)

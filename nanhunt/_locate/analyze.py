@@ -1148,15 +1148,15 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
             elif ctx.view.mode == "sentinel":
                 cause, hint = "unknown", _hints.unseen_forward_hint()
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []
+        backwards = len(ctx.log.seeds)  # (the backward() calls the loop made in the step, where recorded)
         f = Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
             shape=shape_of(g), dtype=dtype_name(g), cause=cause, hint=hint,
-            source=_nodes.hook_line(hooks[0]) if hooks else None,  # (a hook of the user's on it: its line)
+            # a hook of the user's on it: its line, where the step's one backward leaves nothing else
+            source=_nodes.hook_line(hooks[0]) if hooks and backwards <= 1 else None,
         )
-        h = getattr(hooks[0], "func", hooks[0]) if hooks else None
-        ctx.facts[id(f)] = {"grad_hook": getattr(h, "__qualname__", None) or type(h).__name__} if hooks else {
-            "backwards": len(ctx.log.seeds)}
+        ctx.facts[id(f)] = {"backwards": backwards, **({"grad_hook": _nodes.hook_names(hooks)} if hooks else {})}
         return f
     return None
 

@@ -204,10 +204,15 @@ def _leaves(x: Any) -> list[Any]:
 def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     """The sentence the numbers support, or "" when they support none."""
     op = f.op or "this op"
+    if fx.get("grad_hook") and fx.get("backwards", 0) > 1:  # (several backward passes summed: either may have)
+        return (f"The gradient became non-finite while {fx['backwards']} backward passes were summed into it (past "
+                f"the dtype's max), or in a gradient hook on this parameter, {fx['grad_hook']}: a hook that divides "
+                "by the gradient's norm makes 0/0 of a zero gradient.")
     if fx.get("grad_hook"):
-        return (f"A gradient hook on this parameter, {fx['grad_hook']} (at {f.source}), ran on its gradient: a "
-                "hook that divides by the gradient's norm or scale makes 0/0 of a zero gradient (a batch that "
-                "does not reach this weight). Check it first.")
+        where = f" (at {f.source})" if f.source else ""
+        return (f"A gradient hook on this parameter, {fx['grad_hook']}{where}, ran on its gradient: a hook that "
+                "divides by the gradient's norm or scale makes 0/0 of a zero gradient (a batch that does not "
+                "reach this weight). Check it first.")
     if fx.get("backward_hook"):
         return (f"Made by the backward hook {fx['backward_hook']} on this module (at {f.source}): the gradients "
                 "it returned are non-finite where the ones it was given were finite.")

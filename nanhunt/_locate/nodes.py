@@ -26,7 +26,7 @@ from .._tensors import is_bad, tensors
 from .oplevel import _SELECT, OpOrigin, _fmt, _Mode, _Recorder, python_backward
 from .replay import faithful
 
-__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "tensor_hooks"]
+__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "hook_names", "tensor_hooks"]
 
 
 
@@ -201,9 +201,9 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
                                   mode.node_src.get(got.fn, (None, False))[0])
     hooked = _hook_owner(got.fn, done) if got.fn.name() == _HOOK_NODE else None
     if hooked is not None:  # the user's backward hook of a module made it: that module, at the hook's line
-        owner, call, hook = hooked
-        src = hook_line(hook)
-        facts = {**facts, "backward_hook": getattr(hook, "__qualname__", None) or type(hook).__name__}
+        owner, call, users = hooked
+        src = hook_line(users[0])
+        facts = {**facts, "backward_hook": hook_names(users)}
     return Born(op, src, got.grad, got.slot, chain, owner, names.get(owner, "") if owner is not None else "",
                 facts, got.nth, call, got.fn.name())
 
@@ -211,11 +211,11 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
 _HOOK_NODE = "BackwardHookFunctionBackward"  # the node a module's full backward (pre-)hooks run in
 
 
-def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module, int, Any] | None:
+def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module, int, list[Any]] | None:
     """The module whose full backward hooks run in node ``fn``: the one whose inputs it wraps
     (``register_full_backward_hook``: the hook returns the gradients of the inputs) or whose
     outputs it wraps (``register_full_backward_pre_hook``: the gradients of the outputs); that
-    module, which of its calls, and the hook (the first: which of several made it, no node says)."""
+    module, which of its calls, and its hooks of that kind (which of several made it, no node says)."""
     for i, (module, inputs, output) in enumerate(done):
         full = list(module._backward_hooks.values()) if getattr(module, "_is_full_backward_hook", None) else []
         pre = list(module._backward_pre_hooks.values())
@@ -223,11 +223,17 @@ def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Mod
             continue
         call = sum(1 for m, _, _ in done[:i] if m is module)
         if full and fn in {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}:
-            return module, call, full[0]
+            return module, call, full
         outs = {t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)}
         if pre and any(n in outs for n, _ in fn.next_functions if n is not None):
-            return module, call, pre[0]
+            return module, call, pre
     return None
+
+
+def hook_names(hooks: list[Any]) -> str:
+    """The hooks' names for a hint: ``norm_grad``, or ``a, b`` (which of several made a value, no node says)."""
+    names = [getattr(h, "__qualname__", None) or type(h).__name__ for h in (getattr(h, "func", h) for h in hooks)]
+    return names[0] if len(names) == 1 else "one of " + ", ".join(names)
 
 
 def hook_line(hook: Any) -> str | None:
