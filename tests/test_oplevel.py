@@ -669,6 +669,16 @@ def test_acosh_has_a_hint_of_its_own() -> None:
     assert f.op == "aten.acosh.default" and f.hint.startswith("Acosh below 1 gives nan"), f
 
 
+@pytest.mark.parametrize("norm", [nn.LayerNorm(4, eps=0.0), nn.GroupNorm(2, 4, eps=0.0)])
+def test_a_norm_with_eps_0_over_a_constant_row_has_a_hint_of_its_own(norm: nn.Module) -> None:
+    # a zero input row: its variance is 0 and eps=0, so the norm divides 0 by 0. The hint was the
+    # generic "0/0, a fully masked row, log/sqrt of a negative number"
+    x = torch.tensor([[0.3, -0.2, 0.5, 0.1], [0.0, 0.0, 0.0, 0.0]])
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), norm)
+    f = train_step(model, x)
+    assert f.module == "1" and f.op.startswith("aten.native_") and "eps=0" in f.hint, f
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_model(mode: str) -> None:
     # nn.Sequential of torch's layers only: no frame of the user's code between the op and the

@@ -46,6 +46,10 @@ _OPS = {
     "acos": "acos outside [-1, 1] gives nan",
     "asin": "asin outside [-1, 1] gives nan",
     "atanh": "atanh at ±1 gives ±inf",
+    "native_layer_norm": "a normalisation with eps=0 over a constant row: its variance is 0, so (x - mean) / sqrt(0) "
+                         "is 0/0 = nan; use a positive eps (the default 1e-5)",
+    "native_group_norm": "a normalisation with eps=0 over a constant group: its variance is 0, so (x - mean) / sqrt(0) "
+                         "is 0/0 = nan; use a positive eps (the default 1e-5)",
     "acosh": "acosh below 1 gives nan (a hyperbolic distance of points pushed past the ball's edge: clamp its argument to >= 1 + eps)",
 }
 
