@@ -47,9 +47,11 @@ _OPS = {
     "asin": "asin outside [-1, 1] gives nan",
     "atanh": "atanh at ±1 gives ±inf",
     "native_layer_norm": "a normalisation with eps=0 over a constant row: its variance is 0, so (x - mean) / sqrt(0) "
-                         "is 0/0 = nan; use a positive eps (the default 1e-5)",
+                         "is 0/0 = nan (use a positive eps, the default 1e-5); or values so large (near the dtype's "
+                         "max) that their mean or variance overflowed",
     "native_group_norm": "a normalisation with eps=0 over a constant group: its variance is 0, so (x - mean) / sqrt(0) "
-                         "is 0/0 = nan; use a positive eps (the default 1e-5)",
+                         "is 0/0 = nan (use a positive eps, the default 1e-5); or values so large (near the dtype's "
+                         "max) that their mean or variance overflowed",
     "acosh": "acosh below 1 gives nan (a hyperbolic distance of points pushed past the ball's edge: clamp its argument to >= 1 + eps)",
 }
 
