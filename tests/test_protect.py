@@ -511,6 +511,43 @@ def test_skip_with_a_gradscaler_and_two_optimizers_runs_on_as_if_the_batch_was_n
         _same(model, o, ref, ro)
 
 
+@pytest.mark.parametrize("bad", ["overflowed running statistic", "nan input"])
+def test_raise_then_resume_with_a_gradscaler_applies_unscaled_gradients_after(bad: str) -> None:
+    """README's resume (catch NonFiniteError, zero_grad, train on) with a GradScaler given to watch().
+    A finding raised from inside the optimizer's step() (its scaled gradients were finite: a running
+    variance that overflowed on one huge sample) left the scaler's stage "unscaled": the next
+    iteration's scaler.step() skipped unscale_ and applied gradients still multiplied by the scale
+    (here 1024), silently. A step the scaler skipped itself (a NaN input) left it "stepped": the
+    next scaler.step() failed. Now the run goes on as one that never saw the batch."""
+    def run(watched: bool) -> tuple[nn.Module, list[int], float]:
+        model, opt = _bn_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        g = torch.Generator().manual_seed(0)
+        raised = []
+        hunt = nanhunt.watch(model, opt, scaler=scaler) if watched else None
+        for i in range(5):
+            x = torch.randn(8, 4, generator=g)
+            if i == 1:
+                x[0, 0] = 3e19 if bad == "overflowed running statistic" else float("nan")
+                if not watched:
+                    continue
+            try:
+                scaler.scale(model(x).sum()).backward()
+                scaler.step(opt)
+                scaler.update()
+            except nanhunt.NonFiniteError:
+                raised.append(i)
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return model, raised, scaler.get_scale()
+
+    model, raised, scale = run(True)
+    ref, _, ref_scale = run(False)
+    assert raised == [1] and scale == ref_scale
+    assert zoo.same_state(zoo.snapshot(model), zoo.snapshot(ref))
+
+
 class _SparseMix(nn.Module):
     """A fixed sparse mixing matrix kept as a buffer (graph models, sparse attention patterns)."""
 

@@ -2012,17 +2012,21 @@ class Hunt:
                 if i is not None:
                     h._count_step(i)
                 return None
-            out = orig(optimizer, *args, **kwargs)
-            if h is not None and not h._closed and h._steps_applied == before:
-                # the scaler skipped the step: its scaled gradients overflowed, as expected. The
-                # iteration ends here (its forward is checked) and counts as a step, as the user's
-                # loop (and Lightning's and the Trainer's step counters) count it
-                h._skipped_steps += 1
-                h._drop_backward()
-                h._end_step(advance=False, collective=True)
-                i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
-                if i is not None and not h._closed:
-                    h._count_step(i)
+            try:
+                out = orig(optimizer, *args, **kwargs)
+                if h is not None and not h._closed and h._steps_applied == before:
+                    # the scaler skipped the step: its scaled gradients overflowed, as expected. The
+                    # iteration ends here (its forward is checked) and counts as a step, as the user's
+                    # loop (and Lightning's and the Trainer's step counters) count it
+                    h._skipped_steps += 1
+                    h._drop_backward()
+                    h._end_step(advance=False, collective=True)
+                    i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
+                    if i is not None and not h._closed:
+                        h._count_step(i)
+            except NonFiniteError:
+                _scaler_ready(scaler, optimizer)
+                raise
             return out
 
         step.__nanhunt__ = True  # type: ignore[attr-defined]
@@ -2544,6 +2548,19 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             break
         opt = inner
     return opt
+
+
+def _scaler_ready(scaler: Any, optimizer: Any) -> None:
+    """A finding left ``scaler.step(optimizer)``: the iteration ends there, before ``update()``. Its
+    stage for ``optimizer`` goes back to ready, so that the next iteration's ``step()`` unscales its
+    own gradients: left "unscaled" (an error from inside ``optimizer.step()``), the scaler would skip
+    that and apply the next gradients still multiplied by the scale; left "stepped" (the scaler had
+    skipped the step), its next ``step()`` would fail. The iteration's inf checks stay, for an
+    ``update()`` the loop calls after catching the error."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    ready = getattr(sys.modules.get("torch.amp.grad_scaler"), "OptState", None)
+    if isinstance(states, dict) and ready is not None and id(optimizer) in states:
+        states[id(optimizer)]["stage"] = ready.READY
 
 
 def _wrapper_scaler(optimizer: Any) -> Any:
