@@ -147,6 +147,20 @@ def test_max_skips_consecutive_then_raise(caplog: Any) -> None:
     assert pickle.loads(pickle.dumps(e)).why == e.why
 
 
+def test_max_skips_0_raises_the_first_finding_as_raise_mode_does() -> None:
+    # the error said "dropped 0 steps in a row (; max_skips=0) and step 2 has a finding again"
+    batches = _batches(4, {2}, (6,), 3)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, on_find="skip", max_skips=0) as hunt:
+        for x, y in batches:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.skipped == [] and err.value.finding.step == 2 and err.value.why is None
+    assert str(err.value).startswith("First NaN: forward of `fc1`"), str(err.value)
+
+
 def test_skips_that_are_not_consecutive_never_raise() -> None:
     batches = _batches(9, {1, 3, 5, 7}, (6,), 3)
     model = zoo.bnmlp()

@@ -2225,8 +2225,9 @@ class Hunt:
                 raise
         elif self.on_find in ("raise", "skip", "breakpoint") and not skipped and raise_ok:  # breakpoint: stopped in _locate first
             why = None
-            if self._skips_exceeded and self.findings:
-                # max_skips: the run stops at a step that is not its first finding's
+            if self._skips_exceeded and self.findings and self._max_skips:
+                # max_skips: the run stops at a step that is not its first finding's (max_skips=0
+                # allows no skip: the first finding stops the run, as in raise mode)
                 why = (f"nanhunt: on_find='skip' dropped {self._max_skips} steps in a row "
                        f"({', '.join(map(str, self.skipped[-self._max_skips:]))}; max_skips={self._max_skips}) "
                        f"and step {found[0].step} has a finding again, so the run stops. The first finding:")
