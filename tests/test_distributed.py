@@ -202,6 +202,56 @@ def test_uneven_inference_shards_add_no_collective_and_the_users_own_still_pairs
     assert res[1] == {"total": 5.0, "findings": [[1, "forward", 1]]}
 
 
+# ---------------------------------------------------------------------------- collectives inside the forward
+class _RowParallel(nn.Module):
+    """A tensor-parallel linear layer: each rank holds a slice of the weight, the outputs are summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        dist.all_reduce(y)
+        return y
+
+
+def _tensor_parallel(rank: int, world: int, on_find: str) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _RowParallel())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    raised = []
+    with nanhunt.watch(model, optimizer=opt, on_find=on_find, dist_timeout=10) as hunt:
+        for step in range(4):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            try:
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                raised.append(step)
+            opt.zero_grad()
+    return {"raised": raised, "skipped": hunt.skipped, "findings": [(f.rank, f.step, f.module) for f in hunt.findings],
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+@pytest.mark.parametrize("on_find", ["raise", "skip"])
+def test_a_forward_with_its_own_collective_is_analysed_without_a_collective_on_one_rank(tmp_path, on_find):
+    """A layer that all-reduces in its forward (tensor parallelism; SyncBatchNorm on GPUs): the
+    analysis replayed the failing call on each rank alone, and the replay's all_reduce waited for
+    ranks that were not replaying (or paired with another rank's replay): every rank raised
+    SilentRankError after dist_timeout, naming a healthy rank as dead, and the finding was lost.
+    A collective in a replay now fails at once; every rank reports and skips the same step."""
+    res = ranks.run(_tensor_parallel, 2, str(tmp_path), on_find, limit=60)
+    for r in res:
+        assert r is not None and r["finite"], r
+        assert r["raised"] == ([2] if on_find == "raise" else []) and r["skipped"] == ([2] if on_find == "skip" else [])
+        assert (1, 2, "0") in [tuple(f) for f in r["findings"]], r  # rank 1's bad sample, at its first module
+    assert res[0]["findings"] == res[1]["findings"]
+
+
 # ---------------------------------------------------------------------------- dead and silent ranks
 def _silent_ranks(rank: int, world: int) -> dict[str, Any]:
     model = zoo.mlp(rank)  # each rank trains its own model: the only collective is nanhunt's

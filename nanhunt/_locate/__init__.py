@@ -10,8 +10,10 @@ import random
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
-from torch.utils._python_dispatch import _disable_current_modes
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .._finding import Finding
 from .._steplog import StepView
@@ -38,14 +40,35 @@ def _aside() -> Iterator[None]:
     user's Python and NumPy random streams (a forward that draws from ``random``: LayerDrop), and
     the user's dispatch modes on the stack at the sync (a ``FlopCounterMode`` or a ``DebugMode``
     around the step would count the replays' ops). Function modes stay: a ``torch.device``
-    context is part of how the call ran."""
+    context is part of how the call ran. Under torch.distributed the replays run on this rank
+    alone: a collective in them (a tensor-parallel layer's all_reduce, SyncBatchNorm's all_gather)
+    fails at once (`_NoCollectives`) instead of waiting for ranks that never join it, or pairing
+    with another rank's unrelated one; that replay is left out."""
     state = random.getstate()
     np = sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
     try:
-        with _disable_current_modes():
+        with _disable_current_modes(), (_NoCollectives() if _ranks() > 1 else contextlib.nullcontext()):
             yield
     finally:
         random.setstate(state)
         if np is not None and np_state is not None:
             np.random.set_state(np_state)
+
+
+def _ranks() -> int:
+    d = torch.distributed
+    return int(d.get_world_size()) if d.is_available() and d.is_initialized() else 1
+
+
+class _NoCollectives(TorchDispatchMode):
+    """A collective (``c10d``, functional collectives) raises instead of running."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # (a compiled replay keeps its compiled artifact)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            raise RuntimeError(f"nanhunt: {func} in a replay on one rank: the other ranks would never join it")
+        return func(*args, **(kwargs or {}))
