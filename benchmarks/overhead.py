@@ -601,7 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in models:
         t_start = time.perf_counter()
         k = (QUICK_STEPS if args.quick else STEPS)[name]
-        rounds = args.rounds or (2 if args.quick else ROUNDS[name])
+        rounds = args.rounds.get(name, args.rounds.get("*")) or (2 if args.quick else ROUNDS[name])
         res: dict[str, Any] = {}
         if not args.no_memory and (args.memory or not args.quick):
             res["peak"] = {v: measure_peak(name, v, args.device) for v in ("plain", *NANHUNT)}
@@ -715,11 +715,27 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _rounds(text: str) -> dict[str, int]:
+    """``--rounds``: ``20`` (every model) or ``gpt2=20,mlp=40``."""
+    try:
+        if "=" not in text:
+            return {"*": int(text)}
+        got = {m.strip(): int(n) for m, n in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not N or model=N,...: {text!r}") from None
+    bad = set(got) - set(MODELS)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {sorted(bad)}; known: {', '.join(MODELS)}")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2,cnn,mlp")
-    ap.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default: per model)")
+    default_rounds = ",".join(f"{m}={n}" for m, n in ROUNDS.items())
+    ap.add_argument("--rounds", type=_rounds, default={},
+                    help=f"interleaved rounds: N for every model, or per model as gpt2=20,mlp=40 (default: {default_rounds})")
     ap.add_argument("--quick", action="store_true", help="few rounds and steps: a smoke run")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
