@@ -432,6 +432,24 @@ def test_sentinel_keeps_the_eps_zero_reason_when_the_gradient_is_gone() -> None:
     assert "eps is 0" in f.hint, f.hint
 
 
+def test_sentinel_keeps_the_eps_zero_reason_when_the_next_gradient_is_nan() -> None:
+    # nn.Embedding(padding_idx=0) with Adam(eps=0): the padding row's gradient is always 0, so step
+    # 0 makes it 0/0 = nan; the next batch looks it up, and sentinel judges step 0's update at step
+    # 1's end, where that row's gradient is NaN: the hint fell back to 'an update that overflowed'
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(10, 4, padding_idx=0), nn.Softmax(0), nn.Linear(4, 1))  # (mixes the rows)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=0.0)
+    idx = torch.tensor([1, 2, 0])
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode="sentinel"):
+        for _ in range(3):
+            m(idx).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("optimizer", "0", "weight", 0, "created"), f
+    assert "eps is 0" in f.hint, f.hint
+
+
 def test_full_mode_names_the_exact_step() -> None:
     f = _eps0_run("full")
     assert f.step == 0 and "one of steps" not in f.hint and "eps is 0" in f.hint, f.hint

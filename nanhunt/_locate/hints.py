@@ -477,9 +477,9 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, and where the "
                 f"gradient of {param!r} is 0 its update divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). "
                 "Use a positive eps (the default 1e-8).")
-    if g.get("eps") == 0 and "custom" not in g:  # (its gradient is gone by now: zero_grad() ran since)
+    if g.get("eps") == 0 and "custom" not in g:  # (its gradient is gone by now, or non-finite: read a step later)
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, so wherever the "
-                f"gradient of {param!r} was 0 (an embedding row no batch looked up, a frozen unit) its update "
+                f"gradient of {param!r} was 0 (an embedding's padding_idx row, a row no batch looked up, a frozen unit) its update "
                 "divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). Use a positive eps (the default 1e-8).")
     if g.get("zero_grad") and g.get("custom"):
         return (f"After the optimizer step, {what} is non-finite although the step was given finite "

@@ -208,7 +208,8 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     """What the numbers say of ``p``'s update, for the hint (after a hit: host reads allowed):
     ``eps`` (the group's, when it is exactly 0), ``zero_grad`` (the gradient is 0 everywhere) or
     ``zero_some`` (somewhere), ``grad_max`` (its largest magnitude, when its square passes the
-    dtype's largest value). Empty when the gradient is gone (``zero_grad()`` ran) or non-finite."""
+    dtype's largest value). Only ``eps`` when the gradient is gone (``zero_grad()`` ran) or non-finite
+    (read a step later, in sentinel mode, after the poisoned weights made the next gradient NaN)."""
     out: dict[str, Any] = {}
     try:
         group = _group_of(opt, p)
@@ -220,7 +221,7 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
             return out
         g = g.detach()
         if not bool(torch.isfinite(g).all()):
-            return {}
+            return out
         out["custom"] = type(opt).__module__.split(".")[:2] != ["torch", "optim"]
         zeros = int((g == 0).sum())
         if zeros == g.numel():
