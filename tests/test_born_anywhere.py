@@ -1038,6 +1038,60 @@ def test_intended_nan_markers_that_the_loss_code_reduces_away_are_not_findings(m
     assert hunt.findings == []
 
 
+def _precision(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    pred, tgt = F.one_hot(logits.argmax(-1), 3).float(), F.one_hot(y, 3).float()
+    tp, n = (pred * tgt).sum(0), pred.sum(0)  # a class never predicted: 0 / 0
+    return torch.where(n > 0, tp / n, torch.zeros_like(n))
+
+
+def _entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(logits * 1e3, -1)  # exact zeros: 0 * log 0 = nan, dropped by the where
+    return -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1).mean()
+
+
+_GUARDED = {
+    "precision under where": _precision,
+    "entropy under where": _entropy,
+    "log, nan_to_num": lambda logits, y: torch.nan_to_num(torch.log(torch.softmax(logits * 1e3, -1)), neginf=0.0).mean(),
+}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("metric", list(_GUARDED))
+def test_a_metric_that_drops_its_own_nan_is_no_finding(mode: str, metric: str) -> None:
+    """Metric code that makes a NaN or -inf and drops it again (a precision's 0/0 for a class
+    never predicted under torch.where, p * log p at p = 0): every value it hands on is finite. The
+    0/0 was reported as born in the loss code, and raise mode stopped a healthy run at step 0."""
+    model = zoo.mlp(d_out=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for _ in range(2):
+            x, y = torch.randn(6, 4, generator=g), torch.zeros(6, dtype=torch.long)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            with torch.no_grad():
+                m = _GUARDED[metric](logits, y)
+            assert torch.isfinite(m).all(), "test set-up: a finite metric"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == []
+
+
+def test_a_metric_that_keeps_its_nan_is_still_found() -> None:
+    model = zoo.mlp(d_out=3)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        logits = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+        pred = F.one_hot(logits.argmax(-1), 3).float()
+        # 0 / 0 for a class never predicted, kept as it is
+        precision = pred[:, 0].sum() / pred.sum(0)  # @unguarded
+        kept = [precision]
+    f = hunt.first
+    assert kept and f is not None and (f.phase, f.module, f.op) == ("forward", "<outside>", "aten.div.Tensor"), f
+    assert f.source == line("unguarded"), f
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) -> None:
     """Its replay is float32 eager already: the verdict is the math itself, as for a module's

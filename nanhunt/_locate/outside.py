@@ -414,6 +414,8 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     if out_i >= len(outs) or not is_bad(outs[out_i]):
         return None  # finite values whose sum overflowed
     t = outs[out_i]
+    if not _loss_bad(log) and _dropped_later(log, rec_i, t):
+        return None  # (a guarded metric's 0/0, p * log p at p = 0 under a where: harmless, as it was meant)
     leaves = tree_leaves((r.args, r.kwargs))
     name = getattr(r.func, "__name__", "")
     if not in_place(name) and any(x is t for x in leaves):
@@ -488,6 +490,43 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     )
     batch = log.tops[-1].batch() if log.tops else None  # (the loss code's rows: the last batch's samples)
     return dataclasses.replace(f, hint=_hints.hint(f, {**fx, "batch": batch}))
+
+
+# calls that drop elements (select, overwrite, replace them): a finite output of one from a
+# non-finite input left the non-finite elements out. (Arithmetic that makes finite values of an
+# inf, max_norm / inf = 0 in clip_grad_norm_, changed the finite ones: not dropped.)
+_DROPPING = frozenset({"where", "masked_fill", "masked_fill_", "nan_to_num", "nan_to_num_", "__getitem__",
+                       "__setitem__", "masked_select", "index_select", "nansum", "nanmean"})
+
+
+def _dropped_later(log: StepLog, ri: int, t: torch.Tensor, most: int = 64) -> bool:
+    """Every value the later recorded calls made from ``t`` (output of call ``ri``) is finite again
+    where a call that drops elements (`_DROPPING`) made it, and each non-finite one on the way was
+    used by a later call: the non-finite elements were dropped (a metric's ``torch.where(d > 0,
+    n / d, 0)``, ``p * log p`` at p = 0 under a where), so nothing this code handed on held them. A
+    non-finite value no later call used may have gone anywhere (the model, the user's variables):
+    not dropped; nor when more than ``most`` values would have to be followed."""
+    recs = log.outside
+    leaves = [[a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor)] for r in recs[ri + 1:]]
+    todo, seen = [(ri, t)], {(ri, id(t))}
+    while todo:
+        i, x = todo.pop()
+        users = [j for j in range(i + 1, len(recs)) if any(a is x for a in leaves[j - ri - 1])]
+        if not users:
+            return False
+        for j in users:
+            for o in _outs(recs[j]):
+                if not (o.is_floating_point() or o.is_complex()) or (j, id(o)) in seen:
+                    continue  # (a mask made of it, isfinite(x): holds no value of it)
+                if not is_bad(o):
+                    if getattr(recs[j].func, "__name__", "") not in _DROPPING:
+                        return False
+                    continue
+                if len(seen) >= most:
+                    return False
+                seen.add((j, id(o)))  # (an in-place write hands x on as itself: followed from j)
+                todo.append((j, o))
+    return True
 
 
 def _feeds(x: torch.Tensor) -> bool:
