@@ -127,6 +127,85 @@ def test_torch_where_gradient_trap() -> None:
     assert same_state(snapshot(m), before)
 
 
+class _GuardedHead(nn.Module):
+    """A where (or masked_fill) that guards an unsafe op with arithmetic in between."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc, self.how = nn.Linear(4, 4), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.relu(self.fc(x))
+        p = p / (p.sum(-1, keepdim=True) + 1e-6)  # exact zeros (and a NaN gradient there reaches every row)
+        if self.how == "scaled log":
+            return torch.where(p > 0, 2.0 * torch.log(p), torch.zeros_like(p))
+        if self.how == "poisson":
+            return torch.where(p > 0, p - 3.0 * torch.log(p), torch.zeros_like(p))
+        if self.how == "sqrt minus 1":
+            return torch.where(p > 0, torch.sqrt(p) - 1.0, torch.zeros_like(p))
+        return (torch.log(p) + 1.0).masked_fill(p == 0, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["scaled log", "poisson", "sqrt minus 1", "masked_fill"])
+def test_a_where_trap_with_arithmetic_between_the_where_and_the_unsafe_op_is_told_as_the_trap(how: str, mode: str) -> None:
+    # the trap was recognised only where the where consumed the unsafe op's output itself: with a
+    # scale or a subtraction between them the hint read "the gradient of log at 0 is infinite",
+    # which the where seems to guard against, not the double-where fix
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), _GuardedHead(how))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        m(torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause) == ("backward", "1", "created"), f
+    assert "where trap" in f.hint and "double-where" in f.hint, f.hint
+
+
+class _ArcFace(nn.Module):
+    """An additive angular margin head: acos of the clamped cosine, the target's logit cos(theta + m)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+    def forward(self, e: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        cos = F.normalize(e, dim=-1) @ F.normalize(self.W, dim=-1).t()
+        theta = torch.acos(cos.clamp(-1.0, 1.0))  # @arcface-acos
+        return 64.0 * torch.where(F.one_hot(y, 3).bool(), torch.cos(theta + 0.2), cos)  # (s = 64, the usual scale)
+
+
+def test_acos_at_1_fed_a_zero_by_a_saturated_softmax_through_a_wheres_taken_branch_is_not_the_trap() -> None:
+    # an embedding on its class centre: cos is exactly 1, and the target's softmax is exactly 1.0, so
+    # the gradient reaching acos is 0 there (0 * inf): the where above passed it on (its taken
+    # branch), it masked nothing. The clamp to [-1, 1] is what to change
+    m = _ArcFace()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    e, y = torch.tensor([[0.5, 0.2, -0.1, 0.3], [2.0, 0.0, 0.0, 0.0]]), torch.tensor([0, 2])
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        F.cross_entropy(m(e, y), y).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op) == ("backward", "AcosBackward0"), f
+    assert "where trap" not in f.hint, f.hint
+
+
+def test_a_sqrt_at_0_whose_gradient_a_masked_fill_above_let_through_is_not_the_trap() -> None:
+    # the masked_fill keeps the row whose sqrt is at 0: its gradient reached the sqrt (not 0): no trap
+    torch.manual_seed(0)
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        o = m(torch.randn(6, 4)).squeeze(-1)
+        d = torch.sqrt((o - o[0].detach()) ** 2)  # 0 at row 0
+        (2.0 * d + 1.0).masked_fill(torch.arange(6) == 5, 0.0).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op) == ("backward", "SqrtBackward0"), f
+    assert "where trap" not in f.hint and "sqrt at 0" in f.hint, f.hint
+
+
 def test_custom_autograd_function_with_a_bad_backward() -> None:
     m = zoo.badgradnet()
     ref = copy.deepcopy(m)

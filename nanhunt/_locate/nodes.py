@@ -23,7 +23,18 @@ from torch import nn
 from .._hooks import ReplayHooks
 from .._steplog import Top
 from .._tensors import is_bad, tensors
-from .oplevel import _SELECT, OpOrigin, _fmt, _Mode, _Recorder, python_backward
+from .oplevel import (
+    _SELECT,
+    OpOrigin,
+    _fmt,
+    _Mode,
+    _Recorder,
+    dropped,
+    python_backward,
+    where_trap,
+    zero_fed,
+    zeroed_at,
+)
 from .replay import faithful
 
 __all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "hook_names", "tensor_hooks"]
@@ -94,15 +105,22 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
     handles = []
     inner: list[OpOrigin | None] = []  # the first creator's, when it is a custom Function's node
     saved_bad: list[bool] = []  # ... and whether a forward value it saved was non-finite already
+    zero: list[tuple[int, int] | None] = []  # ... and where it was given a 0 gradient and made the value (`zero_fed`)
+    drops: dict[Any, torch.Tensor] = {}  # each where's masked-out elements (`dropped`)
 
     def hook(fn: Any) -> Any:
         def post(gi: Any, go: Any) -> None:
+            if fn.name().startswith(_SELECT):
+                d = dropped(gi, go)
+                if d is not None:
+                    drops[fn] = d
             ob = [isinstance(g, torch.Tensor) and is_bad(g) for g in gi]
             ib = [isinstance(g, torch.Tensor) and is_bad(g) for g in go]
             order.append((fn, ib, ob, tuple(gi) if any(ob) else ()))
             if any(ob) and not any(ib) and not inner:  # the creator, as blamed below: its saved tensors are alive now
                 inner.append(python_backward(fn, go, gi, ob.index(True)))
                 saved_bad.append(_saved_bad(fn))
+                zero.append(zeroed_at(zero_fed(gi, go)))
         return post
 
     try:
@@ -124,8 +142,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
             chain.append(nxt)
             s = bad_out[nxt].index(True)
             nxt = nxt.next_functions[s][0] if s < len(nxt.next_functions) else None
-        feeders = [f for f in bad_out if any(n is fn for n, _ in f.next_functions)]
-        trap = any(f.name().startswith(_SELECT) for f in feeders)
+        trap = where_trap(fn, list(bad_out), zero[0] if zero else None, drops)
         # (a where-trap's saved value is non-finite too, where the where masked it: its own hint)
         facts = {"where_trap": trap, "saved_bad": bool(saved_bad and saved_bad[0]) and not trap}
         nth = sum(1 for o in order[:i] if o[0].name() == fn.name())

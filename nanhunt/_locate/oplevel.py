@@ -58,6 +58,63 @@ class OpOrigin:
 # the nodes whose backward hands a masked-out element a zero gradient: a NaN made from that zero
 # (0 * inf in the masked branch's own backward) is the `where` trap (hints.DOUBLE_WHERE)
 _SELECT = ("WhereBackward", "MaskedFillBackward", "IndexPutBackward", "MaskedScatterBackward")
+_TRAP_DEPTH = 4  # (nodes between the where and the unsafe op: ``torch.where(c, y * torch.log(x) - x, 0)``)
+
+
+def where_trap(fn: Any, ran: list[Any], zeroed: tuple[int, int] | None, dropped: dict[Any, torch.Tensor]) -> bool:
+    """Is the non-finite gradient autograd node ``fn`` made the torch.where trap? A where or
+    masked_fill (a node of ``ran``, those that executed) consumed its output, or one a few nodes
+    above it dropped the element ``fn`` made the value at: ``zeroed`` (`zero_fed`) is where ``fn``
+    was given a 0 gradient and made a non-finite one (0 * inf), ``dropped`` each where's `dropped`
+    mask; a 0 that came from elsewhere (a saturated softmax's) is no trap. As in
+    ``torch.where(p > 0, p * torch.log(p), 0)`` or ``(2 * x.log()).masked_fill(...)``."""
+    level, seen = [fn], {fn}
+    for depth in range(_TRAP_DEPTH):
+        level = [f for f in ran if f not in seen and any(n is x for n, _ in f.next_functions for x in level)]
+        for f in level:
+            if not f.name().startswith(_SELECT):
+                continue
+            if depth == 0:
+                return True
+            m = dropped.get(f)
+            if zeroed is not None and m is not None and m.numel() == zeroed[1] and bool(m.reshape(-1)[zeroed[0]]):
+                return True
+        if not level or zeroed is None:
+            return False
+        seen.update(level)
+    return False
+
+
+def zero_fed(grad_inputs: Any, grad_outputs: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Device-side: whether a node produced a non-finite gradient where the one it received was 0
+    (the untaken branch of a where), the first such element's flat index and the numel; same-shaped
+    pairs only, ``None`` when there is none."""
+    for gi in grad_inputs:
+        for go in grad_outputs:
+            if (isinstance(gi, torch.Tensor) and isinstance(go, torch.Tensor) and _floating(gi) and _floating(go)
+                    and gi.layout == torch.strided and go.layout == torch.strided and gi.shape == go.shape and gi.numel()):
+                hit = (~torch.isfinite(gi) & (go == 0)).reshape(-1)
+                return hit.any(), hit.int().argmax(), gi.numel()
+    return None
+
+
+def dropped(grad_inputs: Any, grad_outputs: Any) -> torch.Tensor | None:
+    """Device-side, element by element: where a where/masked_fill node handed on a 0 gradient for a
+    nonzero one it received (the elements it masked out)."""
+    go = grad_outputs[0] if grad_outputs else None
+    if not (isinstance(go, torch.Tensor) and _floating(go) and go.layout == torch.strided):
+        return None
+    out = None
+    for gi in grad_inputs:
+        if isinstance(gi, torch.Tensor) and _floating(gi) and gi.layout == torch.strided and gi.shape == go.shape:
+            m = (go != 0) & (gi == 0)
+            out = m if out is None else out | m
+    return out
+
+
+def zeroed_at(z: tuple[torch.Tensor, torch.Tensor, int] | None) -> tuple[int, int] | None:
+    """`zero_fed`'s answer read on the host: (flat index, numel), or None."""
+    return (int(z[1]), z[2]) if z is not None and bool(z[0]) else None
 
 
 # ---------------------------------------------------------------- source lines
@@ -647,7 +704,7 @@ def locate_backward(
 
 
 class _Node:
-    __slots__ = ("fn", "name", "done", "in_bad", "out_bad", "inner", "flags", "keep", "mark")
+    __slots__ = ("fn", "name", "done", "in_bad", "out_bad", "inner", "flags", "keep", "mark", "zero", "drop")
 
     def __init__(self, fn: Any):
         self.fn = fn
@@ -659,6 +716,8 @@ class _Node:
         self.flags: tuple[list[Any], list[Any]] = ([], [])  # device-side "all finite?" checks
         self.keep: Any = None  # the gradients a Python backward produced (its ops were recorded)
         self.mark = 0  # records before it ran
+        self.zero: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a 0 received where it made a non-finite one (`zero_fed`)
+        self.drop: torch.Tensor | None = None  # a where's masked-out elements (`dropped`)
 
 
 def _finite(g: Any) -> torch.Tensor | None:
@@ -774,6 +833,9 @@ def _post_hook(mode: _Mode, rec: _Recorder, nodes: list[_Node], i: int, ran: lis
         mode.quiet += 1  # our own checks are not the user's ops
         try:
             n.flags = ([_finite(g) for g in grad_outputs], [_finite(g) for g in grad_inputs])
+            n.zero = zero_fed(grad_inputs, grad_outputs)
+            if n.name.startswith(_SELECT):
+                n.drop = dropped(grad_inputs, grad_outputs)
             if len(rec.recs) > n.mark:
                 n.keep = tuple(grad_inputs)
         finally:
@@ -886,8 +948,9 @@ def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, 
     for j in chain_nodes:
         n = nodes[j]
         chain.append(_fmt(n.name, node_src.get(n.fn, (None, False))[0]))
-    feeders = [n for n in nodes if n.done >= 0 and any(f is creator.fn for f, _ in n.fn.next_functions)]
-    facts = {"where_trap": any(n.name.startswith(_SELECT) for n in feeders)}
+    ran = [n.fn for n in nodes if n.done >= 0]
+    drops = {n.fn: n.drop for n in nodes if n.drop is not None}
+    facts = {"where_trap": where_trap(creator.fn, ran, zeroed_at(creator.zero), drops)}
     if inner is not None:  # a custom Function's backward: the op of it that made the value, at its line
         return OpOrigin(inner.op, inner.source, chain, {**inner.facts, **facts})
     return OpOrigin(creator.name, src, chain, facts)
