@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
@@ -204,6 +205,25 @@ def test_a_sqrt_at_0_whose_gradient_a_masked_fill_above_let_through_is_not_the_t
     f = ei.value.finding
     assert (f.phase, f.op) == ("backward", "SqrtBackward0"), f
     assert "where trap" not in f.hint and "sqrt at 0" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_decay_that_makes_the_weights_grow_is_told_by_the_backward_overflow_it_causes(mode: str) -> None:
+    # SGD with lr * weight_decay = 30: each step multiplies the weights by about -29, until the
+    # backward's grad_output @ W passes float32's max (the loss is float64, the forward finite).
+    # The hint read "Inf from finite inputs: an overflow past the dtype's max, x/0 or log(0)"
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=3.0, weight_decay=10.0)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for _ in range(40):
+            x = torch.randn(16, 4, generator=g)
+            F.mse_loss(m(x).double(), x[:, :1].double()).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.op, f.cause) == ("backward", "AddmmBackward0", "created") and math.isinf(f.value), f
+    assert "learning rate" in f.hint and "weight_decay" in f.hint and "log(0)" not in f.hint, f.hint
 
 
 def test_custom_autograd_function_with_a_bad_backward() -> None:

@@ -71,6 +71,11 @@ _BACKWARD = {
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
+# backward nodes of layers whose gradient is a product with the weights (grad_output @ W) or the
+# inputs (x^T @ grad_output): an inf they make from finite values in float32 is the values' size
+_PRODUCTS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "MvBackward0", "AddbmmBackward0",
+                       "BaddbmmBackward0", "ConvolutionBackward0", "LinearBackward0", "EmbeddingBackward0"})
+
 
 def _op_key(op: str) -> str:
     base = op.split(".")[1] if op.startswith("aten.") else op
@@ -327,6 +332,12 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
         return "The non-finite values earlier in this step flowed into the gradient."
     if f.op:
         if f.phase == "backward" and not f.op.startswith("aten."):
+            if (f.op in _PRODUCTS and f.dtype in ("float32", "float64") and f.value is not None
+                    and math.isinf(f.value)):
+                return (f"The gradient {f.op} makes (a product with this layer's weights or inputs) passed "
+                        f"{f.dtype}'s largest finite value {dtype_max(f.dtype):g} from finite values: the weights, "
+                        "inputs or the gradient reaching it are huge. Weights that grew step after step point to "
+                        "a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients.")
             why = _BACKWARD.get(f.op)
             if why:
                 return why[0].upper() + why[1:] + "."
