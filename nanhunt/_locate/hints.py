@@ -56,16 +56,21 @@ _OPS = {
 }
 
 _BACKWARD = {
-    "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x)))",
+    "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x))): a distance "
+                     "sqrt(((a - b) ** 2).sum(-1)) of two equal points is one. Take sqrt(x + eps), or "
+                     "torch.linalg.vector_norm(a - b, dim=-1), whose gradient at 0 is 0",
     "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite",
-    "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1, and overflows for a large x when p > 1",
+    "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1 (take (x + eps) ** p), "
+                    "and overflows for a large x when p > 1",
     "LogBackward0": "the gradient of log at 0 is infinite",
     "DivBackward0": "the gradient of a division by (nearly) 0 overflows",
     "NormBackward1": "the gradient of a norm at the zero vector is 0/0",
     "LinalgVectorNormBackward0": "the gradient of a norm at the zero vector is 0/0",
     "WhereBackward0": "the untaken branch of torch.where still gets a gradient: inf * 0 = nan there",
-    "AcosBackward0": "the gradient of acos at ±1 is infinite",
-    "AsinBackward0": "the gradient of asin at ±1 is infinite",
+    "AcosBackward0": "the gradient of acos at ±1 is infinite (-1/sqrt(1 - x^2)): a clamp to [-1, 1] lets ±1 "
+                     "through; clamp to [-1 + eps, 1 - eps] (eps = 1e-7 in float32)",
+    "AsinBackward0": "the gradient of asin at ±1 is infinite (1/sqrt(1 - x^2)): a clamp to [-1, 1] lets ±1 "
+                     "through; clamp to [-1 + eps, 1 - eps] (eps = 1e-7 in float32)",
     "AcoshBackward0": "the gradient of acosh at 1 is infinite (1/sqrt(x^2 - 1)): clamp its argument to >= 1 + eps",
 }
 
