@@ -360,6 +360,7 @@ class StepLog:
         # the model ran as a compiled graph whose hooks the hunt had not prepared (compiled after watch(),
         # sentinel under torch.compile(model)): its calls in this step were not recorded (see Hunt._after_trace)
         self.traced = False
+        self.transformed = False  # the model was called inside torch.func transforms (vmap/grad): not recorded
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet

@@ -459,6 +459,22 @@ def test_a_nan_born_inside_vmap_in_a_forward_is_found_by_its_module(on_find: str
     assert torch.isfinite(model[1].lin.weight).all() or on_find == "record"
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_run_only_under_vmap_says_so_not_that_the_gradient_was_born_in_accumulation(mode: str) -> None:
+    # vmap(model)(x): every call of the model ran inside the transform, none was recorded; the
+    # log(0) of its forward reaches the gradients. The finding was "created" in the gradient with
+    # the accumulation hint (full) or sentinel's "its parts were called directly": both send the
+    # user away from the forward that made it
+    model = zoo.lognet(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        vmap(model)(torch.rand(3, 8, 4)).sum().backward()  # ReLU zeros: log(0) = -inf inside vmap
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.cause) == ("grad", "unknown"), f
+    assert "torch.func transform" in f.hint and "accumulated" not in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- internal faults
 def _boom(*args: Any, **kwargs: Any) -> Any:
     raise ZeroDivisionError("injected")

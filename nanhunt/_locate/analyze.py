@@ -1145,6 +1145,8 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
             # nothing of the step was seen: "created" would be a guess
             if ctx.log.traced:  # its calls ran in a compiled graph not hooked yet (caught from the next step)
                 cause, hint = "unknown", _hints.untraced_forward_hint()
+            elif ctx.log.transformed:  # its calls ran inside torch.func transforms (vmap/grad)
+                cause, hint = "unknown", _hints.transformed_forward_hint()
             elif ctx.view.mode == "sentinel":
                 cause, hint = "unknown", _hints.unseen_forward_hint()
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []

@@ -447,6 +447,15 @@ def unseen_forward_hint() -> str:
             "(nanhunt.watch(g, opt_g), nanhunt.watch(d, opt_d)) or use mode='full'.")
 
 
+def transformed_forward_hint() -> str:
+    """Non-finite gradients of a step whose model calls all ran inside torch.func transforms
+    (``vmap(model)``, ``grad``), which the hunt does not record."""
+    return ("The model ran only inside a torch.func transform (vmap, grad, jacrev), whose calls nanhunt does not "
+            "record, so where this gradient's NaN/Inf came from was not seen; its forward may have made it. "
+            "Run the failing batch through the model outside the transform (model(x) on the batch, or on each "
+            "sample) under the hunt to have it located.")
+
+
 def untraced_forward_hint() -> str:
     """Non-finite gradients of a step whose model calls all ran in a compiled graph the hunt had not
     hooked yet (the model compiled after watch(); sentinel under torch.compile(model)): caught from

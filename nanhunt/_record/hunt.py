@@ -891,6 +891,8 @@ class Hunt:
                     self._foreign_pre(module, args, None)
                 return
             if in_transform():
+                if not self._stack and self._ours(module):
+                    self._log.transformed = True  # (the analysis says why the step's forward was not seen)
                 return  # inside torch.func transforms (vmap/grad): not recorded
             names = self._names
             if names is None:
@@ -1546,6 +1548,8 @@ class Hunt:
             if self._stack:
                 return
             if in_transform() or _graph_task() != -1:
+                if in_transform():
+                    self._log.transformed = True  # (the analysis says why the step's forward was not seen)
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
             if _redirected(module, through=False):
                 return  # (as in _pre_other; a wrapper's call stays the top: sentinel hooks nothing inside it)
