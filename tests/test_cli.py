@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -204,6 +205,11 @@ def test_run_usage_errors(tmp_path, cli):
     assert rc == 2 and "no such script" in err
     rc, _, err = cli("run", str(tmp_path))  # it exists: a folder, not a missing script
     assert rc == 2 and "is a folder, not a script" in err and "no such" not in err
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # it exists, but is no script: named as what it is
+    rc, _, err = cli("run", str(tmp_path / "loop"))
+    assert rc == 2 and "symbolic links" in err and "no such" not in err, err
+    rc, _, err = cli("run", os.devnull)
+    assert rc == 2 and "is a character device" in err and "no such" not in err, err
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     rc, _, err = cli("run", "--report", str(tmp_path / "r.csv"), str(script))

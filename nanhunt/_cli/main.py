@@ -278,9 +278,13 @@ def _exit_code(code: Any) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     script = ns.script
-    if not os.path.isfile(script):
+    from .._files import not_a_file
+
+    why = not_a_file(script)  # (a device, a loop of links, an unreadable file: named as what it is)
+    if why is not None:
         _err(f"{script!r} is a folder, not a script (give the .py file the folder's training starts from)"
-             if os.path.isdir(script) else f"no such script: {script!r}")
+             if why == "is a folder" else f"no such script: {script!r}" if why == "does not exist"
+             else f"the script {script!r} {why}")
         return EXIT_USAGE
     report_path = None
     if ns.report:
