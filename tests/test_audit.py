@@ -259,6 +259,22 @@ def test_audit_takes_a_bytes_path_and_refuses_what_is_no_checkpoint(tmp_path: An
             nanhunt.audit(bad)
 
 
+def test_audit_of_an_open_file_or_a_generator_is_refused_not_called_clean(tmp_path: Any) -> None:
+    """audit(open(path, "rb")), audit(io.BytesIO(...)) (what torch.load takes) and audit of a
+    generator were walked as objects holding no tensor: [] ("clean") for a checkpoint full of NaN."""
+    import io
+
+    path = tmp_path / "nan.pt"
+    torch.save({"w": torch.tensor([1.0, float("nan")])}, path)
+    buf = io.BytesIO(path.read_bytes())
+    with open(path, "rb") as fh:
+        for bad in (fh, buf, (t for t in [torch.tensor(float("nan"))])):
+            with pytest.raises(TypeError, match=f"got {type(bad).__name__}, whose tensors it cannot see"):
+                nanhunt.audit(bad)
+    (f,) = nanhunt.audit(torch.load(buf, weights_only=True))  # the advice works
+    assert f.tensor == "['w']" and f.index == (1,)
+
+
 def test_a_tensor_held_under_many_keys_is_one_finding_and_deep_key_paths_are_cut(tmp_path: Any, capsys: Any) -> None:
     # a 400 KB file that refers to one NaN tensor 200,000 times printed 200,000 findings in 48 s;
     # tied weights (an embedding and the head that shares it) are one tensor too

@@ -7,9 +7,10 @@ pickle that names any callable outside torch's allow-list is refused before anyt
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._files import check_readable, glob_patterns
@@ -40,6 +41,11 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
     if path_or_object is None or isinstance(path_or_object, (bool, int, float, complex)):
         raise TypeError("audit() takes a checkpoint's path or the object loaded from it (a dict, a list, a "
                         f"tensor), got {type(path_or_object).__name__}: {path_or_object!r}")
+    if isinstance(path_or_object, (io.IOBase, Iterator)) or callable(getattr(path_or_object, "read", None)):
+        # (walked as an object, an open file or a generator holds no tensor: a poisoned checkpoint read "clean")
+        raise TypeError("audit() takes a checkpoint's path or the object loaded from it (a dict, a list, a "
+                        f"tensor), got {type(path_or_object).__name__}, whose tensors it cannot see: pass the file's "
+                        "path, or what torch.load(f, weights_only=True) returns (a list of a generator's items)")
     if isinstance(path_or_object, (str, bytes, os.PathLike)):
         name = os.fsdecode(path_or_object)
         obj = _load(name)
