@@ -1539,8 +1539,8 @@ class Hunt:
         if _is_compiling():  # traced into a compiled graph: nothing to record there (no graph break)
             self._traced = True  # see _catch_wrapper
             return
-        if self._paused or (REPLAYING and get_ident() in REPLAYING):
-            return
+        if self._paused or (REPLAYING and get_ident() in REPLAYING) or _tracing_state() is not None:
+            return  # (torch.jit.trace records every op run: the hunt's own would be recorded into the trace)
         try:
             if _get_ident() != self._owner and (self._stack or not self._take_step()):
                 self._foreign_pre(module, args, kwargs)  # another thread owns the step (see "Threads")
@@ -1628,7 +1628,7 @@ class Hunt:
         try:
             if output is _NO:
                 output, kwargs = kwargs, {}
-            if REPLAYING and get_ident() in REPLAYING:
+            if (REPLAYING and get_ident() in REPLAYING) or _tracing_state() is not None:
                 return
             if self._stack and self._stack[-1].module is module and _get_ident() == self._owner:
                 c = self._stack.pop()
