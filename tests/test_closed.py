@@ -39,6 +39,32 @@ def _planted(step: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_kept_error_keeps_neither_the_model_nor_its_batch_alive_after_close(mode: str) -> None:
+    """A NonFiniteError kept after the loop (a list of errors, a notebook's sys.last_value) holds
+    its traceback's frames: nanhunt's step end held the step's log and view there, and with them the
+    model and the batch, after close() and del."""
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    kept = []
+    hunt = nanhunt.watch(model, opt, mode=mode)
+    x = _planted(1)
+    batch = weakref.ref(x)
+    try:
+        model(x).pow(2).mean().backward()
+        opt.step()
+    except nanhunt.NonFiniteError as e:
+        kept.append(e)
+    hunt.close()
+    assert kept and kept[0].__traceback__ is not None and kept[0].finding.step == 0
+    ref = weakref.ref(model)
+    del model, x
+    gc.collect()
+    assert ref() is None, "a kept NonFiniteError kept the model alive"
+    assert batch() is None, "a kept NonFiniteError kept the input batch alive"
+
+
 @pytest.mark.parametrize("with_optimizer", [False, True])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_on_find_that_closes_the_hunt_leaves_nothing_behind(with_optimizer: bool, mode: str) -> None:

@@ -2123,6 +2123,7 @@ class Hunt:
                     return
             failed: Exception | None = None
             made: dict[int, int] = {}  # the analysis's `occurred` of this rank's findings, by id
+            view: StepView | None = None
             if bad:
                 self._hit_inputs = [weakref.ref(t) for top in log.tops
                                     for _, t in tensors((top.args, top.kwargs or {}))]
@@ -2162,6 +2163,9 @@ class Hunt:
                 and not any(isinstance(e, (Grads, OptimState)) for _, e in log.vectors))
         finally:
             log.release()
+        # (a NonFiniteError the user keeps holds this frame in its traceback: never the step or the model)
+        del log
+        view = None
         if found:
             with span("nanhunt::finding", cuda):
                 self._handle(found, raise_ok, evaluation, made=made)
