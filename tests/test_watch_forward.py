@@ -734,6 +734,38 @@ def test_watch_without_the_optimizer_judges_the_step_before_that_optimizer_write
     assert all(torch.isfinite(p).all() for p in model.parameters()), "raised before the update"
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_second_optimizer_not_given_to_watch_has_the_step_judged_before_it_writes(mode: str) -> None:
+    """Two optimizers (AdamW for the first layer, SGD for the rest), only SGD given to watch(),
+    AdamW stepping first: the step was judged at SGD's step, after AdamW had written NaN into the
+    first layer, so a NaN from the data was blamed on poisoned weights; in raise mode AdamW
+    applied the NaN gradients."""
+    for on_find in ("record", "raise"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        first = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+        rest = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        hunt = nanhunt.watch(model, rest, on_find=on_find, mode=mode)
+        try:
+            for step in range(4):
+                x = torch.randn(4, 8)
+                if step == 2:
+                    x[2, 3] = float("nan")
+                model(x).pow(2).mean().backward()
+                first.step()
+                rest.step()
+                first.zero_grad()
+                rest.zero_grad()
+        except nanhunt.NonFiniteError:
+            assert on_find == "raise"
+            assert all(torch.isfinite(p).all() for p in model.parameters()), "raised before either update"
+        finally:
+            hunt.close()
+        f = hunt.first
+        assert f is not None and (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "0", 2, (2, 0), "input"), f
+        assert hunt.step == (2 if on_find == "raise" else 4), "steps are still the watched optimizer's"
+
+
 def test_poisoned_weights_without_a_watched_optimizer_get_a_hint_that_can_be_followed() -> None:
     """The hint sent the user to 'a finding in phase optimizer', which no hunt without an
     optimizer makes."""

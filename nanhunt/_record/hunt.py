@@ -389,8 +389,9 @@ class Hunt:
         self._opts = []
         for opt in opts:
             self.add_optimizer(opt)
-        if not opts:  # an optimizer nobody gave to watch() may still step the model's weights
-            self._handles.append(_optim_mod.register_optimizer_step_pre_hook(self._unwatched_step))
+        # an optimizer nobody gave to watch() may still step the model's weights (with none given; or
+        # besides the one given: AdamW for the biases and norms next to the watched one for the matrices)
+        self._handles.append(_optim_mod.register_optimizer_step_pre_hook(self._unwatched_step))
         if scaler is not None:
             self._wrap_scaler(scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
@@ -1726,14 +1727,18 @@ class Hunt:
         return None
 
     def _unwatched_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """No optimizer is watched, yet one that holds the model's parameters is about to step
-        (``watch(model)`` in a training loop): the log is judged now, before the update writes the
-        weights, as a watched optimizer's would be (a replay after it would start from the written
-        weights: a NaN fed by the data blamed on the parameters), and in raise mode the update
-        never applies a non-finite gradient. The step is still counted by the model's calls."""
-        if self._opts or self._paused or self._closed or self._stack or not self._log.tops or (
+        """An optimizer not watched, that holds the model's parameters, is about to step
+        (``watch(model)`` in a training loop; or a second optimizer not given to watch()): the log
+        is judged now, before the update writes the weights, as a watched optimizer's would be (a
+        replay after it would start from the written weights: a NaN fed by the data blamed on the
+        parameters), and in raise mode the update never applies a non-finite gradient. The step is
+        still counted by the model's calls (the watched optimizers' steps)."""
+        if self._paused or self._closed or self._stack or not self._log.tops or (
                 REPLAYING and get_ident() in REPLAYING):
             return
+        if self._opts and (self._dist is not None or any(o is opt for o in self._opts)
+                           or any(o is opt for o in self._later)):
+            return  # (under torch.distributed a step is judged at a watched optimizer's, which every rank runs)
         try:
             root = self._root
             holds = self._holds.get(id(opt))
