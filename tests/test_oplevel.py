@@ -679,6 +679,30 @@ def test_a_norm_with_eps_0_over_a_constant_row_has_a_hint_of_its_own(norm: nn.Mo
     assert f.module == "1" and f.op.startswith("aten.native_") and "eps=0" in f.hint, f
 
 
+class _TemperedScores(nn.Module):
+    """Attention weights at a learned temperature: scores / t, then softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.tensor(0.0))  # driven to 0 (a clamp(min=0) after each step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = x.chunk(2, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2) / self.temperature, dim=-1)  # @temperature
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_temperature_at_0_is_told_as_the_division_not_as_a_masked_row(mode: str) -> None:
+    # row 0's scores are all negative, so / 0 makes that row all -inf and the softmax nan. There is
+    # no mask anywhere, but the hint read "a softmax over a fully masked row ... leave at least one
+    # position unmasked": the masked-row fact outranked the division by 0 that made the row
+    x = torch.tensor([[[1.0, 0.0, -1.0, 0.0], [-1.0, 0.0, -2.0, 0.0], [0.5, 0.0, -3.0, 0.0]]])
+    f = train_step(_TemperedScores(), x, mode=mode)
+    assert (f.module, f.op, f.cause) == ("", "aten.div.Tensor", "created") and math.isnan(f.value), f
+    assert same_source(f.source, line("temperature")), f.source
+    assert f.hint.startswith("A division by 0") and "temperature" in f.hint and "masked" not in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_model(mode: str) -> None:
     # nn.Sequential of torch's layers only: no frame of the user's code between the op and the

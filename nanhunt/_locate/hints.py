@@ -257,7 +257,7 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     f"nan); {remedy}.")
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
-    if fx.get("masked_row"):
+    if fx.get("masked_row") and not fx.get("div_zero"):  # (a row a division by 0 made all -inf is no mask's)
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
     if fx.get("mask_written") and f.value is not None and not math.isfinite(f.value):
@@ -285,7 +285,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
                     "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
                     "eps float16 can hold (1e-4), or compute the normalisation in float32.")
-        return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count that is 0); "
+        return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count "
+                "that is 0, or by a learned temperature or scale that reached 0); "
                 "guard the denominator, e.g. clamp(min=1) or + eps.")
     return ""
 
