@@ -226,6 +226,46 @@ def test_a_weight_decay_that_makes_the_weights_grow_is_told_by_the_backward_over
     assert "learning rate" in f.hint and "weight_decay" in f.hint and "log(0)" not in f.hint, f.hint
 
 
+class _HiddenMaskedRow(nn.Module):
+    """Attention with an additive -inf padding bias; the nan of a fully padded row is hidden after
+    the softmax (``hide``: torch.where or nan_to_num), so the forward is finite."""
+
+    def __init__(self, hide: str) -> None:
+        super().__init__()
+        self.qk = nn.Linear(4, 8)
+        self.hide = hide
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        bias = torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, :]
+        p = (q @ k.transpose(-1, -2) + bias).softmax(-1)
+        p = torch.where(p.isnan(), 0.0, p) if self.hide == "where" else torch.nan_to_num(p)
+        return p @ x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("hide", ["where", "nan_to_num"])
+def test_a_fully_masked_softmax_row_hidden_after_it_is_told_as_the_softmax_forward_nan(mode: str, hide: str) -> None:
+    # the forward looks finite, the softmax's backward multiplies by its saved nan. The hint read
+    # "the branch that is not taken still gets a zero gradient, and 0 * inf" (where) or the generic
+    # "NaN from finite inputs" (nan_to_num); and the forward hint of a masked row advised "zero those
+    # rows after the softmax", which is exactly this backward nan
+    torch.manual_seed(0)
+    m = _HiddenMaskedRow(hide)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, pad = torch.randn(2, 3, 4), torch.tensor([[False, False, True], [True, True, True]])
+    before = snapshot(m)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        out = m(x, pad)
+        assert torch.isfinite(out).all()
+        out.pow(2).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op) == ("backward", "", "SoftmaxBackward0"), f
+    assert "forward was already nan" in f.hint and "before the softmax" in f.hint, f.hint
+    assert same_state(snapshot(m), before)
+
+
 def test_custom_autograd_function_with_a_bad_backward() -> None:
     m = zoo.badgradnet()
     ref = copy.deepcopy(m)

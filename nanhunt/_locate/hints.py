@@ -259,7 +259,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"largest finite value {fx['limit']:g}; {remedy}.")
     if fx.get("masked_row") and not fx.get("div_zero"):  # (a row a division by 0 made all -inf is no mask's)
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
-                "= nan; leave at least one position unmasked, or zero those rows after the softmax.")
+                "= nan; leave at least one position unmasked, or make the row finite before the softmax "
+                "(torch.where(row_masked, 0., scores)): a nan zeroed after it is still nan in its backward.")
     if fx.get("mask_written") and f.value is not None and not math.isfinite(f.value):
         return (f"A -inf mask written by {op} reached arithmetic that made {f.value} of it (-inf * 0: p * log p at a "
                 "masked position, whose probability is 0; inf - inf; a sum or mean over masked positions, as "
@@ -311,6 +312,15 @@ def hint(f: Finding, fx: dict[str, Any] | None = None) -> str:
 
 
 def _hint(f: Finding, fx: dict[str, Any]) -> str:
+    if (f.phase == "backward" and f.op in ("SoftmaxBackward0", "LogSoftmaxBackward0") and f.value is not None
+            and math.isnan(f.value)):
+        # (a where trap or a saved non-finite value, told as what it is here: the gradient y * (g - sum(g * y))
+        # is finite for a finite g unless the saved y is nan)
+        return ("The softmax's forward was already nan here (a fully masked row, every position -inf, or a +inf "
+                "score) and code "
+                "after it replaced the nan (torch.where, nan_to_num, masked_fill), so the forward looked finite; "
+                f"{f.op} multiplies by that saved nan. Make the row finite before the softmax "
+                "(torch.where(row_masked, 0., scores)) or leave a position unmasked, instead of fixing its output.")
     if f.phase == "backward" and f.cause == "input" and fx.get("saved_bad"):
         return ("The forward already held a non-finite value here (an overflow, exp or pow past the dtype's "
                 "largest value, that a saturating op after it, tanh, sigmoid, an LSTM's gates, hid from "
