@@ -703,6 +703,20 @@ def test_a_temperature_at_0_is_told_as_the_division_not_as_a_masked_row(mode: st
     assert f.hint.startswith("A division by 0") and "temperature" in f.hint and "masked" not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("norm", [nn.LayerNorm(4), nn.GroupNorm(2, 4)])
+def test_a_norm_of_values_whose_variance_overflows_is_told_so_not_as_eps_0(norm: nn.Module) -> None:
+    # a transformer's residual stream blown up by a high learning rate (1e22: the squares pass
+    # float32's max) into a LayerNorm with its default eps. The hint led with "eps=0 over a constant
+    # row" for every norm nan; the numbers say which of the two it is
+    x = torch.tensor([[0.3, -0.2, 0.5, 0.1], [2e22, -1e22, 3e22, 0.0]])
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), norm)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+    f = train_step(model, x)
+    assert f.module == "1" and f.op.startswith("aten.native_") and f.index[0] == 1, f
+    assert f.hint.startswith("A normalisation of values as large as 3e+22") and "eps=0" not in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_model(mode: str) -> None:
     # nn.Sequential of torch's layers only: no frame of the user's code between the op and the

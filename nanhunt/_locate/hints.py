@@ -165,6 +165,15 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if call is None:
         return out
     func, args, kwargs = call
+    if (name in ("native_layer_norm", "native_group_norm") and len(args) >= (2 if name == "native_layer_norm" else 7)
+            and isinstance(args[0], torch.Tensor)):
+        x = args[0]  # values whose squares, summed over a row, pass the largest value it is computed in
+        n = (math.prod(args[1]) if name == "native_layer_norm" else x.numel() // max(args[3] * args[6], 1))
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        big = float(x.detach().abs().amax()) if x.numel() else 0.0
+        if math.isfinite(big) and big * big * max(n, 1) > float(torch.finfo(acc).max):
+            out["norm_big"] = big
+            return out
     if name.startswith("nll_loss") and len(args) >= 5 and isinstance(args[1], torch.Tensor):
         if bool((args[1] == args[4]).all()):
             out["all_ignored"] = True
@@ -257,6 +266,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     f"nan); {remedy}.")
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
+    if "norm_big" in fx:
+        return (f"A normalisation of values as large as {fx['norm_big']:.3g}: their variance passes the largest "
+                f"value it is computed in, so {op} normalises inf/inf = nan (its eps is not the cause). The values "
+                "themselves are too large: look for exploding weights or activations (a lower learning rate, "
+                "gradient clipping).")
     if fx.get("masked_row") and not fx.get("div_zero"):  # (a row a division by 0 made all -inf is no mask's)
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or make the row finite before the softmax "
