@@ -410,6 +410,24 @@ def test_fp16_attention_overflow_behind_a_finfo_min_mask_blames_the_matmul() -> 
     assert "aten.bmm.default" in (f.hint or "") and "65504" in (f.hint or "")
     assert "-inf" not in (f.hint or "")
 
+def test_a_finfo_min_mask_added_to_negative_scores_in_float16_is_told_as_the_mask_overflowing() -> None:
+    # an HF-style extended mask, (1 - mask) * torch.finfo(float16).min, added to scores that are
+    # negative: the sum passes float16's lowest value and is -inf, and the fully masked row (a query
+    # of padding) softmaxes to nan. The hint said only "keep this module in float32 or scale before
+    # it"; the numbers show the addend that overflowed is the mask
+    model = HalfMaskedAttention()
+    x = torch.full((1, 4, 8), -10.0, dtype=torch.float16)  # every score -28.3
+    mask = torch.zeros(1, 4, 4, dtype=torch.float16)
+    mask[0, 0, 3] = mask[0, 1] = torch.finfo(torch.float16).min  # query 1: every key masked
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt):
+        model(x, mask).float().sum().backward()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.index, f.verdict) == ("forward", "", (0, 1, 0), "precision") and math.isnan(f.value), f
+    assert f.op == "aten.add.Tensor" and same_source(f.source, line("half-scores")), f
+    assert "torch.finfo(float16).min" in f.hint and "masked_fill" in f.hint, f.hint
+
+
 class DropExp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -212,6 +212,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         limit = float(torch.finfo(dtype).max)
         if math.isfinite(v) and abs(v) > limit:
             out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
+            if name in ("add", "add_") and v < 0 and any(  # a torch.finfo(dtype).min mask added to a negative score
+                    isinstance(t, torch.Tensor) and t.dtype == dtype and bool((t == -limit).any()) for t in args[:2]):
+                out["min_mask"] = True
     return out
 
 
@@ -260,6 +263,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
         wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
+        if fx.get("min_mask"):
+            return (f"Overflow: {op} added a mask of {fx['dtype']}'s lowest value ({-fx['limit']:g}, "
+                    f"torch.finfo({fx['dtype']}).min) to a negative score: {fx['reached']:.6g} is -inf in "
+                    f"{fx['dtype']}, and a row masked at every position is then all -inf, its softmax nan. Apply "
+                    "the mask with masked_fill(mask, torch.finfo(dtype).min) instead of adding it, or clamp the "
+                    "sum at torch.finfo(dtype).min.")
         if fx.get("cast"):
             return (f"Overflow in a cast: {fx['reached']:.6g} is past {fx['dtype']}'s largest finite value "
                     f"{fx['limit']:g}, so {op} made it inf (and the arithmetic after it, inf - inf or inf * 0, "
