@@ -644,6 +644,28 @@ def test_a_cast_overflow_references_the_value_its_hint_names() -> None:
     assert f"{f.reference['value']:.6g}" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_op_overflow_of_another_shape_references_the_value_its_hint_names(mode: str) -> None:
+    # a Linear on (batch, seq, features) runs addmm on a 2-d view: its shape is not the finding's, so
+    # the reference took the largest element (another token's, 2.9e5) while the hint named the one on
+    # the finding's path (9.6e4): two values for one op in one report
+    model = nn.Sequential(nn.Linear(4, 2)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    x = torch.zeros(2, 3, 4, dtype=torch.float16)
+    x[0, 1] = 24000.0  # 96000: past 65504, the first non-finite element
+    x[1, 2] = 60000.0  # 240000: past it further
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        model(x).float().sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.verdict, f.index) == ("0", "aten.addmm.default", "precision", (0, 1, 0)), f
+    assert f.reference["value"] == 96000.0 and f.reference["failing"] == math.inf, f.reference
+    assert "reached 96000 " in f.hint, f.hint
+
+
 class _InnerAutocast(nn.Module):
     """Enters autocast in its own forward and hands its float16 result on as float32."""
 

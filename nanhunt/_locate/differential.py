@@ -544,6 +544,9 @@ def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str
         if not amax[i] > limit:
             continue
         index = f.index if tuple(t.shape) == tuple(f.shape) else None
+        if index is None and aligned and tuple(fail[i][1].shape) == tuple(t.shape):
+            bad = (~torch.isfinite(fail[i][1])).nonzero()  # (the op's own first non-finite element: the hint's)
+            index = tuple(int(v) for v in bad[0]) if len(bad) else None
         value, at = _value_at(t, index, limit)
         got: dict[str, Any] = {"dtype": "float32", "op": op, "value": value, "limit": limit,
                                "failing_dtype": str(dt).removeprefix("torch.")}
