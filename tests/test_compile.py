@@ -660,3 +660,42 @@ def test_a_watched_compiled_model_compiles_as_many_graphs_as_unwatched_when_the_
         return int(counters["stats"]["unique_graphs"])
 
     assert graphs(True) == graphs(False)
+
+
+@pytest.mark.parametrize("watched", ["watched", "unwatched by watch()"])
+def test_a_compiled_optimizer_step_compiles_as_many_graphs_as_unwatched_and_still_stops_a_nan(watched: str) -> None:
+    # torch.compile(opt.step): dynamo traced the hunt's step hooks: their reads of the hunt's state
+    # were guards that changed every step (51 graphs where the unwatched step compiled 1, the
+    # recompile limit hit on nanhunt's own functions). They run eagerly at a clean graph break now
+    from torch._dynamo.utils import counters
+
+    def run(watch: bool) -> tuple[int, list[torch.Tensor], Any]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        step = torch.compile(opt.step, backend="aot_eager")
+        hunt = nanhunt.watch(model, optimizer=opt if watched == "watched" else None) if watch else None
+        err = None
+        try:
+            for i in range(5):
+                x = torch.randn(4, 8)
+                model(x).pow(2).mean().div(0.0 if i == 4 else 1.0).mul(0.0).backward()  # 0 * inf: nan
+                if i == 4:  # (unwatched, the update would apply it)
+                    if watch:
+                        with pytest.raises(nanhunt.NonFiniteError) as err:
+                            step()
+                    break
+                step()
+                opt.zero_grad()
+        finally:
+            if hunt is not None:
+                hunt.close()
+        return int(counters["stats"]["unique_graphs"]), [p.detach().clone() for p in model.parameters()], err
+
+    plain, before, _ = run(False)
+    graphs, after, err = run(True)
+    torch._dynamo.reset()
+    assert graphs == plain
+    assert err is not None and err.value.finding.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the 4 clean updates as unwatched; not the 5th

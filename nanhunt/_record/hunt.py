@@ -1684,6 +1684,12 @@ class Hunt:
 
     # ------------------------------------------------------------------ steps
     def _pre_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if _is_compiling():
+            # a step() dynamo traces (torch.compile(opt.step), a compiled train step): traced, the
+            # hook's reads of the hunt's state were guards that changed every step (a recompile each
+            # step up to the limit, then eager) and its probes graph breaks; disabled, it runs
+            # eagerly at one graph break dynamo makes cleanly (so do the post- and unwatched hooks)
+            return torch._dynamo.disable(self._pre_step)(i, opt, args, kwargs)
         if self._paused:
             return None
         if self._in_on_find == _get_ident():
@@ -1733,6 +1739,8 @@ class Hunt:
         replay after it would start from the written weights: a NaN fed by the data blamed on the
         parameters), and in raise mode the update never applies a non-finite gradient. The step is
         still counted by the model's calls (the watched optimizers' steps)."""
+        if _is_compiling():
+            return torch._dynamo.disable(self._unwatched_step)(opt, args, kwargs)  # type: ignore[no-any-return]
         if self._opts:  # (every step of a watched one comes here first: no generator, ~0.2 us)
             if self._dist is not None:
                 return  # (under torch.distributed a step is judged at a watched optimizer's, which every rank runs)
@@ -1888,6 +1896,8 @@ class Hunt:
         return gp
 
     def _post_step(self, i: int, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if _is_compiling():
+            return torch._dynamo.disable(self._post_step)(i, opt, args, kwargs)  # type: ignore[no-any-return]
         self._closure_calls.pop(i, None)  # its step() is over: its state is what it left
         backup = self._step_backups.pop(i, None)
         if backup is not None and self.skipped and self.skipped[-1] == self.step and not self._closed:
