@@ -699,3 +699,36 @@ def test_a_compiled_optimizer_step_compiles_as_many_graphs_as_unwatched_and_stil
     assert graphs == plain
     assert err is not None and err.value.finding.step == 4
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # the 4 clean updates as unwatched; not the 5th
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_compiled_training_step_that_calls_the_model_and_the_loss_gets_no_accumulation_guess(mode):
+    # one compiled function runs the model and a masked mean (0/0 when every row is masked): no
+    # call of the model and no loss code is seen, the first finding is a gradient's. It said
+    # cause "created" and blamed accumulation over several backward passes (full mode), which
+    # sent the user away from the forward; it now says it was not seen, and why
+    def masked_ce(logits: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        return (ce * valid).sum() / valid.sum()
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+
+    @torch.compile(backend="aot_eager")
+    def train_fwd(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return masked_ce(net(x), y, valid)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(net, optimizer=opt, on_find="record", mode=mode) as hunt:
+            for step in range(4):
+                valid = torch.zeros(4) if step == 2 else torch.ones(4)
+                train_fwd(torch.randn(4, 8), torch.randint(0, 5, (4,)), valid).backward()
+                opt.step()
+                opt.zero_grad()
+    torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None and (f.phase, f.step) == ("grad", 2), f
+    assert f.cause == "unknown" and "accumulated" not in f.hint and "GAN" not in f.hint, f
+    assert "compile" in f.hint, f.hint

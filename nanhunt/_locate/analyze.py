@@ -1149,6 +1149,8 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 cause, hint = "unknown", _hints.transformed_forward_hint()
             elif ctx.view.mode == "sentinel":
                 cause, hint = "unknown", _hints.unseen_forward_hint()
+            else:  # no call of the model, no loss code: they ran where no hook runs (a compiled train step)
+                cause, hint = "unknown", _hints.unseen_step_hint()
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []
         backwards = len(ctx.log.seeds)  # (the backward() calls the loop made in the step, where recorded)
         f = Finding(

@@ -481,6 +481,18 @@ def unseen_forward_hint() -> str:
             "(nanhunt.watch(g, opt_g), nanhunt.watch(d, opt_d)) or use mode='full'.")
 
 
+def unseen_step_hint() -> str:
+    """Full mode judged non-finite gradients of a step in which neither a call of the model nor any
+    loss code was seen: both ran where no hook runs (a compiled function that calls the model and
+    computes the loss)."""
+    return ("No call of the model and no loss code was seen in this step, so where this gradient's NaN/Inf "
+            "came from was not seen. Either the forward and the loss ran where nanhunt's hooks do not, inside a "
+            "torch.compile'd function that calls the model (a compiled training step): compile the model itself "
+            "(torch.compile(model) or model.compile()), compute the loss outside that function, or run the "
+            "failing step without torch.compile to have it located; or the gradient was written without a "
+            "forward (set by hand, loaded).")
+
+
 def transformed_forward_hint() -> str:
     """Non-finite gradients of a step whose model calls all ran inside torch.func transforms
     (``vmap(model)``, ``grad``), which the hunt does not record."""
