@@ -65,6 +65,44 @@ def test_a_kept_error_keeps_neither_the_model_nor_its_batch_alive_after_close(mo
     assert batch() is None, "a kept NonFiniteError kept the input batch alive"
 
 
+@pytest.mark.parametrize("closes", [False, True])
+@pytest.mark.parametrize("raised", ["own", "NonFiniteError"])
+def test_an_on_find_error_is_not_kept_by_the_closed_hunt(closes: bool, raised: str) -> None:
+    """A callable on_find that raises (the Hugging Face callback closes the hunt, then raises
+    NonFiniteError): the closed hunt kept that error, whose traceback held the training function's
+    frame, and with it the model, for as long as the user kept the hunt for its report."""
+
+    class Stop(Exception):
+        pass
+
+    box: dict[str, Any] = {}
+
+    def on_find(f: nanhunt.Finding) -> None:
+        if closes:
+            box["hunt"].close(raise_pending=False)
+        raise Stop if raised == "own" else nanhunt.NonFiniteError(f, box["hunt"].report)
+
+    def train() -> tuple[nanhunt.Hunt, Any]:
+        model = zoo.expnet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        hunt = box["hunt"] = nanhunt.watch(model, opt, on_find=on_find)
+        try:
+            with hunt:
+                for step in range(3):
+                    model(_planted(step)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        except (Stop, nanhunt.NonFiniteError):
+            pass
+        return hunt, weakref.ref(model)
+
+    hunt, ref = train()
+    box.clear()
+    gc.collect()
+    assert hunt.closed and hunt.first is not None and hunt.first.step == 1
+    assert ref() is None, "the closed hunt kept on_find's error, and through its traceback the model"
+
+
 @pytest.mark.parametrize("with_optimizer", [False, True])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_on_find_that_closes_the_hunt_leaves_nothing_behind(with_optimizer: bool, mode: str) -> None:

@@ -353,6 +353,61 @@ def test_hf_clean_run_steps_the_real_optimizer(tmp_path: Any) -> None:
     assert not _ours()
 
 
+@_mark
+def test_hf_accumulated_micro_batch_without_labels_is_named_and_the_trainer_freed(tmp_path: Any) -> None:
+    """gradient_accumulation_steps=4, a loss that averages over the labelled tokens, and one
+    micro-batch whose labels are all -100: 0/0 in compute_loss, at optimizer step 2, micro-batch 2.
+    After the error, the callback kept for its report kept the Trainer and the model alive (the
+    closed hunt held the raised error, whose traceback held train()'s frames)."""
+    import gc
+    import weakref
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 32, (48, 6), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[(2 * 4 + 2) * 2:(2 * 4 + 2) * 2 + 2] = -100  # batch size 2: step 2, micro-batch 2
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": ids[i], "labels": labels[i]}
+
+    class Masked(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> torch.Tensor:
+            y = inputs.pop("labels").flatten()
+            ce = nn.functional.cross_entropy(model(**inputs).logits.flatten(0, 1), y, reduction="none")
+            mask = (y != -100).float()
+            return (ce * mask).sum() / mask.sum()  # 0/0 for a micro-batch with no label
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             gradient_accumulation_steps=4, learning_rate=1e-3)
+    cb = NanHuntCallback()
+    trainer = Masked(model=model, args=args, train_dataset=Rows(), callbacks=[cb])
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Rows())  # type: ignore[method-assign]
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.call, f.op) == ("forward", "<outside>", 2, 2, "aten.div.Tensor"), f
+    assert f.step == trainer.state.global_step and f.source is not None and "test_integrations.py" in f.source
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ref = weakref.ref(model)
+    del trainer, model, ei
+    gc.collect()
+    assert cb.hunt.closed and not _ours() and cb.report.first == f
+    assert ref() is None, "the callback's closed hunt kept the model alive"
+
+
 def test_hf_options_are_checked_up_front() -> None:
     pytest.importorskip("transformers")
     from nanhunt.integrations.transformers import NanHuntCallback

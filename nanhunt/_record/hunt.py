@@ -1495,6 +1495,8 @@ class Hunt:
         own ``on_find``) goes on to the user; anything else is an internal fault: logged once,
         the hunt switches itself off, and only raise mode raises (`InternalError`)."""
         if isinstance(exc, (NonFiniteError, _dist.SilentRankError)) or exc is self._user_exc:
+            if self._closed:  # (on_find closed us: its error's traceback holds the user's frames, the model)
+                self._user_exc = None
             raise exc
         if self._closed:
             return
@@ -2235,7 +2237,8 @@ class Hunt:
                     try:
                         self.on_find(f)
                     except Exception as exc:  # the user's own code: theirs to see, not an internal fault
-                        self._user_exc = exc
+                        if not isinstance(exc, NonFiniteError):  # (known by its type: not kept, see _fault)
+                            self._user_exc = exc
                         raise
             finally:
                 self._in_on_find = outer
@@ -2484,6 +2487,7 @@ class Hunt:
         self._held.clear()
         self._pending.clear()
         self._step_backups.clear()
+        self._user_exc = None  # (its traceback holds the user's frames)
         self._log.release()
         self._stack.clear()
         if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
