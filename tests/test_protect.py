@@ -339,6 +339,29 @@ def test_a_running_statistic_that_overflows_with_finite_outputs_is_found_in_its_
     assert [g.tensor for g in hunt.findings] == ["running_var"]  # non-finite from then on: found once
 
 
+def test_a_running_statistic_overflowed_by_weights_an_exploding_learning_rate_made_says_so() -> None:
+    """A CNN trained with a learning rate far too large: the update of step 0 makes the conv's
+    weights ~1e35, and step 1's BatchNorm variance overflows on the conv's (finite) output. The
+    hint sent the user after "a batch with huge values" and the bad sample; the data is fine."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e36)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for _ in range(3):
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("forward", "1", "running_var", 1, "created"), f
+    assert "'0.weight' reaches" in f.hint and "learning rate" in f.hint and "bad sample" not in f.hint, f.hint
+    # a huge sample with sane weights: the data hint, as before
+    model2, hunt2, _ = _bn_steps({"on_find": "record"}, huge_at=1)
+    assert hunt2.first is not None and "find the bad sample" in hunt2.first.hint
+
+
 def test_raise_mode_puts_an_overflowed_running_statistic_back() -> None:
     model, hunt, done = _bn_steps({"on_find": "raise"}, huge_at=1)
     assert done == [0] and hunt.first is not None and hunt.first.tensor == "running_var"

@@ -1072,6 +1072,7 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
         if not b or not is_bad(t):
             continue
         mname, _, bname = name.rpartition(".")
+        largest = _largest_weight_up_to(root, mname)
         try:
             module = root.get_submodule(mname) if root is not None else None
         except AttributeError:
@@ -1081,9 +1082,24 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
         return Finding(
             phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step, call=0,
             index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="created",
-            hint=_hints.buffer_hint(bname, mtype),
+            hint=_hints.buffer_hint(bname, mtype, largest),
         )
     return None
+
+
+def _largest_weight_up_to(root: nn.Module | None, mname: str) -> tuple[str, float] | None:
+    """The largest weight of the modules registered up to ``mname`` (those that feed it, in a
+    Sequential): grown huge by the updates, not a huge sample, they may have made its input."""
+    best: tuple[str, float] | None = None
+    for name, m in root.named_modules() if root is not None else ():
+        for pname, p in m.named_parameters(prefix=name, recurse=False):
+            if p.is_floating_point() and p.numel() and not is_bad(p):
+                v = float(p.detach().abs().max())
+                if best is None or v > best[1]:
+                    best = (pname, v)
+        if name == mname:
+            break
+    return best
 
 
 # ---------------------------------------------------------------- grad / optimizer

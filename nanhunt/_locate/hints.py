@@ -406,8 +406,18 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     return ""
 
 
-def buffer_hint(buffer: str, module_type: str) -> str:
-    """A buffer written non-finite by a forward whose outputs stayed finite."""
+_HUGE_WEIGHT = 1e4  # no weight of a sane model is this large: the values were made huge by the model
+
+
+def buffer_hint(buffer: str, module_type: str, largest: tuple[str, float] | None = None) -> str:
+    """A buffer written non-finite by a forward whose outputs stayed finite. ``largest``: the
+    model's largest weight and its magnitude."""
+    if (buffer.startswith("running_") or "Norm" in module_type) and largest is not None and largest[1] > _HUGE_WEIGHT:
+        return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: its "
+                "input held huge (but finite) values, whose variance is past the dtype's largest value, and the "
+                f"model's weights are huge ({largest[0]!r} reaches {largest[1]:.3g}): the layers before it made "
+                "them, not a sample. Weights that grew step after step point to a learning rate (or lr * "
+                "weight_decay) too large; lower it, or clip the gradients.")
     if buffer.startswith("running_") or "Norm" in module_type:
         return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: a batch "
                 "with huge (but finite) values, whose variance is past the dtype's largest value. Training goes "
