@@ -563,6 +563,24 @@ def test_adam_with_eps_0_names_eps_where_a_gradient_is_0() -> None:
     assert "eps is 0" in f.hint and "positive eps" in f.hint, f
 
 
+@pytest.mark.parametrize("cls, division, default", [
+    (torch.optim.RMSprop, "grad / sqrt(square_avg)", "1e-8"), (torch.optim.Adagrad, "grad / sqrt(sum)", "1e-10"),
+    (torch.optim.Adamax, "exp_avg / exp_inf", "1e-8"), (torch.optim.Adadelta, "sqrt(acc_delta) / sqrt(square_avg)", "1e-6")])
+def test_eps_0_names_the_optimizers_own_state_and_default(cls: type, division: str, default: str) -> None:
+    """eps=0 in RMSprop, Adagrad, Adamax or Adadelta: the hint named Adam's state (exp_avg /
+    sqrt(exp_avg_sq)) and Adam's default eps (1e-8), which these optimizers do not have."""
+    m = _bow()
+    opt = cls(m.parameters(), lr=1e-3, eps=0.0)
+    x = torch.randint(0, 30, (8, 5), generator=torch.Generator().manual_seed(0))  # tokens 30..49 never appear
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(m, opt):
+            F.cross_entropy(m(x), torch.zeros(8, dtype=torch.long)).backward()
+            opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step) == ("optimizer", "0", "weight", 0), f
+    assert f"divides 0 by 0 ({division})" in f.hint and f"the default {default})" in f.hint, f.hint
+
+
 def test_adam_state_overflow_from_a_huge_gradient_names_the_gradient_not_the_learning_rate() -> None:
     """A loss term weighted 1e21 (a term in the wrong units): finite, but its gradient's square
     passes float32's largest value, so exp_avg_sq becomes inf while the weights stay finite (the

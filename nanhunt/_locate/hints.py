@@ -554,14 +554,17 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
                 f"{g['grad_max']:.3g}, whose square passes {g['dtype']}'s largest value, so a running "
                 "mean of squared gradients (exp_avg_sq) overflows to inf. Clip the gradients "
                 "(torch.nn.utils.clip_grad_norm_) or find why they are this large (the loss's scale).")
+    # (eps = 0: the division by the optimizer's own state, and its class's default eps)
+    division = f" ({g['division']})" if g.get("division") else ""
+    fix = (f"Use a positive eps (the default {g['eps_default']:g}).".replace("e-0", "e-") if g.get("eps_default")
+           else "Use a positive eps.")
     if g.get("eps") == 0 and (g.get("zero_grad") or g.get("zero_some")):
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, and where the "
-                f"gradient of {param!r} is 0 its update divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). "
-                "Use a positive eps (the default 1e-8).")
+                f"gradient of {param!r} is 0 its update divides 0 by 0{division}. {fix}")
     if g.get("eps") == 0 and "custom" not in g:  # (its gradient is gone by now, or non-finite: read a step later)
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps is 0, so wherever the "
                 f"gradient of {param!r} was 0 (an embedding's padding_idx row, a row no batch looked up, a frozen unit) its update "
-                "divides 0 by 0 (exp_avg / sqrt(exp_avg_sq)). Use a positive eps (the default 1e-8).")
+                f"divides 0 by 0{division}. {fix}")
     if g.get("zero_grad") and g.get("custom"):
         return (f"After the optimizer step, {what} is non-finite although the step was given finite "
                 f"gradients: the gradient of {param!r} is 0 everywhere, so an update that divides by "

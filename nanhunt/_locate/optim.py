@@ -204,9 +204,30 @@ def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
     return ""
 
 
+# the division that eps guards in each torch.optim update, named by the optimizer's own state
+_DIVISIONS: tuple[tuple[type, str], ...] = (
+    (torch.optim.Adam, "exp_avg / sqrt(exp_avg_sq)"), (torch.optim.AdamW, "exp_avg / sqrt(exp_avg_sq)"),
+    (torch.optim.NAdam, "exp_avg / sqrt(exp_avg_sq)"), (torch.optim.RAdam, "exp_avg / sqrt(exp_avg_sq)"),
+    (torch.optim.Adamax, "exp_avg / exp_inf"), (torch.optim.RMSprop, "grad / sqrt(square_avg)"),
+    (torch.optim.Adagrad, "grad / sqrt(sum)"), (torch.optim.Adadelta, "sqrt(acc_delta) / sqrt(square_avg)"),
+)
+
+
+def _eps_division(opt: torch.optim.Optimizer) -> tuple[str, float | None]:
+    """The division by ``opt``'s state that its eps guards ("" for a class not known) and its
+    class's default eps (None when it has none)."""
+    division = next((d for c, d in _DIVISIONS if isinstance(opt, c)), "")
+    try:
+        default = inspect.signature(type(opt).__init__).parameters["eps"].default
+    except (KeyError, TypeError, ValueError):
+        default = None
+    return division, default if isinstance(default, float) and default > 0 else None
+
+
 def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     """What the numbers say of ``p``'s update, for the hint (after a hit: host reads allowed):
-    ``eps`` (the group's, when it is exactly 0), ``zero_grad`` (the gradient is 0 everywhere) or
+    ``eps`` (the group's, when it is exactly 0, with ``division``, the division by the state it
+    guards, and ``eps_default``, the class's default, from `_eps_division`), ``zero_grad`` (the gradient is 0 everywhere) or
     ``zero_some`` (somewhere), ``grad_max`` (its largest magnitude, when its square passes the
     dtype's largest value). Only ``eps`` when the gradient is gone (``zero_grad()`` ran) or non-finite
     (read a step later, in sentinel mode, after the poisoned weights made the next gradient NaN)."""
@@ -216,6 +237,7 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
         eps = group.get("eps")
         if isinstance(eps, (int, float)) and eps == 0:
             out["eps"] = 0.0
+            out["division"], out["eps_default"] = _eps_division(opt)
         g = p.grad
         if g is None or g.is_sparse or not g.is_floating_point() or not g.numel():
             return out
