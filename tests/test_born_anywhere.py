@@ -921,6 +921,17 @@ def test_a_gradient_penalty_whose_norm_is_zero_is_found_at_its_sqrt(mode: str) -
     assert same_source(f.source, line("gp-sqrt")) and "sqrt at 0" in f.hint, f
 
 
+@pytest.mark.parametrize("xlogy", [torch.xlogy, torch.special.xlogy])
+def test_an_entropy_by_xlogy_at_a_zero_probability_has_a_hint_of_its_own(xlogy: Any) -> None:
+    """An entropy bonus xlogy(p, p) over a saturated softmax (exact zeros): its gradient in the
+    second argument is p / p = 0/0. The hint was the generic NaN text, no word of xlogy's remedy."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    f = run_steps(m, lambda o, y, i: xlogy(F.softmax(o * 1e3, -1), F.softmax(o * 1e3, -1)).sum(-1).mean())
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "XlogyBackward0", "created"), f
+    assert "xlogy(p, p)" in f.hint and "log_softmax" in f.hint, f.hint
+
+
 class _Counting(torch.overrides.TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()

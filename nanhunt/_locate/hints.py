@@ -72,6 +72,10 @@ _BACKWARD = {
     "AsinBackward0": "the gradient of asin at ±1 is infinite (1/sqrt(1 - x^2)): a clamp to [-1, 1] lets ±1 "
                      "through; clamp to [-1 + eps, 1 - eps] (eps = 1e-7 in float32)",
     "AcoshBackward0": "the gradient of acosh at 1 is infinite (1/sqrt(x^2 - 1)): clamp its argument to >= 1 + eps",
+    "XlogyBackward0": "the gradient of xlogy(x, y) in y is x / y: 0/0 = nan where both are 0 (an entropy "
+                      "xlogy(p, p) at a probability of exactly 0, a saturated softmax), inf where y alone is. "
+                      "Compute it from the logits, (p * F.log_softmax(logits, -1)).sum(-1), or take "
+                      "xlogy(p, p.clamp_min(1e-30))",
 }
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
