@@ -351,6 +351,42 @@ def test_where_trap_on_a_bare_parameter() -> None:
     assert "torch.where" in f.hint and "double" in f.hint
 
 
+class PaddedDistances(nn.Module):
+    """Distances of each token's embedding to the first token's, the padding masked out after the
+    sqrt; the first token's own distance is 0 and is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        e = self.emb(x)
+        d = ((e[:, :1] - e) ** 2).sum(-1)
+        return self.head(torch.sqrt(d).masked_fill(pad, 0))  # @kept-sqrt
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_masked_fill_on_a_sqrt_at_0_it_kept_is_no_where_trap(mode: str) -> None:
+    """torch.sqrt(d).masked_fill(pad, 0) with d = 0 where pad is False: the sqrt's gradient at 0
+    is inf there, no masked-out element's 0 * inf. A where or masked_fill right on the unsafe op
+    was called the where trap whichever element it masked: the hint sent the user to the
+    double-where fix, which does not help."""
+    torch.manual_seed(0)
+    m = PaddedDistances()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randint(1, 20, (4, 6))
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[:, 4:] = True
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, optimizer=opt, mode=mode):
+        m(x, pad).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op, f.index) == ("backward", "SqrtBackward0", (0, 0)), f
+    assert same_source(f.source, line("kept-sqrt")), f
+    assert "sqrt at 0" in f.hint and "double-where" not in f.hint, f.hint
+
+
 # ---------------------------------------------------------------- cause: state at the start of the call
 def test_batchnorm_fed_a_bad_sample_is_not_blamed_on_its_buffers() -> None:
     torch.manual_seed(0)

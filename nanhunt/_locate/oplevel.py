@@ -63,23 +63,28 @@ _TRAP_DEPTH = 4  # (nodes between the where and the unsafe op: ``torch.where(c, 
 
 def where_trap(fn: Any, ran: list[Any], zeroed: tuple[int, int] | None, dropped: dict[Any, torch.Tensor]) -> bool:
     """Is the non-finite gradient autograd node ``fn`` made the torch.where trap? A where or
-    masked_fill (a node of ``ran``, those that executed) consumed its output, or one a few nodes
-    above it dropped the element ``fn`` made the value at: ``zeroed`` (`zero_fed`) is where ``fn``
+    masked_fill (a node of ``ran``, those that executed), directly on its output or a few nodes
+    above it, dropped the element ``fn`` made the value at: ``zeroed`` (`zero_fed`) is where ``fn``
     was given a 0 gradient and made a non-finite one (0 * inf), ``dropped`` each where's `dropped`
-    mask; a 0 that came from elsewhere (a saturated softmax's) is no trap. As in
-    ``torch.where(p > 0, p * torch.log(p), 0)`` or ``(2 * x.log()).masked_fill(...)``."""
+    mask; a 0 that came from elsewhere (a saturated softmax's) is no trap, nor an element the where
+    kept (``torch.sqrt(d).masked_fill(pad, 0)`` at a d of 0 that is not padding: the sqrt's own
+    infinite gradient). As in ``torch.where(p > 0, p * torch.log(p), 0)`` or ``(2 * x.log()).masked_fill(...)``."""
+    if zeroed is None:
+        return False
     level, seen = [fn], {fn}
     for depth in range(_TRAP_DEPTH):
         level = [f for f in ran if f not in seen and any(n is x for n, _ in f.next_functions for x in level)]
         for f in level:
             if not f.name().startswith(_SELECT):
                 continue
-            if depth == 0:
-                return True
             m = dropped.get(f)
-            if zeroed is not None and m is not None and m.numel() == zeroed[1] and bool(m.reshape(-1)[zeroed[0]]):
+            if m is None or m.numel() != zeroed[1]:
+                if depth == 0:
+                    return True  # (a broadcast where on fn's output: no mask element for element; the 0 is its)
+                continue
+            if bool(m.reshape(-1)[zeroed[0]]):
                 return True
-        if not level or zeroed is None:
+        if not level:
             return False
         seen.update(level)
     return False
