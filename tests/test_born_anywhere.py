@@ -237,6 +237,30 @@ def test_backward_only_nan_in_loss_code() -> None:
     assert f.index == (0,) and f.value == math.inf
 
 
+class _DistHead(nn.Module):
+    """The model with dist_loss's sqrt in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dist_loss(self.body(x), None, 0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_backward_nan_in_loss_code_gets_the_verdict_the_model_would(mode: str) -> None:
+    """API.md: verdict "numerics" when the float32 eager reference reproduces it. The same sqrt at
+    0 in float32 got it inside the model and verdict=None in the loss code outside it, whose
+    eager float32 replay is that reference too (its forward findings get "numerics")."""
+    inside = run_steps(_DistHead(), lambda o, y, i: o, mode=mode)
+    outside = run_steps(model(), dist_loss, mode=mode)
+    assert (inside.module, inside.op, inside.verdict) == ("", "SqrtBackward0", "numerics"), inside
+    assert (outside.module, outside.op, outside.verdict) == ("<outside>", "SqrtBackward0", "numerics"), outside
+    assert outside.reference == {"dtype": "float32", "op": "SqrtBackward0", "tensor": outside.tensor,
+                                 "value": outside.value}, outside.reference
+
+
 class _ClampedLog(torch.autograd.Function):
     """log(max(x, 1e-6)), whose hand-written backward forgot the clamp: g / x at x = 0."""
 

@@ -644,13 +644,18 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
     if b is None:
         return None
     index, value, counts = element(b.grad)
+    tensor = f"{b.node}.grad_input[{b.slot}]" if b.node else f"grad_input[{b.slot}]"
+    dtype = dtype_name(b.grad)
+    # float32/float64 code outside autocast: its eager replay is the float32 reference, so the
+    # verdict is the math itself (as a module's node-level finding, or this code's forward one, gets)
+    numerics = dtype in ("float32", "float64") and not log.outside[b.rec].autocast
     f = Finding(
         # the gradient its node made (as a module's node-level finding names it), not what reached the model
-        phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE,
-        tensor=f"{b.node}.grad_input[{b.slot}]" if b.node else f"grad_input[{b.slot}]",
+        phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=shape_of(b.grad),
-        dtype=dtype_name(b.grad), cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
-        reproducible=True,
+        dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        reproducible=True, verdict="numerics" if numerics else None,
+        reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
     )
     return dataclasses.replace(f, hint=_hints.hint(f, b.facts))
 
