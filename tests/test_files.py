@@ -366,6 +366,17 @@ def test_report_load_raises_the_loaders_own_error_for_any_bad_file(tmp_path) -> 
         assert str(f) in str(e.value)
 
 
+@pytest.mark.parametrize("given", [123, None, ["r.json"]])
+def test_report_load_and_save_of_no_path_say_what_they_were_given_and_take(given: Any) -> None:
+    # Report.load(123) raised os.fspath's bare "expected str, bytes or os.PathLike object, not int"
+    with pytest.raises(TypeError, match=rf"Report.load\(\) takes the path of a report saved as .json .*"
+                                        rf"got {type(given).__name__}"):
+        Report.load(given)
+    with pytest.raises(TypeError, match=rf"Report.save\(\) takes a path ending in .json, .html or .txt .*"
+                                        rf"got {type(given).__name__}"):
+        Report([]).save(given)
+
+
 def test_show_of_deeply_nested_json_is_one_line_exit_2(tmp_path, cli) -> None:
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100_000 + "]" * 100_000)
