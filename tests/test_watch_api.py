@@ -464,6 +464,26 @@ def test_an_optimizer_torch_never_set_up_is_refused_by_name() -> None:
     assert _global_hooks() == before
 
 
+def test_an_optimizer_that_holds_none_of_the_models_parameters_is_named_in_a_warning() -> None:
+    """watch(G, optimizer=opt_D), a GAN's discriminator's optimizer given for the generator, was
+    accepted silently: its steps counted the steps while G's own optimizer went unwatched."""
+    G, D = zoo.mlp(seed=0), zoo.mlp(seed=1)
+    opt_g, opt_d = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())
+    with pytest.warns(UserWarning, match=r"the optimizer \(Adam, 4 parameters\) holds none of the parameters "
+                                         r"of the watched model \(MLP\)") as got, nanhunt.watch(G, optimizer=opt_d):
+        pass
+    assert [os.path.basename(w.filename) for w in got] == ["test_watch_api.py"]  # the user's watch() line
+    with pytest.warns(UserWarning, match=r"optimizer\[1\] \(Adam"):
+        nanhunt.watch(G, optimizer=[opt_g, opt_d]).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nanhunt.watch(G, optimizer=opt_g).close()  # the right one: no warning
+        before = _global_hooks()
+        with pytest.raises(UserWarning, match="holds none"):  # (as an error: nothing left behind)
+            nanhunt.watch(G, optimizer=opt_d)
+        assert _global_hooks() == before and not opt_d._optimizer_step_pre_hooks
+
+
 def test_accelerates_wrapped_optimizer_is_watched_through_the_optimizer_it_steps() -> None:
     """accelerate's AcceleratedOptimizer never runs Optimizer.__init__: watch() failed with an
     AttributeError. Its inner optimizer is watched; with gradient accumulation the wrapper steps

@@ -364,6 +364,7 @@ class Hunt:
         self._depth = 0  # `with hunt:` blocks entered and not left
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
+        _warn_foreign(model, opts, optimizer)  # (before any hook: a warning turned into an error leaves none)
         try:
             self._install(model, opts, scaler)
         except BaseException:
@@ -2549,6 +2550,28 @@ def _unwrap(model: nn.Module) -> nn.Module:
         if inner is model:
             return model
         model = inner
+
+
+def _warn_foreign(model: nn.Module, opts: list[torch.optim.Optimizer], given: Any) -> None:
+    """Warn of each optimizer given to watch() that holds none of ``model``'s parameters (another
+    model's: a GAN's discriminator's): its steps would count and end the steps, while the
+    model's weights are stepped by one not watched. A warning, not an error: parameters added
+    later (add_param_group) or an optimizer over copies of them (float32 master weights) may be meant."""
+    mine = {id(p) for p in model.parameters()}
+    if not mine:
+        return  # (a model whose weights live outside it: torch.func.functional_call)
+    for i, opt in enumerate(opts):
+        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
+            continue
+        which = f"optimizer[{i}]" if isinstance(given, (list, tuple)) else "the optimizer"
+        warnings.warn(
+            f"nanhunt.watch(): {which} ({type(opt).__name__}, {sum(len(g['params']) for g in opt.param_groups)} "
+            f"parameters) holds none of the parameters of the watched model ({type(model).__name__}): is it "
+            "another model's (a GAN's discriminator's)? Its step() calls count the training steps, while the "
+            "model's weights are stepped by an optimizer nanhunt does not watch. Pass the optimizer that steps "
+            "this model (or watch the model it steps); ignore this if you add this model's parameters to it "
+            "later (add_param_group) or it steps copies of them (float32 master weights).",
+            UserWarning, stacklevel=user_stacklevel())
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
