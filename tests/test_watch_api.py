@@ -478,6 +478,8 @@ def test_an_optimizer_that_holds_none_of_the_models_parameters_is_named_in_a_war
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nanhunt.watch(G, optimizer=opt_g).close()  # the right one: no warning
+        frozen = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)], zoo.mlp(seed=2))  # fine-tuning a head
+        nanhunt.watch(frozen, optimizer=torch.optim.SGD(frozen[-1].parameters(), lr=0.1)).close()
         before = _global_hooks()
         with pytest.raises(UserWarning, match="holds none"):  # (as an error: nothing left behind)
             nanhunt.watch(G, optimizer=opt_d)

@@ -40,7 +40,8 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, is_
 from threading import get_ident
 from typing import Any
 
@@ -2557,12 +2558,10 @@ def _warn_foreign(model: nn.Module, opts: list[torch.optim.Optimizer], given: An
     model's: a GAN's discriminator's): its steps would count and end the steps, while the
     model's weights are stepped by one not watched. A warning, not an error: parameters added
     later (add_param_group) or an optimizer over copies of them (float32 master weights) may be meant."""
-    mine = {id(p) for p in model.parameters()}
-    if not mine:
-        return  # (a model whose weights live outside it: torch.func.functional_call)
     for i, opt in enumerate(opts):
-        if any(id(p) in mine for g in opt.param_groups for p in g["params"]):
-            continue
+        held = _first_held(model, opt)
+        if held is not False:
+            continue  # (None: a model whose weights live outside it, torch.func.functional_call)
         which = f"optimizer[{i}]" if isinstance(given, (list, tuple)) else "the optimizer"
         warnings.warn(
             f"nanhunt.watch(): {which} ({type(opt).__name__}, {sum(len(g['params']) for g in opt.param_groups)} "
@@ -2572,6 +2571,44 @@ def _warn_foreign(model: nn.Module, opts: list[torch.optim.Optimizer], given: An
             "this model (or watch the model it steps); ignore this if you add this model's parameters to it "
             "later (add_param_group) or it steps copies of them (float32 master weights).",
             UserWarning, stacklevel=user_stacklevel())
+
+
+def _first_held(model: nn.Module, opt: torch.optim.Optimizer) -> bool | None:
+    """Does ``opt`` hold one of ``model``'s parameters? (None: the model holds none.) O(1) where
+    the model's first parameter is the optimizer's (both walks stop at the first match): the
+    modules are not walked, as registration never walks them (a model whose first layers are
+    frozen is walked up to its first parameters, then matched against one set of the optimizer's)."""
+    groups = [g["params"] for g in opt.param_groups]
+    first = []
+    for p in _params_of(model):
+        for ps in groups:
+            if any(map(is_, ps, repeat(p))):
+                return True
+        first.append(p)
+        if len(first) >= 8:
+            break
+    if not first:
+        return None
+    ids = set(map(id, chain.from_iterable(groups)))
+    return any(id(p) in ids for p in _params_of(model))
+
+
+def _params_of(model: nn.Module) -> Iterator[torch.Tensor]:
+    """``model``'s parameters, each module's own before its children's (as ``parameters()``
+    orders them), walked lazily: no list of a module's children is made (a Sequential of 10,000)."""
+    seen = {id(model)}
+    yield from (p for p in model._parameters.values() if p is not None)
+    stack: list[Iterator[nn.Module | None]] = [iter(model._modules.values())]
+    while stack:
+        m = next(stack[-1], _NO)
+        if m is _NO:
+            stack.pop()
+            continue
+        if not isinstance(m, nn.Module) or id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield from (p for p in m._parameters.values() if p is not None)
+        stack.append(iter(m._modules.values()))
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
