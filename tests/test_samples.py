@@ -116,3 +116,41 @@ def test_batches_the_loader_did_not_deliver_name_no_rows_of_another_batch() -> N
     assert forward[11] == ()  # cycle's copy of batch 1 (rows 4-7): unknown, never the rows of batch 9
     assert forward[14] == forward[15] == (5,)
     assert hunt.report.bad_samples == sorted(POISONED)
+
+
+class Standardized(torch.nn.Module):
+    """Each record standardized by its own std in the model's forward, then the BatchNorm MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = zoo.bnmlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True))
+
+
+def test_rows_of_a_nan_born_in_the_model_are_those_of_its_op_not_of_the_batchnorm_that_spread_it() -> None:
+    # a blank record (std 0) gives 0/0 in the model's own forward; BatchNorm's batch statistics then
+    # carry the NaN into every row of the output: the finding named the output's first row, another
+    # record of the batch, instead of the row the division made non-finite
+    data = Records()
+    data.x = torch.nan_to_num(data.x)
+    blank = {6, 21}
+    for i in blank:
+        data.x[i] = 0.5
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    model = Standardized()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    order = []
+    with nanhunt.watch(model, opt, on_find="skip", loader=loader, max_skips=10) as hunt:
+        for x, y, i in loader:
+            order.append(i.tolist())
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    forward = [f for f in hunt.findings if f.phase == "forward"]
+    assert [f.step for f in forward] == [s for s, b in enumerate(order) if blank & set(b)]
+    for f in forward:
+        assert f.module == "" and f.op == "aten.div.Tensor" and f.cause == "created"
+        assert f.samples == tuple(i for i in order[f.step] if i in blank), (f.samples, order[f.step])
+    assert hunt.report.bad_samples == sorted(blank)

@@ -81,6 +81,7 @@ class _Ctx:
         self._sentinel: list[Finding] | None = None  # `sentinel_findings`, once
         self.out_recs: dict[int, int] = {}  # per outside finding: its torch call (StepLog.outside)
         self.clocks: dict[int, int] = {}  # per finding, when its value was made where no entry says (`_occurred`)
+        self.born_rows: dict[int, tuple[int, list[int]]] = {}  # per finding: its creator op's non-finite rows
 
     def sentinel_findings(self) -> list[Finding]:
         """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
@@ -277,6 +278,7 @@ def analyze(view: StepView) -> list[Finding]:
         and _evaluation(log.tops[w[1]]) for f in out)
     view.occurred[:] = [_occurred(ctx, f) for f in out]
     found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
+    view.born_rows[:] = [ctx.born_rows.get(id(f)) for f in out]
     if view.bundle and found and not ctx.bundled:
         f0 = found[0]
         warnings.warn(f"nanhunt wrote no repro bundle to {view.bundle}: the first finding ({f0.phase} of "
@@ -362,6 +364,7 @@ def _with_op(f: Finding, ops: list[Op]) -> Finding:
 
 
 def _finish(ctx: _Ctx, f: Finding) -> Finding:
+    key = id(f)
     where = ctx.where.get(id(f))
     facts = ctx.facts.get(id(f), {})
     if where is not None and f.reproducible and ctx.view.replay:
@@ -384,6 +387,8 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
             facts = {**got.facts, "saved_bad": True} if facts.get("saved_bad") else got.facts
             facts = {**facts, "batch": batch}
+    if facts.get("born_rows") is not None:
+        ctx.born_rows[key] = facts["born_rows"]
     f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
     ref = f.reference
     if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:

@@ -134,6 +134,9 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
         if (len(path) > 1 and mask_write(first.op) and code0 is not None
                 and bool((code0[code0 != 0] == 3).all())):
             out["mask_written"] = True  # the code wrote a -inf mask (logits[..., pad:] = -inf) that later arithmetic spoiled
+        if code0 is not None and code0.dim():  # the creator's rows holding its non-finite values: the samples
+            # that made it when they are the batch's (a later BatchNorm or mean mixes every row in)
+            out["born_rows"] = (int(code0.shape[0]), code0.reshape(code0.shape[0], -1).ne(0).any(1).nonzero().flatten().tolist())
         for ri in reversed(path[1:]):  # the last reduction on the road: which rows fed it
             last = rec.recs[ri]
             if _op_key(last.op).split(".")[0] not in _REDUCTIONS:

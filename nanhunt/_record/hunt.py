@@ -2158,7 +2158,7 @@ class Hunt:
                         view = self._view(log, step, prior.counts())
                         found = locate(view)
                     if batches is not None and self._batches is not None:
-                        found = self._batches.fill(found, log, batches)
+                        found = self._batches.fill(found, log, batches, view.born_rows)
                     if len(view.occurred) == len(found):  # when each value was made (see `occurred`)
                         made = {id(f): c for f, c in zip(found, view.occurred) if c}
                 except Exception as e:  # the other ranks still wait for this rank's findings

@@ -163,12 +163,16 @@ class LoaderIndices:
         self._inner = None
 
     # ------------------------------------------------------------------ after a hit
-    def fill(self, found: Sequence[Finding], log: StepLog, tops: list[Batch | None]) -> list[Finding]:
-        """``Finding.samples`` for the findings of one step (host reads allowed: after a hit)."""
-        return [_with_samples(f, log, tops) for f in found]
+    def fill(self, found: Sequence[Finding], log: StepLog, tops: list[Batch | None],
+             born: Sequence[tuple[int, list[int]] | None] = ()) -> list[Finding]:
+        """``Finding.samples`` for the findings of one step (host reads allowed: after a hit);
+        ``born``: per finding, the rows of the op that created its value (`StepView.born_rows`)."""
+        born = born if len(born) == len(found) else [None] * len(found)
+        return [_with_samples(f, log, tops, b) for f, b in zip(found, born)]
 
 
-def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None]) -> Finding:
+def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None],
+                  born: tuple[int, list[int]] | None = None) -> Finding:
     if f.phase not in ("forward", "backward", "check") or not tops:
         return f
     ti = _top_of(f, log, len(tops))
@@ -181,6 +185,8 @@ def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None]) -> Finding
     if not f.shape or f.shape[0] != n:
         return f
     rows = _bad_rows([t for _, t in tensors(log.tops[ti].args)] if ti < len(log.tops) else [], n)
+    if not rows and born is not None and born[0] == n:  # the rows whose values its op made non-finite:
+        rows = born[1]  # the reported tensor may be past a BatchNorm or a mean that mixed every row in
     if not rows:
         t = _tensor_of(f, log)
         rows = _bad_rows([t] if t is not None else [], n)
