@@ -989,6 +989,44 @@ def test_a_forward_overflow_a_saturating_op_hid_is_fed_into_the_backward_not_bor
     assert "overflow" in f.hint and "from finite inputs" not in f.hint, f.hint
 
 
+class _DataLSTM(nn.Module):
+    """An LSTM over the data itself: a +inf in the data saturates its gates (its output stays finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("model", [_DataLSTM, _ExpLSTM], ids=["data->LSTM", "exp->LSTM"])
+def test_an_inf_in_the_data_that_the_lstm_gates_hid_is_told_as_the_data_not_as_an_overflow(model: Any, mode: str) -> None:
+    # a corrupt sample (+inf) fed to an LSTM: its gates saturate, the forward is finite and the
+    # backward's 0 * inf is the first NaN; the hint sent the user to find "the forward op that
+    # overflowed" (clamp it, softplus) when no op overflowed: the data held the inf
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            x = torch.randn(2, 5, 4)
+            if step == 1 and model is _DataLSTM:
+                x[1, 2, 0] = float("inf")  # a corrupt value in the data
+            elif step == 1:
+                x[0, 2] = 200.0  # exp overflows to +inf in the model
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("backward", 1, "input"), str(f)
+    if model is _DataLSTM:
+        assert "non-finite input (the data" in f.hint and "overflowed" not in f.hint, f.hint
+    else:  # (an overflow in the model: the hint stays the overflow's)
+        assert "overflowed" in f.hint and "the data" not in f.hint, f.hint
+
+
 def _nan_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     g = grad_input[0]
     return (g / (g - g),)  # 0/0 and x/0: the hook's own arithmetic

@@ -385,7 +385,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             # an op in torch's own layers all the way up (an nn.Sequential of them): the user's line
             # is the one that called the model
             f = dataclasses.replace(f, op=got.op, source=got.source or top.src, chain=tuple(got.chain))
-            facts = {**got.facts, "saved_bad": True} if facts.get("saved_bad") else got.facts
+            facts = {**got.facts, "saved_bad": True, "fed_bad": facts.get("fed_bad")} if facts.get("saved_bad") else got.facts
             facts = {**facts, "batch": batch}
     if facts.get("born_rows") is not None:
         ctx.born_rows[key] = facts["born_rows"]
@@ -843,7 +843,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
     if cause == "input":
-        ctx.facts[id(f)] = {"saved_bad": True}  # (for the hint: the forward held the value, see nodes._saved_bad)
+        ctx.facts[id(f)] = {"saved_bad": True, "fed_bad": _fed_bad(ctx.log.tops[top_i])}  # (for the hint: the forward held the value, see nodes._saved_bad)
     return f
 
 
@@ -973,8 +973,13 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         e = _differential.examine_node(top, f, b.nth, b.slot, grads, b.node)
         if e is not None:
             f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
-    ctx.facts[id(f)] = b.facts
+    ctx.facts[id(f)] = {**b.facts, "fed_bad": True} if b.facts.get("saved_bad") and _fed_bad(top) else b.facts
     return f
+
+
+def _fed_bad(top: Top) -> bool:
+    """Was the top-level call given a non-finite tensor (the data), which a saturating op hid?"""
+    return any(is_bad(t) for _, t in tensors((top.args, top.kwargs or {})))
 
 
 def _fed_backward(ctx: _Ctx, top_i: int, r: Replay | None, reproducible: bool | None) -> Finding | None:

@@ -351,6 +351,11 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
                 "after it replaced the nan (torch.where, nan_to_num, masked_fill), so the forward looked finite; "
                 f"{f.op} multiplies by that saved nan. Make the row finite before the softmax "
                 "(torch.where(row_masked, 0., scores)) or leave a position unmasked, instead of fixing its output.")
+    if f.phase == "backward" and f.cause == "input" and fx.get("saved_bad") and fx.get("fed_bad"):
+        return ("The model was given a non-finite input (the data: a corrupt sample, a bad value in a file, "
+                "a transform's 0/0) that a saturating op, tanh, sigmoid, an LSTM's gates, hid from every "
+                "output: the backward multiplies its 0 gradient by that inf, which makes the NaN. Check or "
+                "filter the data (torch.isfinite on each batch) rather than this backward.")
     if f.phase == "backward" and f.cause == "input" and fx.get("saved_bad"):
         return ("The forward already held a non-finite value here (an overflow, exp or pow past the dtype's "
                 "largest value, that a saturating op after it, tanh, sigmoid, an LSTM's gates, hid from "
