@@ -1027,6 +1027,22 @@ def test_an_inf_in_the_data_that_the_lstm_gates_hid_is_told_as_the_data_not_as_a
         assert "overflowed" in f.hint and "the data" not in f.hint, f.hint
 
 
+def test_a_gradient_that_explodes_through_a_gru_is_told_as_exploding_gradients_to_clip() -> None:
+    # recurrent weights grown large (a diverging run, condensed) and a huge gradient reaching the
+    # output: the backward through time multiplies it past float32's max at a MulBackward0 inside
+    # the GRU; the hint was the generic "an overflow, x/0 or log(0)", no word of clipping
+    torch.manual_seed(0)
+    gru = nn.GRU(4, 16, batch_first=True)
+    with torch.no_grad():
+        gru.weight_hh_l0.mul_(25.0)
+        gru.weight_ih_l0.mul_(25.0)
+    with nanhunt.watch(gru, on_find="record") as hunt:
+        (gru(torch.randn(2, 50, 4))[0].mean() * 1e36).backward()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.module_type, f.cause) == ("backward", "", "GRU", "created"), f
+    assert math.isinf(f.value) and "exploding gradients" in f.hint and "clip_grad_norm_" in f.hint, f.hint
+
+
 def _nan_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     g = grad_input[0]
     return (g / (g - g),)  # 0/0 and x/0: the hook's own arithmetic

@@ -85,6 +85,8 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 _PRODUCTS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "MvBackward0", "AddbmmBackward0",
                        "BaddbmmBackward0", "ConvolutionBackward0", "LinearBackward0", "EmbeddingBackward0"})
 
+_RECURRENT = frozenset({"RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"})  # (a gradient multiplied at every time step)
+
 
 def _op_key(op: str) -> str:
     base = op.split(".")[1] if op.startswith("aten.") else op
@@ -389,6 +391,13 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
                         f"{f.dtype}'s largest finite value {dtype_max(f.dtype):g} from finite values: the weights, "
                         "inputs or the gradient reaching it are huge. Weights that grew step after step point to "
                         "a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients.")
+            if (f.module_type in _RECURRENT and f.dtype in ("float32", "float64") and f.value is not None
+                    and math.isinf(f.value)):
+                return (f"The gradient through this recurrent layer passed {f.dtype}'s largest finite value "
+                        f"{dtype_max(f.dtype):g} from finite values: exploding gradients, multiplied again at "
+                        "every time step (long sequences, recurrent weights grown large). Clip them "
+                        "(torch.nn.utils.clip_grad_norm_ before step()), lower the learning rate or shorten "
+                        "the sequences backpropagated through (truncated BPTT).")
             why = _BACKWARD.get(f.op)
             if why:
                 return why[0].upper() + why[1:] + "."
