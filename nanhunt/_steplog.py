@@ -570,7 +570,8 @@ class StepView:
     # the analysis's one output besides its findings: per finding returned, when its value was made
     # (`_hooks.tick`; 0: not known from the log), for ordering the findings of several hunts
     occurred: list[int] = field(default_factory=list)
-    # and per finding returned, (leading size, rows) of the non-finite values of the op that created it (or None)
+    # and per finding returned, (leading size, rows) of the non-finite values of the op that created it,
+    # or of the gradient a replay made for it (or None)
     born_rows: list[tuple[int, list[int]] | None] = field(default_factory=list)
     step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)
     step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()

@@ -154,3 +154,36 @@ def test_rows_of_a_nan_born_in_the_model_are_those_of_its_op_not_of_the_batchnor
         assert f.module == "" and f.op == "aten.div.Tensor" and f.cause == "created"
         assert f.samples == tuple(i for i in order[f.step] if i in blank), (f.samples, order[f.step])
     assert hunt.report.bad_samples == sorted(blank)
+
+
+class Pairs(Dataset):
+    """Siamese pairs (two halves of 2 features); in a few, both halves are the same image."""
+
+    def __init__(self, same: set[int]) -> None:
+        self.x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+        for i in same:
+            self.x[i, 2:] = self.x[i, :2]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.x[i]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_every_row_of_a_nan_born_in_the_backward_is_named(mode: str) -> None:
+    # sqrt's gradient at a distance of 0 (identical halves) is inf * 0 = nan in the backward: three
+    # such pairs in one batch were named by the first bad element's row alone (rows 1 of 1, 2, 3)
+    same = {1, 2, 3, 9}
+    loader = DataLoader(Pairs(same), batch_size=4)
+    model = zoo.distnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, on_find="skip", loader=loader, mode=mode) as hunt:
+        for x in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    back = {f.step: f.samples for f in hunt.findings if f.phase == "backward"}
+    assert back == {0: (1, 2, 3), 2: (9,)}, hunt.findings
+    assert hunt.report.bad_samples == sorted(same)

@@ -81,7 +81,7 @@ class _Ctx:
         self._sentinel: list[Finding] | None = None  # `sentinel_findings`, once
         self.out_recs: dict[int, int] = {}  # per outside finding: its torch call (StepLog.outside)
         self.clocks: dict[int, int] = {}  # per finding, when its value was made where no entry says (`_occurred`)
-        self.born_rows: dict[int, tuple[int, list[int]]] = {}  # per finding: its creator op's non-finite rows
+        self.born_rows: dict[int, tuple[int, list[int]]] = {}  # per finding: its creator op's (or its replayed gradient's) non-finite rows
 
     def sentinel_findings(self) -> list[Finding]:
         """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
@@ -842,6 +842,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         shape=shape_of(grad), dtype=dtype_name(grad), cause=cause, reproducible=True,
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
+    _keep_rows(ctx, f, grad)
     if cause == "input":
         ctx.facts[id(f)] = {"saved_bad": True, "fed_bad": _fed_bad(ctx.log.tops[top_i])}  # (for the hint: the forward held the value, see nodes._saved_bad)
     return f
@@ -974,7 +975,16 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         if e is not None:
             f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     ctx.facts[id(f)] = {**b.facts, "fed_bad": True} if b.facts.get("saved_bad") and _fed_bad(top) else b.facts
+    _keep_rows(ctx, f, b.grad)
     return f
+
+
+def _keep_rows(ctx: _Ctx, f: Finding, grad: torch.Tensor) -> None:
+    """The rows of a gradient a replay made (the log does not hold it) that hold non-finite values:
+    the samples that made it (`StepView.born_rows`), every one, not only the first element's."""
+    if grad.dim() and grad.layout is torch.strided:
+        ctx.born_rows[id(f)] = (int(grad.shape[0]), (~torch.isfinite(grad)).reshape(grad.shape[0], -1).any(1)
+                                .nonzero().flatten().tolist())
 
 
 def _fed_bad(top: Top) -> bool:
