@@ -547,17 +547,23 @@ def _bow() -> nn.Module:
     return nn.Sequential(nn.EmbeddingBag(50, 16, mode="mean"), nn.Linear(16, 2))
 
 
-def test_adam_with_eps_0_names_eps_where_a_gradient_is_0() -> None:
-    """eps=0 (a port of TF code): embedding rows of tokens absent from the batch have 0 gradient,
-    so exp_avg / sqrt(exp_avg_sq) is 0/0 at the first step; the hint said 'an update that overflowed'."""
+def _eps_0_finding(cls: type) -> tuple[Any, torch.Tensor]:
+    """One step of ``cls(eps=0)`` on a bag of words whose tokens 30..49 never appear (their
+    embedding rows get a 0 gradient): the finding it raises, and the batch."""
     m = _bow()
-    opt = torch.optim.Adam(m.parameters(), lr=1e-3, eps=0.0)
+    opt = cls(m.parameters(), lr=1e-3, eps=0.0)
     x = torch.randint(0, 30, (8, 5), generator=torch.Generator().manual_seed(0))  # tokens 30..49 never appear
     with pytest.raises(nanhunt.NonFiniteError) as ei:
         with nanhunt.watch(m, opt):
             F.cross_entropy(m(x), torch.zeros(8, dtype=torch.long)).backward()
             opt.step()
-    f = ei.value.finding
+    return ei.value.finding, x
+
+
+def test_adam_with_eps_0_names_eps_where_a_gradient_is_0() -> None:
+    """eps=0 (a port of TF code): embedding rows of tokens absent from the batch have 0 gradient,
+    so exp_avg / sqrt(exp_avg_sq) is 0/0 at the first step; the hint said 'an update that overflowed'."""
+    f, x = _eps_0_finding(torch.optim.Adam)
     assert (f.phase, f.module, f.tensor, f.step) == ("optimizer", "0", "weight", 0), f
     assert f.index[0] not in set(x.flatten().tolist()), "a row the batch never touched: 0 gradient"
     assert "eps is 0" in f.hint and "positive eps" in f.hint, f
@@ -569,14 +575,7 @@ def test_adam_with_eps_0_names_eps_where_a_gradient_is_0() -> None:
 def test_eps_0_names_the_optimizers_own_state_and_default(cls: type, division: str, default: str) -> None:
     """eps=0 in RMSprop, Adagrad, Adamax or Adadelta: the hint named Adam's state (exp_avg /
     sqrt(exp_avg_sq)) and Adam's default eps (1e-8), which these optimizers do not have."""
-    m = _bow()
-    opt = cls(m.parameters(), lr=1e-3, eps=0.0)
-    x = torch.randint(0, 30, (8, 5), generator=torch.Generator().manual_seed(0))  # tokens 30..49 never appear
-    with pytest.raises(nanhunt.NonFiniteError) as ei:
-        with nanhunt.watch(m, opt):
-            F.cross_entropy(m(x), torch.zeros(8, dtype=torch.long)).backward()
-            opt.step()
-    f = ei.value.finding
+    f, _ = _eps_0_finding(cls)
     assert (f.phase, f.module, f.tensor, f.step) == ("optimizer", "0", "weight", 0), f
     assert f"divides 0 by 0 ({division})" in f.hint and f"the default {default})" in f.hint, f.hint
 

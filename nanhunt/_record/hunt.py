@@ -2579,15 +2579,13 @@ def _first_held(model: nn.Module, opt: torch.optim.Optimizer) -> bool | None:
     modules are not walked, as registration never walks them (a model whose first layers are
     frozen is walked up to its first parameters, then matched against one set of the optimizer's)."""
     groups = [g["params"] for g in opt.param_groups]
-    first = []
-    for p in _params_of(model):
-        for ps in groups:
-            if any(map(is_, ps, repeat(p))):
-                return True
-        first.append(p)
-        if len(first) >= 8:
+    n = 0
+    for n, p in enumerate(_params_of(model), 1):
+        if any(any(map(is_, ps, repeat(p))) for ps in groups):
+            return True
+        if n == 8:
             break
-    if not first:
+    if not n:
         return None
     ids = set(map(id, chain.from_iterable(groups)))
     return any(id(p) in ids for p in _params_of(model))
