@@ -34,10 +34,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["atomic_write", "glob_patterns", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
-           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH", "warn_unwritten"]
+           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH", "warn_unwritten", "fspath"]
 
 MAX_REPORT_BYTES = 256 * 2**20  # a report read back is at most this big (nanhunt's own are well under 1 MiB)
 MAX_DEPTH = 64  # containers nested deeper than this in a file read back: not something nanhunt wrote
+
+
+def fspath(path: Any, takes: str) -> str:
+    """``os.fspath(path)``; anything that is no path: a TypeError that says what was given and what
+    ``takes`` (``"Report.load() takes the path of ..."``), not os.fspath's bare one."""
+    try:
+        return os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{takes} (a str or os.PathLike), got {type(path).__name__}: {path!r:.80}") from None
 
 
 def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str], None]) -> str:

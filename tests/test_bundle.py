@@ -277,6 +277,14 @@ def test_replay_of_something_not_a_bundle_says_what_it_takes(bundle):
         replay(bundle)
 
 
+@pytest.mark.parametrize("bundle", [123, None, object()])
+def test_load_of_something_not_a_path_says_what_it_was_given_and_takes(bundle):
+    """``bundle.load(123)`` raised os.fspath's bare "expected str, bytes or os.PathLike object, not int"."""
+    with pytest.raises(TypeError, match=r"bundle\.load\(\) takes a bundle's path .*\(a str or os\.PathLike\), got "
+                                        + type(bundle).__name__):
+        load(bundle)
+
+
 def test_a_bundle_input_viewing_a_tiny_storage_as_gigabytes_is_refused(tmp_path):
     """A 9 KB crafted bundle whose input is ``torch.zeros(1).expand(2**31, 4)``: the replay tried to
     allocate 32 GiB. Refused as it is read, naming the field; an honest broadcast input is not."""

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .._files import FileFormatError, atomic_write, check_depth, check_type, checked_fields, need, not_a_file
+from .._files import FileFormatError, atomic_write, check_depth, check_type, checked_fields, fspath, need, not_a_file
 from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
@@ -256,7 +256,7 @@ def save_from_top(
 # ------------------------------------------------------------------ loading
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a bundle with ``torch.load(weights_only=True)``; anything else is refused."""
-    p = os.fspath(path)
+    p = fspath(path, "nanhunt._locate.bundle.load() takes a bundle's path (a .pt file that watch(bundle=...) wrote)")
     why = not_a_file(p)  # a folder, /dev/zero, a FIFO: named, never read
     if why == "does not exist":
         raise BundleError(f"{p}: no such bundle file")

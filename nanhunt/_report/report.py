@@ -10,7 +10,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._files import MAX_REPORT_BYTES, FileFormatError, atomic_write, check_depth, checked_fields, need, read_limited
+from .._files import (
+    MAX_REPORT_BYTES,
+    FileFormatError,
+    atomic_write,
+    check_depth,
+    checked_fields,
+    fspath,
+    need,
+    read_limited,
+)
 from .._finding import Finding
 from .render import html, rich_renderables, text
 from .sources import read_sources
@@ -104,7 +113,7 @@ class Report:
         `ValueError`) naming it: not UTF-8 text, not JSON, nested deeper than a report, larger than
         `MAX_REPORT_BYTES`, or not a regular file (a folder, ``/dev/zero``, a FIFO: never read);
         a missing file raises `FileNotFoundError`."""
-        p = _fspath(path, "Report.load() takes the path of a report saved as .json")
+        p = fspath(path, "Report.load() takes the path of a report saved as .json")
         raw = read_limited(p, "report", MAX_REPORT_BYTES)
         try:
             doc = raw.decode("utf-8")
@@ -133,7 +142,7 @@ class Report:
 
     def save(self, path: str | os.PathLike[str]) -> str:
         """Write by suffix (``.json``, ``.html``, ``.txt``), atomically; returns the path."""
-        p = _fspath(path, "Report.save() takes a path ending in .json, .html or .txt")
+        p = fspath(path, "Report.save() takes a path ending in .json, .html or .txt")
         suffix = os.path.splitext(p)[1].lower()
         if suffix == ".json":
             data = self.to_json()
@@ -184,11 +193,3 @@ def _plain(o: Any) -> Any:
     if isinstance(o, (tuple, set)):
         return list(o)
     return str(o)
-
-
-def _fspath(path: Any, takes: str) -> str:
-    """``os.fspath(path)``; anything that is no path: a TypeError that says what was given."""
-    try:
-        return os.fspath(path)
-    except TypeError:
-        raise TypeError(f"{takes} (a str or os.PathLike), got {type(path).__name__}: {path!r:.80}") from None
