@@ -150,6 +150,22 @@ def test_run_clean_script_passes_its_status_and_argv(tmp_path, cli):
     assert Report.load(tmp_path / "r.json").first is None  # a clean report is written too
 
 
+
+@pytest.mark.parametrize("status", ["3", "2", "1"])
+def test_run_script_own_exit_status_is_passed_on_and_told_from_a_finding(tmp_path, cli, status):
+    # a script's own sys.exit(3) came back as a bare 3: the same status as a finding, with no word
+    # on stderr that nanhunt had found nothing (and a 2 read as a usage error)
+    script = tmp_path / "clean.py"
+    script.write_text(CLEAN)
+    rc, out, err = cli("run", str(script), status)
+    assert rc == int(status), err
+    assert f"argv ['{script}', '{status}']" in out
+    assert err.strip().splitlines()[-1] == f"nanhunt: no NaN/Inf found; exit status {status} is the script's own"
+    assert "First" not in err
+    rc, out, err = cli("run", str(script), "0")
+    assert rc == 0 and "nanhunt" not in err, err
+
+
 COMPILED = """
 import sys, torch, torch.nn as nn
 torch.manual_seed(0)

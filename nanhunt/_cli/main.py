@@ -8,7 +8,9 @@ Exit status (every command):
 - 3: a NaN/Inf was found (``run``: in the script; ``replay``: the replay reproduced it; ``audit``:
   a checkpoint holds one).
 
-``run`` otherwise passes on the script's own ``sys.exit`` status. Every error is one line on stderr.
+``run`` otherwise passes on the script's own ``sys.exit`` status; when that is not 0, a line on
+stderr says that no NaN/Inf was found and the status is the script's own (a script's own 3 is no
+finding). Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -71,14 +73,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.",
-                epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found.")
+                epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found; "
+                       "`run` passes on the script's own sys.exit status, saying on stderr that it is the "
+                       "script's and that no NaN/Inf was found.")
     p.add_argument("--version", action=_Version, nargs=0, help="show the versions of nanhunt and torch and exit")
     sub = p.add_subparsers(dest="command", metavar="{run,demo,show,replay,audit}")
 
     r = sub.add_parser("run", help="run an unmodified script with every model and optimizer watched",
                        description="Run SCRIPT as `python SCRIPT ARGS...` would, watching every module it calls at "
                        "the top level and every optimizer it steps. Exits 3 after a NaN/Inf, printing the answer; "
-                       "otherwise with the script's own status. Under torchrun: "
+                       "otherwise with the script's own status (a non-zero one, its own sys.exit(3) too, with "
+                       "a line on stderr saying no NaN/Inf was found). Under torchrun: "
                        "`torchrun ... -m nanhunt run train.py`: every rank is watched, rank 0 prints and writes "
                        "the report with every rank's findings, and every rank exits 3 after a finding.")
     r.add_argument("--report", metavar="PATH", help="write the report here (.json, .html or .txt)")
@@ -377,6 +382,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
                 _err(unbundled)
         elif group is not None:
             _err(f"rank {group.rank}: NaN/Inf found (first on rank {report.findings[0].rank}); rank 0 has the report")
+    elif code != EXIT_CLEAN:  # (a script's own sys.exit(3) or sys.exit(2) is no finding and no usage error)
+        _err(f"no NaN/Inf found; exit status {code} is the script's own")
     if group is not None:
         sys.stderr.flush()
         sys.stdout.flush()
