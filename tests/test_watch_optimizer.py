@@ -597,6 +597,65 @@ def test_adam_state_overflow_from_a_huge_gradient_names_the_gradient_not_the_lea
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+
+def _half_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)).half()
+
+
+def _half_first(cls: type, loss_scale: float, **kw: Any) -> Any:
+    """The first finding of float16 parameters stepped by ``cls`` on a loss times ``loss_scale``
+    (a fixed loss scale with no GradScaler to unscale it)."""
+    m = _half_cnn()
+    opt = cls(m.parameters(), lr=1e-3, **kw)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 1, 8, 8, generator=g).half(), torch.randint(0, 3, (8,), generator=g)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        for _ in range(2):
+            (F.cross_entropy(m(x).float(), y) * loss_scale).backward()
+            opt.step()
+            opt.zero_grad()
+    return hunt.first
+
+
+@pytest.mark.parametrize("cls, state, holds", [(torch.optim.RMSprop, "square_avg", "a running mean"),
+                                               (torch.optim.Adagrad, "sum", "the running sum")])
+def test_float16_state_overflow_names_the_optimizers_own_squared_state(cls: type, state: str, holds: str) -> None:
+    """A float16 RMSprop (Adagrad) on a loss scaled by 6e4: gradients of ~7e3 whose squares pass
+    65504 make square_avg (sum) inf. The hint said eps=1e-08 rounds to 0 and named Adam's exp_avg_sq."""
+    f = _half_first(cls, 6e4)
+    assert f is not None and (f.phase, f.tensor, f.step) == ("optimizer", f"state[{state!r}]", 0), f
+    assert f"{holds} of squared gradients ({state}) overflows" in f.hint and "Clip the gradients" in f.hint, f.hint
+    assert "exp_avg_sq" not in f.hint and "eps" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("cls, says", [
+    (torch.optim.RMSprop, "where square_avg is 0 the update divides by 0 (grad / sqrt(square_avg))"),
+    (torch.optim.Adagrad, "where sum is 0 the update divides by 0 (grad / sqrt(sum))"),
+    (torch.optim.Adamax, "where exp_inf is 0 the update divides by 0 (exp_avg / exp_inf)")])
+def test_float16_eps_rounding_to_0_names_the_optimizers_own_state(cls: type, says: str) -> None:
+    """eps=1e-8 in float16 parameters is 0: where a ReLU's dead unit gave a 0 gradient, RMSprop's
+    grad / sqrt(square_avg) is 0/0. The hint named Adam's exp_avg_sq for every optimizer."""
+    f = _half_first(cls, 1.0, eps=1e-8)
+    assert f is not None and (f.phase, f.tensor, f.step) == ("optimizer", "weight", 0), f
+    assert "eps=1e-08 rounds to 0 in float16" in f.hint and says in f.hint and "exp_avg_sq" not in f.hint, f.hint
+
+
+def test_float16_sgd_momentum_overflow_names_momentum_buffer() -> None:
+    """SGD with momentum in float16: gradients of 3e4 make momentum_buffer (0.9 * 5.7e4 + 3e4) inf,
+    then the weight; the hint said 'a denominator like sqrt(exp_avg_sq) + eps at 0' (SGD has none)."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1).half()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-9, momentum=0.9)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        for _ in range(4):
+            (m(torch.ones(16, 4).half()).float().sum() * 3e4 / 16).backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.tensor, f.step) == ("optimizer", "weight", 2), f
+    assert "'momentum_buffer'" in f.hint and "Clip the gradients" in f.hint and "exp_avg_sq" not in f.hint, f.hint
+
 class _LARS(torch.optim.Optimizer):
     """A hand-written LARS, as in many SimCLR/BYOL repositories: trust = eta * ||w|| / ||g||;
     it keeps a Python list in its state and counts its constructions."""

@@ -562,19 +562,29 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
         return (f"After the optimizer step, {what} is non-finite: the optimizer was set to {setting} (a "
                 "learning-rate schedule or warm-up that divided by 0, a setting read from a config as inf). "
                 "Check what sets it (scheduler.get_last_lr(), the lambda of a LambdaLR).")
+    g = grads or {}
+    clip = "Clip the gradients (torch.nn.utils.clip_grad_norm_) or find why they are this large (the loss's scale)."
+    if state and g.get("grad_max") is not None and not fed:  # (a state that overflowed: no eps in it)
+        if state == g.get("denominator") and "squared" in g["holds"]:
+            return (f"After the optimizer step, {what} is non-finite: the gradient of {param!r} reached "
+                    f"{g['grad_max']:.3g}, whose square passes {g['dtype']}'s largest value, so {g['holds']} "
+                    f"({state}) overflows to inf. {clip}")
+        return (f"After the optimizer step, {what} is non-finite: the gradient of {param!r} reached "
+                f"{g['grad_max']:.3g} in {g['dtype']}, and {state!r}, which the update builds from the "
+                f"gradients, overflowed to inf. {clip}")
+    if not state and g.get("bad_state") and not fed:  # (SGD's momentum_buffer overflowed, then the weight)
+        return (f"After the optimizer step, {what} is non-finite: the gradient of {param!r} reached "
+                f"{g['grad_max']:.3g} in {g['dtype']}, and the optimizer state {g['bad_state']!r}, which the "
+                f"update builds from the gradients, overflowed to inf. {clip}")
     if eps_zero and not fed:
+        where = (f"where {g['denominator']} is 0 the update divides by 0 ({g['guarded']})" if g.get("denominator")
+                 else "where the state it guards is 0 the update divides by 0")
         return (f"After the optimizer step, {what} is non-finite: the optimizer's eps={eps_zero} rounds to 0 in "
-                "float16, so where exp_avg_sq is 0 the update divides by 0. Keep float32 master weights "
+                f"float16, so {where}. Keep float32 master weights "
                 "(torch.autocast + GradScaler), or use eps >= 1e-4 for float16 parameters.")
     if fed:
         return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
                 "gradients (on_find was not 'raise').")
-    g = grads or {}
-    if state and g.get("grad_max") is not None:
-        return (f"After the optimizer step, {what} is non-finite: the gradient of {param!r} reached "
-                f"{g['grad_max']:.3g}, whose square passes {g['dtype']}'s largest value, so a running "
-                "mean of squared gradients (exp_avg_sq) overflows to inf. Clip the gradients "
-                "(torch.nn.utils.clip_grad_norm_) or find why they are this large (the loss's scale).")
     # (eps = 0: the division by the optimizer's own state, and its class's default eps)
     division = f" ({g['division']})" if g.get("division") else ""
     fix = (f"Use a positive eps (the default {g['eps_default']:g}).".replace("e-0", "e-") if g.get("eps_default")
@@ -596,6 +606,6 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
                 f"gradients: the optimizer's settings alone overflow ({g['settings']}): its update makes "
                 "a weight of 1 non-finite from a gradient of 0.5. Check the values given to the optimizer "
                 "or set by a schedule.")
+    den = f"a denominator at 0 in {g['guarded']}" if g.get("guarded") else "a denominator like sqrt(exp_avg_sq) + eps at 0"
     return (f"After the optimizer step, {what} is non-finite although the step was given finite "
-            "gradients: an update that overflowed or divided by 0 (an exploding learning rate, a "
-            "denominator like sqrt(exp_avg_sq) + eps at 0).")
+            f"gradients: an update that overflowed or divided by 0 (an exploding learning rate, {den}).")

@@ -204,19 +204,24 @@ def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
     return ""
 
 
-# the division that eps guards in each torch.optim update, named by the optimizer's own state
-_DIVISIONS: tuple[tuple[type, str], ...] = (
-    (torch.optim.Adam, "exp_avg / sqrt(exp_avg_sq)"), (torch.optim.AdamW, "exp_avg / sqrt(exp_avg_sq)"),
-    (torch.optim.NAdam, "exp_avg / sqrt(exp_avg_sq)"), (torch.optim.RAdam, "exp_avg / sqrt(exp_avg_sq)"),
-    (torch.optim.Adamax, "exp_avg / exp_inf"), (torch.optim.RMSprop, "grad / sqrt(square_avg)"),
-    (torch.optim.Adagrad, "grad / sqrt(sum)"), (torch.optim.Adadelta, "sqrt(acc_delta) / sqrt(square_avg)"),
+# the division that eps guards in each torch.optim update, named by the optimizer's own state; that
+# state (0 where every gradient so far was 0) and what it holds
+_DIVISIONS: tuple[tuple[type, str, str, str], ...] = (
+    (torch.optim.Adam, "exp_avg / sqrt(exp_avg_sq)", "exp_avg_sq", "a running mean of squared gradients"),
+    (torch.optim.AdamW, "exp_avg / sqrt(exp_avg_sq)", "exp_avg_sq", "a running mean of squared gradients"),
+    (torch.optim.NAdam, "exp_avg / sqrt(exp_avg_sq)", "exp_avg_sq", "a running mean of squared gradients"),
+    (torch.optim.RAdam, "exp_avg / sqrt(exp_avg_sq)", "exp_avg_sq", "a running mean of squared gradients"),
+    (torch.optim.Adamax, "exp_avg / exp_inf", "exp_inf", "a running maximum of the gradient's size"),
+    (torch.optim.RMSprop, "grad / sqrt(square_avg)", "square_avg", "a running mean of squared gradients"),
+    (torch.optim.Adagrad, "grad / sqrt(sum)", "sum", "the running sum of squared gradients"),
+    (torch.optim.Adadelta, "sqrt(acc_delta) / sqrt(square_avg)", "square_avg", "a running mean of squared gradients"),
 )
 
 
 def _eps_division(opt: torch.optim.Optimizer) -> tuple[str, float | None]:
     """The division by ``opt``'s state that its eps guards ("" for a class not known) and its
     class's default eps (None when it has none)."""
-    division = next((d for c, d in _DIVISIONS if isinstance(opt, c)), "")
+    division = next((d for c, d, _, _ in _DIVISIONS if isinstance(opt, c)), "")
     try:
         default = inspect.signature(type(opt).__init__).parameters["eps"].default
     except (KeyError, TypeError, ValueError):
@@ -229,9 +234,17 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     ``eps`` (the group's, when it is exactly 0, with ``division``, the division by the state it
     guards, and ``eps_default``, the class's default, from `_eps_division`), ``zero_grad`` (the gradient is 0 everywhere) or
     ``zero_some`` (somewhere), ``grad_max`` (its largest magnitude, when its square passes the
-    dtype's largest value). Only ``eps`` when the gradient is gone (``zero_grad()`` ran) or non-finite
-    (read a step later, in sentinel mode, after the poisoned weights made the next gradient NaN)."""
+    dtype's largest value, with ``bad_state``, the first of ``p``'s optimizer states that is
+    non-finite, or None); for a torch.optim class with a denominator, always ``denominator`` (the
+    state eps guards: Adam's ``exp_avg_sq``, RMSprop's ``square_avg``), ``holds`` (what it holds, in
+    words) and ``guarded`` (the division). Only those and ``eps`` when the gradient is gone
+    (``zero_grad()`` ran) or non-finite (read a step later, in sentinel mode, after the poisoned
+    weights made the next gradient NaN)."""
     out: dict[str, Any] = {}
+    for c, division, state, holds in _DIVISIONS:
+        if isinstance(opt, c):
+            out.update(denominator=state, holds=holds, guarded=division)
+            break
     try:
         group = _group_of(opt, p)
         eps = group.get("eps")
@@ -254,6 +267,8 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
         if gmax * gmax > torch.finfo(g.dtype).max:
             out["grad_max"] = gmax
             out["dtype"] = str(g.dtype).replace("torch.", "")
+            out["bad_state"] = next((k for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)
+                                     and v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
     except Exception:
         return {}
     return out
