@@ -339,6 +339,29 @@ def test_a_running_statistic_that_overflows_with_finite_outputs_is_found_in_its_
     assert [g.tensor for g in hunt.findings] == ["running_var"]  # non-finite from then on: found once
 
 
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_running_statistic_overflowing_in_one_micro_batch_names_that_call(mode: str) -> None:
+    """Gradient accumulation, four forwards per optimizer step: one sample of 1e21 in the third
+    micro-batch of step 1 overflows the CNN's BatchNorm running_var; the finding said call 0."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        for step in range(3):
+            for micro in range(4):
+                x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+                if (step, micro) == (1, 2):
+                    x[0, 0, 0, 0] = 1e21
+                (torch.nn.functional.cross_entropy(model(x), y) / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.tensor, f.step, f.call, f.cause) == ("forward", "1", "running_var", 1, 2, "created"), f
+
 def test_a_running_statistic_overflowed_by_weights_an_exploding_learning_rate_made_says_so() -> None:
     """A CNN trained with a learning rate far too large: the update of step 0 makes the conv's
     weights ~1e35, and step 1's BatchNorm variance overflows on the conv's (finite) output. The

@@ -1099,8 +1099,13 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
             module = None
         mtype = type(module).__name__ if module is not None else ""
         index, value, counts = element(t)
+        # the root call that wrote it: the last one that began with it finite (each kept a copy of
+        # the buffers it began with); under gradient accumulation, the module's call in that one
+        held = [i for i, top in enumerate(ctx.log.tops) if id(t) in top.saved]
+        ti = next((a for a, b in zip(held, held[1:]) if is_bad(ctx.log.tops[b].saved[id(t)])), held[-1] if held else -1)
         return Finding(
-            phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step, call=0,
+            phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step,
+            call=_nth_call(ctx, ti, module, 0) if module is not None and ti >= 0 else 0,
             index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="created",
             hint=_hints.buffer_hint(bname, mtype, largest),
         )
