@@ -82,6 +82,28 @@ def test_resume_without_the_bad_samples() -> None:
     assert again.first is None
 
 
+def test_steps_after_the_bad_sample_poisoned_the_weights_name_no_sample_of_theirs() -> None:
+    """Record mode: the NaN of record 13 poisons the weights at step 1; every later step's forward
+    is non-finite by the weights (cause "parameter"), and each named its first row (16, 24) as a
+    bad sample: README's Subset recipe then dropped healthy records."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g)
+    x[13, 2] = float("nan")
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find="record", loader=loader) as hunt:
+        for xb, yb in loader:
+            F.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+    poisoned = [f for f in hunt.findings if f.cause == "parameter"]
+    assert poisoned and {f.step for f in poisoned} == {2, 3}, [str(f) for f in hunt.findings]
+    assert all(f.samples == () for f in poisoned), [(f.step, f.samples) for f in poisoned]
+    assert hunt.first is not None and hunt.first.samples == (13,) and hunt.report.bad_samples == [13]
+
+
 def test_loader_must_be_a_dataloader() -> None:
     with pytest.raises(TypeError, match="DataLoader"):
         nanhunt.watch(zoo.bnmlp(), loader=[1, 2, 3])

@@ -180,11 +180,15 @@ def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None],
     if not batch:
         return f
     n = len(batch)
+    inputs = [t for _, t in tensors(log.tops[ti].args)] if ti < len(log.tops) else []
+    if f.cause == "parameter":  # poisoned weights made it, not a sample: only rows whose own input held one
+        rows = _bad_rows(inputs, n)
+        return dataclasses.replace(f, samples=tuple(batch[r] for r in rows if r < n)) if rows else f
     if n == 1:  # a batch of one sample (or batch_size=None): whatever it made is its
         return dataclasses.replace(f, samples=batch)
     if not f.shape or f.shape[0] != n:
         return f
-    rows = _bad_rows([t for _, t in tensors(log.tops[ti].args)] if ti < len(log.tops) else [], n)
+    rows = _bad_rows(inputs, n)
     if not rows and born is not None and born[0] == n:  # the rows whose values its op made non-finite:
         rows = born[1]  # the reported tensor may be past a BatchNorm or a mean that mixed every row in
     if not rows:
