@@ -111,6 +111,46 @@ def test_exploding_learning_rate_overflows_the_parameters(lr: float) -> None:
     assert same_state(snapshot(m), states[bad_step])
 
 
+@pytest.mark.parametrize("make, division", [
+    (lambda ps: torch.optim.SGD(ps, lr=1.0, momentum=0.9, nesterov=True), ""),
+    (lambda ps: torch.optim.Adagrad(ps, lr=1.0), "grad / (sqrt(sum) + eps)"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1.0), "grad / (sqrt(square_avg) + eps)"),
+], ids=["sgd-nesterov", "adagrad", "rmsprop"])
+def test_an_exploding_learning_rate_names_the_lr_and_only_the_optimizers_own_division(make: Any, division: str) -> None:
+    """A warm-up that multiplies lr by 1000 every step, in SGD (nesterov), Adagrad and RMSprop: the
+    step whose update overflows is the finding. Its hint named Adam's sqrt(exp_avg_sq) + eps, which
+    none of them has, and not the learning rate the step used (1e+15 and up)."""
+    data = _regression_data(0.2)
+    ref = _regression()
+    ref_opt = make(ref.parameters())
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1000.0 ** s)
+    bad_step, lr = -1, 0.0
+    for k, (x, y) in enumerate(data):
+        F.mse_loss(ref(x).double(), y.double()).backward()
+        lr = ref_opt.param_groups[0]["lr"]
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        if _first_bad_after_step(ref_opt, ref) is not None:
+            bad_step = k
+            break
+    assert bad_step >= 3, "test set-up: the weights overflow after a few steps"
+
+    m = _regression()
+    opt = make(m.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1000.0 ** s)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for x, y in data:
+            F.mse_loss(m(x).double(), y.double()).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", bad_step, "created"), f
+    assert f"its lr is {lr:.3g}" in f.hint and "exp_avg_sq" not in f.hint, f.hint
+    assert (division in f.hint) if division else "denominator" not in f.hint, f.hint
+
+
 def test_adam_exp_avg_sq_overflows_on_huge_gradients() -> None:
     data = _data(3)
     scale = [1.0, 1e22, 1.0]  # an unscaled loss at step 1: gradients ~1e21, squared 1e42 > float32 max

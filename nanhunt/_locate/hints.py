@@ -606,6 +606,15 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
                 f"gradients: the optimizer's settings alone overflow ({g['settings']}): its update makes "
                 "a weight of 1 non-finite from a gradient of 0.5. Check the values given to the optimizer "
                 "or set by a schedule.")
-    den = f"a denominator at 0 in {g['guarded']}" if g.get("guarded") else "a denominator like sqrt(exp_avg_sq) + eps at 0"
+    # (the group's learning rate, and the division by its own state that a torch.optim class has, if any)
+    lr = f" (its lr is {g['lr']:.3g})" if g.get("lr") is not None else ""
+    own = g.get("update_division")
+    if own is None:  # (a class not known, or no finite lr)
+        den = f"a denominator at 0 in {g['guarded']}" if g.get("guarded") else "a denominator like sqrt(exp_avg_sq) + eps at 0"
+        return (f"After the optimizer step, {what} is non-finite although the step was given finite "
+                f"gradients: an update that overflowed or divided by 0 (an exploding learning rate{lr}, {den}).")
+    if own:
+        num, den = own.split(" / ")
+        own = f", or the denominator of {num} / ({den} + eps) at 0"
     return (f"After the optimizer step, {what} is non-finite although the step was given finite "
-            f"gradients: an update that overflowed or divided by 0 (an exploding learning rate, {den}).")
+            f"gradients: an update that overflowed or divided by 0: an exploding learning rate{lr}{own}.")
