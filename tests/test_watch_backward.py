@@ -1104,6 +1104,45 @@ def test_a_gradient_made_non_finite_by_a_hook_on_the_parameter_names_the_hook(mo
     assert hook.__qualname__ in f.hint and "accumulated" not in f.hint, f.hint
 
 
+def _scale_by_inf(g: torch.Tensor) -> torch.Tensor:
+    return g * float("inf")  # a gradient-scaling hook with its scale gone to inf
+
+
+class _HookedBlock(nn.Module):
+    """A residual block whose forward hooks its LayerNorm's input (``h.register_hook``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * 2
+        if h.requires_grad:
+            h.register_hook(_scale_by_inf)
+        return self.ln(h) + x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_made_non_finite_by_a_hook_on_an_activation_names_the_hook_not_the_module_it_feeds(mode: str) -> None:
+    """A hook registered in a forward on an activation (the LayerNorm's input) that scales its
+    gradient by inf: the finding was the LayerNorm's grad_input, "born here", with no line and a
+    hint of an overflow or x/0 in its backward, which made a finite gradient. It now names the
+    hook and its line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _HookedBlock(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        F.cross_entropy(model(torch.randn(6, 4)), torch.randint(0, 2, (6,))).backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.cause) == ("backward", "1.ln", "grad_input[0]", "created"), f
+    assert f.source == f"{__file__}:{_scale_by_inf.__code__.co_firstlineno}", f.source
+    assert "_scale_by_inf" in f.hint and "overflow" not in f.hint, f.hint
+    assert same_state(snapshot(model), before)  # raise: the step was not applied
+
+
 def _log_norm(g: torch.Tensor) -> None:  # a harmless hook: it reads the gradient, returns None
     float(g.norm())
 

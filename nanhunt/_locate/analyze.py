@@ -830,6 +830,20 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
     if owner is not None:
         return owner
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
+    hooks = _nodes.tensor_hooks(t) if (t := dict(rc.inputs).get(path)) is not None else []
+    if hooks and _node_finding(ctx, top_i) is None:
+        # a hook of the user's on that input (``h.register_hook(...)`` in a forward) ran on its gradient
+        # after the call's backward made it finite, and no autograd node made it: the hook did
+        index, value, counts = element(grad)
+        f = Finding(
+            phase="backward", module=rc.name, module_type=type(rc.module).__name__,
+            tensor=_grad_input_name(path), step=ctx.step, call=_call_index(ctx, top_i, rc), index=index,
+            value=value, counts=counts, shape=shape_of(grad), dtype=dtype_name(grad), cause="created",
+            source=_nodes.hook_line(hooks[0]), reproducible=True,
+        )
+        ctx.facts[id(f)] = {"tensor_hook": _nodes.hook_names(hooks)}
+        _keep_rows(ctx, f, grad)
+        return f
     if rc.params_bad:
         cause = "parameter"
     elif any(rc.in_bad):  # its forward was given a non-finite value (an overflow before it that its

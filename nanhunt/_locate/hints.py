@@ -250,6 +250,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return (f"A gradient hook on this parameter, {fx['grad_hook']}{where}, ran on its gradient: a hook that "
                 "divides by the gradient's norm or scale makes 0/0 of a zero gradient (a batch that does not "
                 "reach this weight). Check it first.")
+    if fx.get("tensor_hook"):
+        return (f"Made by the gradient hook {fx['tensor_hook']} on this input (a register_hook at {f.source}): "
+                "the gradient this module's backward gave it was finite, the one the hook returned is not.")
     if fx.get("backward_hook"):
         return (f"Made by the backward hook {fx['backward_hook']} on this module (at {f.source}): the gradients "
                 "it returned are non-finite where the ones it was given were finite.")
