@@ -233,6 +233,9 @@ def reference_text(f: Finding) -> str:
         lim, val = r.get("limit"), r.get("value")
         if r.get("underflow"):
             dt = r.get("failing_dtype", "the dtype")
+            if r.get("cancelled"):
+                return (s + f", a difference of two values that {dt} rounds to the same number: 0 "
+                        f"(failing run: {fmt(r.get('failing', 0.0))})")
             return (s + f", below {dt}'s smallest normal value {_exact(r.get('smallest'))}: {dt} rounds it to 0 "
                     f"(failing run: {fmt(r.get('failing', 0.0))})")
         if lim is not None:
@@ -272,6 +275,10 @@ def remedy(f: Finding) -> str:
     if v == "numerics":
         return ("More precision will not help: guard the op's domain (clamp or add an epsilon before a "
                 "log/sqrt/division, mask after a softmax, not before it with -inf on a whole row).")
+    if v == "precision" and f.reference.get("cancelled"):
+        return (f"Run {op} and what feeds it in float32 (keep it out of autocast, or .float() around it), or do "
+                "not subtract nearly equal values: 1 - sigmoid(z) is sigmoid(-z), log(sigmoid(z)) is "
+                "F.logsigmoid(z), and a binary cross-entropy of logits is F.binary_cross_entropy_with_logits.")
     if v == "precision" and f.reference.get("underflow"):
         wider = " or use bfloat16 (float32's range)" if f.reference.get("failing_dtype") == "float16" else ""
         return (f"Run {op} in float32 (keep it out of autocast, or .float() around it){wider}, or keep what "

@@ -597,9 +597,10 @@ class _Det(nn.Module):
         return self.obj(self.backbone(x), target)
 
 
-def test_a_precision_reference_without_an_overflow_names_the_reported_tensor_not_the_op():
-    # no op passes bfloat16's range (its rounding does the harm): the float32 number is the loss the
-    # module returns; it was printed as the value of aten.log ("float32 at aten.log.default = 3.06")
+def test_a_precision_reference_without_an_overflow_names_the_subtraction_not_the_log():
+    # no op passes bfloat16's range (its rounding does the harm): the float32 number was printed as
+    # the value of aten.log ("float32 at aten.log.default = 3.06"); the harm is 1 - p, which bfloat16
+    # rounds to 0 (p rounds to 1.0): the reference names that subtraction and its float32 value
     torch.manual_seed(0)
     model = _Det()
     with torch.no_grad():
@@ -616,9 +617,9 @@ def test_a_precision_reference_without_an_overflow_names_the_reported_tensor_not
     f = hunt.first
     assert f is not None and f.module == "obj" and f.verdict == "precision" and f.op == "aten.log.default", f
     ref = f.reference
-    assert ref["tensor"] == "output" and ref["failing_dtype"] == "bfloat16" and math.isfinite(ref["value"]), ref
+    assert ref["op"] == "aten.rsub.Scalar" and ref["failing_dtype"] == "bfloat16" and 0 < ref["value"] < 1, ref
     text = str(nanhunt.NonFiniteError(f))
-    assert f"float32 gives {ref['value']:.7g} in output" in text and "at aten.log.default =" not in text, text
+    assert f"float32 at aten.rsub.Scalar = {ref['value']:.7g}" in text and "at aten.log.default =" not in text, text
 
 
 def test_a_cast_overflow_references_the_value_its_hint_names() -> None:
@@ -819,3 +820,40 @@ def test_a_harmless_float16_underflow_is_not_named_as_the_cause_of_a_precision_n
     f = hunt.first
     assert f is not None and (f.module, f.op, f.verdict) == ("1", f"aten.{op}.default", "precision"), f
     assert not f.reference.get("underflow") and f.reference.get("op") != "aten.mean.dim", f.reference
+
+
+def _hand_bce(z: torch.Tensor) -> torch.Tensor:
+    """A binary cross-entropy written by hand, for the label 0: -log(1 - sigmoid(z))."""
+    return -torch.log(1 - torch.sigmoid(z))
+
+
+class _HandBCELabel0(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return _hand_bce(z)
+
+
+@pytest.mark.parametrize("where", ["module", "loss code"])
+def test_a_bfloat16_difference_rounded_to_0_is_precision_with_the_subtraction_and_its_remedy(where: str) -> None:
+    """Under bfloat16 autocast, sigmoid(14) rounds to 1.0, so 1 - p is 0 and log(1 - p) = -inf
+    (a cross-entropy written by hand, in a module or in the loss code); float32 has 1 - p = 8.3e-07.
+    The verdict was right (precision), but its reference spoke of a value passing bfloat16's largest
+    value or a variance below 0, and the remedy said to keep the inputs smaller. It now names the
+    subtraction that bfloat16 rounded to 0, with its float32 value, and a remedy that avoids it."""
+    model = nn.Sequential(nn.Linear(4, 1), _HandBCELabel0()) if where == "module" else nn.Sequential(nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.fill_(14.0)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(3, 4))
+            if where == "loss code":
+                _hand_bce(out).mean()
+    f = hunt.first
+    module = "1" if where == "module" else "<outside>"
+    assert f is not None and (f.module, f.op, f.verdict) == (module, "aten.log.default", "precision"), f
+    ref = f.reference
+    assert ref.get("cancelled") and ref["op"].startswith("aten.rsub") and ref["failing"] == 0.0, ref
+    assert ref["value"] == pytest.approx(1 - torch.sigmoid(torch.tensor(14.0)).item(), rel=1e-3), ref
+    text = str(hunt.report)
+    assert "rounds to the same number" in text and "E[x^2]" not in text, text
+    assert "binary_cross_entropy_with_logits" in text and "inputs smaller" not in text, text

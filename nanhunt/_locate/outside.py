@@ -31,7 +31,7 @@ from .._finding import Finding
 from .._steplog import Out, OutRec, StepLog, Top
 from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, tensors, values
 from . import hints as _hints
-from .differential import REDUCED
+from .differential import _FROM_ZERO, REDUCED
 from .nodes import blame_nodes, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 from .replay import faithful, given_objects
@@ -238,9 +238,12 @@ _LEGACY = (".HalfTensor", ".BFloat16Tensor")  # the legacy tensor types of a red
 
 
 def reference32(recs: list[OutRec], ri: int, j: int, index: tuple[int, ...] | None,
-                returned: dict[int, torch.Tensor] | None = None) -> tuple[bool, float | None] | None:
+                returned: dict[int, torch.Tensor] | None = None
+                ) -> tuple[bool, float | None, tuple[str, float] | None] | None:
     """The recorded code up to call ``ri`` replayed in float32 (`_Replay`'s ``wide``): is output
-    ``j`` non-finite there too, and its value at ``index``. None when it cannot be replayed."""
+    ``j`` non-finite there too, its value at ``index``, and the first subtraction before it that the
+    failing run rounded to 0 where float32 is not (``1 - sigmoid(z)`` in bfloat16: its name and
+    float32 value). None when it cannot be replayed."""
     try:
         rep = _Replay(recs, grad=False, returned=returned, wide=True)
         with _rng(), torch.no_grad(), warnings.catch_warnings():
@@ -253,9 +256,25 @@ def reference32(recs: list[OutRec], ri: int, j: int, index: tuple[int, ...] | No
         value = None
         if index is not None and len(index) == w.dim() and all(0 <= i < s for i, s in zip(index, w.shape)):
             value = float(w[index])
-        return is_bad(w), value
+        return is_bad(w), value, _cancelled(recs, rep.outs, ri)
     except Exception:
         return None
+
+
+def _cancelled(recs: list[OutRec], wide: list[list[torch.Tensor]], ri: int) -> tuple[str, float] | None:
+    """The first recorded subtraction before call ``ri`` whose reduced-precision output holds a 0
+    where its float32 replay does not: its aten name and that float32 value."""
+    with torch.no_grad():
+        for r, outs in zip(recs[:ri], wide):
+            name = getattr(r.func, "__name__", "").strip("_")
+            if name not in ("sub", "rsub"):
+                continue
+            for u, w in zip(_outs(r), outs):
+                if str(u.dtype).removeprefix("torch.") in REDUCED and u.shape == w.shape:
+                    lost = (u == 0) & (w != 0)
+                    if bool(lost.any()):
+                        return f"aten.{name}", float(w[lost][0])
+    return None
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -467,7 +486,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         # replayed in float32, autocast off
         ref = reference32(log.outside, rec_i, out_i, index, returned)
         if ref is not None:
-            bad32, value32 = ref
+            bad32, value32, cut = ref
             reference = {"dtype": "float32", "op": got.op, "tensor": tensor, "value": value32}
             if bad32:
                 verdict = "numerics"
@@ -479,6 +498,9 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
                 if low in REDUCED:
                     reference.update(limit=float(torch.finfo(getattr(torch, low)).max), failing_dtype=low)
                 reference["failing"] = value
+                if cut is not None and (got.op or "").split(".")[1:2] in ([z] for z in _FROM_ZERO):  # (fed a 0)
+                    reference = {"dtype": "float32", "op": cut[0], "value": cut[1], "failing_dtype": low,
+                                 "failing": 0.0, "underflow": True, "cancelled": True}
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=shape_of(t),
