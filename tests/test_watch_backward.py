@@ -1166,3 +1166,32 @@ def test_a_harmless_hook_on_a_parameter_is_not_blamed_alone_for_a_gradient_summe
     f = hunt.first
     assert f is not None and (f.phase, f.tensor) == ("grad", "weight.grad"), f
     assert f.source is None and "4 backward passes" in f.hint and "_log_norm" in f.hint, (f.source, f.hint)
+
+
+class _Whiten(nn.Module):
+    """ZCA whitening of a batch: its covariance's eigenvectors (``eigh``) scaled by 1/sqrt(eigenvalue)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        hc = h - h.mean(0, keepdim=True)
+        cov = hc.T @ hc / h.shape[0] + 1e-3 * torch.eye(h.shape[1])
+        vals, vecs = torch.linalg.eigh(cov)
+        return hc @ (vecs @ torch.diag(vals.rsqrt()) @ vecs.T)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_eigh_backward_at_a_degenerate_spectrum_is_told_as_equal_eigenvalues(mode: str) -> None:
+    # a batch of one sample repeated: its covariance is eps * I, every eigenvalue equal, and the
+    # eigenvectors' gradient divides by their gaps (0). The hint was the generic "typically 0/0,
+    # inf - inf or inf * 0 ... a softmax over a fully masked row"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), _Whiten(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(2):
+            x = torch.randn(16, 8) if step == 0 else torch.randn(1, 8).expand(16, 8).clone()
+            F.mse_loss(model(x), torch.randn(16, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "1", 1, "created", "LinalgEighBackward0"), str(f)
+    assert "eigenvalues" in f.hint and "fully masked" not in f.hint, f.hint

@@ -72,6 +72,16 @@ _BACKWARD = {
     "AsinBackward0": "the gradient of asin at ±1 is infinite (1/sqrt(1 - x^2)): a clamp to [-1, 1] lets ±1 "
                      "through; clamp to [-1 + eps, 1 - eps] (eps = 1e-7 in float32)",
     "AcoshBackward0": "the gradient of acosh at 1 is infinite (1/sqrt(x^2 - 1)): clamp its argument to >= 1 + eps",
+    "LinalgEighBackward0": "the gradient of eigenvectors divides by the gaps between eigenvalues (1/(l_i - l_j)): "
+                           "it is infinite where two are equal (a degenerate spectrum: a batch of identical rows, "
+                           "a matrix of rank below its size), and inf * 0 = nan. Let the loss use the eigenvalues "
+                           "only (torch.linalg.eigvalsh), perturb the matrix so they differ (a small random jitter on "
+                           "the diagonal: + eps * I shifts them all alike), or avoid the eigenvectors (a Newton-Schulz iteration "
+                           "for an inverse square root, Cholesky for whitening)",
+    "LinalgSvdBackward0": "the gradient of singular vectors divides by the gaps between squared singular values "
+                          "(1/(s_i^2 - s_j^2)): it is infinite where two are equal (a rank-deficient matrix has "
+                          "several 0s), and inf * 0 = nan. Let the loss use the singular values only "
+                          "(torch.linalg.svdvals), or perturb the matrix so they differ (a small random jitter)",
     "XlogyBackward0": "the gradient of xlogy(x, y) in y is x / y: 0/0 = nan where both are 0 (an entropy "
                       "xlogy(p, p) at a probability of exactly 0, a saturated softmax), inf where y alone is. "
                       "Compute it from the logits, (p * F.log_softmax(logits, -1)).sum(-1), or take "
