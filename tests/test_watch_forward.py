@@ -948,3 +948,24 @@ def test_a_module_that_writes_its_input_in_place_is_named(mode: str, train: bool
     f = ei.value.finding
     assert (f.phase, f.module, f.module_type, f.cause, f.op) == ("forward", "1", "_InPlaceNorm", "created", "aten.div_.Tensor")
     assert f.index == (2, 0) and math.isnan(f.value)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_weight_norm_of_a_pruned_row_is_told_as_its_zero_direction(mode: str) -> None:
+    # magnitude pruning zeroes a row of weight_norm's direction v: the row is v / ||v|| = 0/0. The
+    # hint was the generic "typically 0/0, inf - inf or inf * 0 ... a softmax over a fully masked row"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 6)), nn.ReLU(), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].parametrizations.weight.original1[2].zero_()
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause) == ("forward", "0.parametrizations.weight.0", 1, "created"), str(f)
+    assert f.op == "aten._weight_norm_interface.default" and f.index == (2, 0), str(f)
+    assert "weight_norm" in f.hint and "original0" in f.hint and "fully masked" not in f.hint, f.hint

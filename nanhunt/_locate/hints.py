@@ -52,6 +52,10 @@ _OPS = {
     "native_group_norm": "a normalisation with eps=0 over a constant group: its variance is 0, so (x - mean) / sqrt(0) "
                          "is 0/0 = nan (use a positive eps, the default 1e-5); or values so large (near the dtype's "
                          "max) that their mean or variance overflowed",
+    "_weight_norm_interface": "a weight_norm layer divides each row of its direction v (parametrizations.weight.original1, "
+                              "or weight_v) by that row's norm: a row of v that is all 0 (pruned, zero-initialised, "
+                              "decayed to 0) is 0/0 = nan. Prune by zeroing the magnitude g (original0 / weight_g), "
+                              "not v's row, or re-initialise that row",
     "acosh": "acosh below 1 gives nan (a hyperbolic distance of points pushed past the ball's edge: clamp its argument to >= 1 + eps)",
 }
 
