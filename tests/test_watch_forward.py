@@ -969,3 +969,38 @@ def test_weight_norm_of_a_pruned_row_is_told_as_its_zero_direction(mode: str) ->
     assert (f.phase, f.module, f.step, f.cause) == ("forward", "0.parametrizations.weight.0", 1, "created"), str(f)
     assert f.op == "aten._weight_norm_interface.default" and f.index == (2, 0), str(f)
     assert "weight_norm" in f.hint and "original0" in f.hint and "fully masked" not in f.hint, f.hint
+
+
+class _MaskedActor(nn.Module):
+    """A policy over legal actions: illegal ones masked to -inf, then a Categorical's log-probability."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 16)
+        self.logits = nn.Linear(16, 5)
+
+    def forward(self, obs: torch.Tensor, legal: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(torch.tanh(self.body(obs))).masked_fill(~legal, float("-inf"))
+        return torch.distributions.Categorical(logits=logits, validate_args=False).log_prob(act)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_categorical_over_a_row_with_no_legal_action_is_told_as_a_fully_masked_row(mode: str) -> None:
+    # a state with every action illegal: Categorical normalises its logits as logits - logsumexp(logits),
+    # -inf - (-inf) = nan. The hint was p * log p's ("-inf * 0 ... label smoothing ... xlogy"), no
+    # word of the row being masked at every position
+    torch.manual_seed(0)
+    model = _MaskedActor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(2):
+            legal = torch.ones(8, 5, dtype=torch.bool)
+            if step == 1:
+                legal[3] = False
+            (-model(torch.randn(8, 6), legal, torch.zeros(8, dtype=torch.long)).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "", 1, (3,), "created"), str(f)
+    assert f.op == "aten.masked_fill.Scalar" and "aten.sub.Tensor" in f.chain[1], str(f)
+    assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint

@@ -141,6 +141,11 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
+            elif (name == "sub" and (mask_write(first.op) or getattr(rec, "mask_fed", False)) and len(r.ins) == 2
+                  and r.ins[0].code is not None and r.ins[0].code.dim()
+                  and r.ins[1].code is not None and bool((r.ins[0].code == 3).all(-1).any())
+                  and bool((r.ins[1].code == 3).any())):  # x - logsumexp(x) or x - x.amax(): -inf - -inf
+                out["masked_row"] = "sub"
             elif name in _ATTENTION and any(i.code is not None and i.code.dim() and bool((i.code == 3).all(-1).any())
                                             for i in r.ins):  # (its mask: a row all -inf)
                 out["masked_row"] = True
@@ -306,6 +311,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"value it is computed in, so {op} normalises inf/inf = nan (its eps is not the cause). The values "
                 "themselves are too large: look for exploding weights or activations (a lower learning rate, "
                 "gradient clipping).")
+    if fx.get("masked_row") == "sub":
+        return ("A fully masked row normalised by a subtraction: every position of that row is -inf, so x - "
+                "logsumexp(x) (Categorical(logits=...)'s normalisation, a log_softmax by hand) or x - x.amax() is "
+                "-inf - (-inf) = nan. Leave at least one position unmasked (a state with no legal action: give it "
+                "one, or drop it), or mask with torch.finfo(dtype).min instead of -inf.")
     if fx.get("masked_row") and not fx.get("div_zero"):  # (a row a division by 0 made all -inf is no mask's)
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or make the row finite before the softmax "
