@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanhunt
@@ -1004,3 +1006,38 @@ def test_a_categorical_over_a_row_with_no_legal_action_is_told_as_a_fully_masked
     assert (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "", 1, (3,), "created"), str(f)
     assert f.op == "aten.masked_fill.Scalar" and "aten.sub.Tensor" in f.chain[1], str(f)
     assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint
+
+
+class _GaussianPolicy(nn.Module):
+    """A Gaussian policy whose scale is a ReLU's output: 0 for a state that drives it below 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 16)
+        self.mu = nn.Linear(16, 2)
+        self.sigma = nn.Linear(16, 2)
+
+    def forward(self, obs: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(obs))
+        dist = torch.distributions.Normal(self.mu(h), F.relu(self.sigma(h)), validate_args=False)
+        return dist.log_prob(act).sum(-1)  # @normal-log-prob
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_normal_log_prob_whose_scale_reached_0_is_told_as_a_log_of_exactly_0(mode: str) -> None:
+    # Normal.log_prob takes log(scale): a scale of exactly 0 (ReLU) is -inf there, then -inf - (-inf)
+    # = nan. The hint was "log of 0 gives -inf and log of a negative number gives nan", no word of
+    # what reached 0 or how to keep it positive
+    torch.manual_seed(0)
+    model = _GaussianPolicy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for _ in range(2):
+            (-model(torch.randn(8, 6), torch.randn(8, 2)).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.op) == ("forward", "", "created", "aten.log.default"), str(f)
+    want = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if text.endswith("# @normal-log-prob"))
+    assert f.source is not None and f.source.endswith(f"test_watch_forward.py:{want}"), str(f)
+    assert "exactly 0" in f.hint and "scale" in f.hint and "softplus" in f.hint, f.hint

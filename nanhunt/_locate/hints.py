@@ -228,6 +228,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if not nz.numel():
         return out
     flat = int(nz[0, 0])
+    if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
+            and float(args[0].reshape(-1)[flat]) == 0):
+        out["log_zero"] = True
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     if dtype is None or dtype == torch.float64:
         return out
@@ -337,6 +340,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("one_element"):
         return ("std/var of one element: with the unbiased correction the count is n - 1 = 0, so it is 0/0 = nan; "
                 "use correction=0 or skip batches of one.")
+    if fx.get("log_zero"):
+        return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
+                "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
+                "softplus: Normal(loc, scale).log_prob takes log(scale)). Keep it positive (clamp_min(eps); "
+                "F.softplus(x) + eps for a scale) or compute it in log space (F.log_softmax, F.logsigmoid).")
     if fx.get("ctc"):
         return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
                 "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
