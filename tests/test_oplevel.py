@@ -772,3 +772,33 @@ def test_rows_of_a_weight_summed_are_not_called_samples() -> None:
             opt.zero_grad()
     f = ei.value.finding
     assert "over 2 rows" in f.hint and "sample" not in f.hint, f.hint
+
+
+class _PairCosine(nn.Module):
+    """Cosine similarity of two mean-pooled token sequences, normalised with eps=0: an all-padding
+    sequence pools to the zero vector, whose normalisation is 0 / 0."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8, padding_idx=0)
+        self.how = how
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        a, b = self.emb(ids).mean(2).unbind(1)
+        if self.how == "normalize":
+            return (F.normalize(a, dim=-1, eps=0) * F.normalize(b, dim=-1, eps=0)).sum(-1)
+        return F.cosine_similarity(a, b, dim=-1, eps=0)
+
+
+@pytest.mark.parametrize("how", ["normalize", "cosine_similarity"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_zero_vector_normalised_with_eps_0_is_told_as_0_over_0(how: str, mode: str) -> None:
+    # the hint was the division's generic "dividing by a count that is 0, or by a learned temperature
+    # ... clamp(min=1)", with no word of a zero vector or of the eps=0 that lets it through
+    torch.manual_seed(0)
+    ids = torch.randint(1, 10, (4, 2, 3))
+    ids[1] = 0  # a pair of all-padding sequences
+    f = train_step(_PairCosine(how), ids, mode=mode)
+    assert (f.module, f.op, f.cause, f.index) == ("", "aten.div.Tensor", "created", (1,)) and math.isnan(f.value), f
+    assert f.hint.startswith("A division by 0") and "zero vector" in f.hint and "eps" in f.hint, f.hint
+    assert "temperature" not in f.hint, f.hint

@@ -211,6 +211,12 @@ def _creator_facts(r: Any) -> dict[str, Any]:
             out["div_zero"] = True
             if isinstance(d, torch.Tensor) and d.dtype is torch.float16:
                 out["div_float16"] = True  # an eps of 1e-12 is 0 there
+            code = r.outs[0][1] if r.outs else None
+            if isinstance(args[0], torch.Tensor) and code is not None and bool(code.any()):
+                n, dd = torch.broadcast_tensors(args[0], d if isinstance(d, torch.Tensor) else torch.tensor(d))
+                flat = int(code.reshape(-1).nonzero()[0, 0])  # (the first non-finite element: 0/0 there?)
+                if n.numel() == code.numel() and float(n.reshape(-1)[flat]) == 0 == float(dd.reshape(-1)[flat]):
+                    out["zero_over_zero"] = True
     if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and r.outs and r.outs[0][1] is not None:
         src, code = args[0], r.outs[0][1]  # a cast down past the new dtype's range (autocast's copy of a weight, .half())
         to = kwargs.get("dtype")
@@ -353,6 +359,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
                     "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
                     "eps float16 can hold (1e-4), or compute the normalisation in float32.")
+        if fx.get("zero_over_zero"):
+            return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
+                    "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
+                    "all-padding sequence's pooled embedding), or a sum over nothing by a count of 0; keep a positive "
+                    "eps (F.normalize's default 1e-12, or clamp_min(eps) on the denominator) or skip such rows.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count "
                 "that is 0, or by a learned temperature or scale that reached 0); "
                 "guard the denominator, e.g. clamp(min=1) or + eps.")
