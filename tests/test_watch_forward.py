@@ -976,23 +976,30 @@ def test_weight_norm_of_a_pruned_row_is_told_as_its_zero_direction(mode: str) ->
 class _MaskedActor(nn.Module):
     """A policy over legal actions: illegal ones masked to -inf, then a Categorical's log-probability."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str = "masked_fill") -> None:
         super().__init__()
         self.body = nn.Linear(6, 16)
         self.logits = nn.Linear(16, 5)
+        self.how = how
 
     def forward(self, obs: torch.Tensor, legal: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(torch.tanh(self.body(obs))).masked_fill(~legal, float("-inf"))
+        logits = self.logits(torch.tanh(self.body(obs)))
+        if self.how == "masked_fill":
+            logits = logits.masked_fill(~legal, float("-inf"))
+        else:  # an additive mask: log(1) = 0, log(0) = -inf
+            logits = logits + legal.float().log()
         return torch.distributions.Categorical(logits=logits, validate_args=False).log_prob(act)
 
 
+@pytest.mark.parametrize("how", ["masked_fill", "log"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_categorical_over_a_row_with_no_legal_action_is_told_as_a_fully_masked_row(mode: str) -> None:
+def test_a_categorical_over_a_row_with_no_legal_action_is_told_as_a_fully_masked_row(mode: str, how: str) -> None:
     # a state with every action illegal: Categorical normalises its logits as logits - logsumexp(logits),
     # -inf - (-inf) = nan. The hint was p * log p's ("-inf * 0 ... label smoothing ... xlogy"), no
-    # word of the row being masked at every position
+    # word of the row being masked at every position; for a mask added as legal.log(), "log of exactly
+    # 0 ... keep it positive", as if a value had reached 0
     torch.manual_seed(0)
-    model = _MaskedActor()
+    model = _MaskedActor(how)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
         for step in range(2):
@@ -1004,7 +1011,8 @@ def test_a_categorical_over_a_row_with_no_legal_action_is_told_as_a_fully_masked
             opt.zero_grad()
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.index, f.cause) == ("forward", "", 1, (3,), "created"), str(f)
-    assert f.op == "aten.masked_fill.Scalar" and "aten.sub.Tensor" in f.chain[1], str(f)
+    assert f.op == ("aten.masked_fill.Scalar" if how == "masked_fill" else "aten.log.default"), str(f)
+    assert any(c.startswith("aten.sub.Tensor") for c in f.chain), str(f)
     assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint
 
 

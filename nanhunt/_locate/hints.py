@@ -141,7 +141,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
-            elif (name == "sub" and (mask_write(first.op) or getattr(rec, "mask_fed", False)) and len(r.ins) == 2
+            elif (name == "sub" and (mask_write(first.op) or out.get("log_mask") or getattr(rec, "mask_fed", False))
+                  and len(r.ins) == 2
                   and r.ins[0].code is not None and r.ins[0].code.dim()
                   and r.ins[1].code is not None and bool((r.ins[0].code == 3).all(-1).any())
                   and bool((r.ins[1].code == 3).any())):  # x - logsumexp(x) or x - x.amax(): -inf - -inf
@@ -152,7 +153,7 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
         code0 = first.outs[0][1] if first.outs else None
-        if (len(path) > 1 and mask_write(first.op) and code0 is not None
+        if (len(path) > 1 and (mask_write(first.op) or out.get("log_mask")) and code0 is not None
                 and bool((code0[code0 != 0] == 3).all())):
             out["mask_written"] = True  # the code wrote a -inf mask (logits[..., pad:] = -inf) that later arithmetic spoiled
         if code0 is not None and code0.dim():  # the creator's rows holding its non-finite values: the samples
@@ -236,7 +237,8 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     flat = int(nz[0, 0])
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and float(args[0].reshape(-1)[flat]) == 0):
-        out["log_zero"] = True
+        x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
+        out["log_mask" if not x.requires_grad and bool(((x == 0) | (x == 1)).all()) else "log_zero"] = True
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     if dtype is None or dtype == torch.float64:
         return out
