@@ -1169,22 +1169,31 @@ def test_a_harmless_hook_on_a_parameter_is_not_blamed_alone_for_a_gradient_summe
 
 
 class _Whiten(nn.Module):
-    """ZCA whitening of a batch: its covariance's eigenvectors (``eigh``) scaled by 1/sqrt(eigenvalue)."""
+    """ZCA whitening of a batch: its covariance's eigenvectors (``eigh``, or ``svd``'s singular vectors)
+    scaled by 1/sqrt(eigenvalue)."""
+
+    def __init__(self, how: str = "eigh") -> None:
+        super().__init__()
+        self.how = how
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         hc = h - h.mean(0, keepdim=True)
         cov = hc.T @ hc / h.shape[0] + 1e-3 * torch.eye(h.shape[1])
-        vals, vecs = torch.linalg.eigh(cov)
+        if self.how == "eigh":
+            vals, vecs = torch.linalg.eigh(cov)
+        else:
+            vecs, vals, _ = torch.linalg.svd(cov)
         return hc @ (vecs @ torch.diag(vals.rsqrt()) @ vecs.T)
 
 
+@pytest.mark.parametrize("how", ["eigh", "svd"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_eigh_backward_at_a_degenerate_spectrum_is_told_as_equal_eigenvalues(mode: str) -> None:
+def test_eigh_backward_at_a_degenerate_spectrum_is_told_as_equal_eigenvalues(mode: str, how: str) -> None:
     # a batch of one sample repeated: its covariance is eps * I, every eigenvalue equal, and the
     # eigenvectors' gradient divides by their gaps (0). The hint was the generic "typically 0/0,
     # inf - inf or inf * 0 ... a softmax over a fully masked row"
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 4), _Whiten(), nn.Linear(4, 1))
+    model = nn.Sequential(nn.Linear(8, 4), _Whiten(how), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
         for step in range(2):
@@ -1193,5 +1202,6 @@ def test_eigh_backward_at_a_degenerate_spectrum_is_told_as_equal_eigenvalues(mod
             opt.step()
             opt.zero_grad()
     f = ei.value.finding
-    assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "1", 1, "created", "LinalgEighBackward0"), str(f)
-    assert "eigenvalues" in f.hint and "fully masked" not in f.hint, f.hint
+    node = "LinalgEighBackward0" if how == "eigh" else "LinalgSvdBackward0"
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "1", 1, "created", node), str(f)
+    assert ("eigenvalues" if how == "eigh" else "singular values") in f.hint and "fully masked" not in f.hint, f.hint
