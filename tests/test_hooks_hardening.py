@@ -1060,6 +1060,47 @@ def test_close_from_another_thread_while_the_analysis_replays_leaves_no_wrapper_
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
+def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) -> None:
+    """A server's shutdown: close() runs on another thread while the training thread is inside the
+    model's forward. In ops mode close() popped the op mode from the closing thread's own (empty)
+    dispatch stack: RuntimeError, and every hook and wrapper of the hunt stayed on. Now the mode
+    passes ops through until the training thread's next module call takes it off its stack."""
+    torch.manual_seed(0)
+    tap = _Tap()
+    model = nn.Sequential(nn.Linear(4, 4), tap, nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hunt = nanhunt.watch(model, opt, mode=mode)
+    model(torch.rand(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    errors: list[BaseException] = []
+
+    def close_elsewhere() -> None:
+        def close() -> None:
+            try:
+                hunt.close()
+            except BaseException as exc:  # (the test's own report of it)
+                errors.append(exc)
+
+        t = threading.Thread(target=close)
+        t.start()
+        t.join()
+
+    tap.at[tap.n + 1] = close_elsewhere
+    model(torch.rand(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    model(torch.rand(3, 4)).sum().backward()  # (the next module call takes the op mode out)
+    opt.step()
+    assert errors == [] and hunt.closed
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__ or m._forward_hooks
+            or m._forward_pre_hooks] == []
+    assert not (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+    assert not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
+
+
 def test_an_on_find_callback_that_steps_the_optimizer_gets_a_clear_error() -> None:
     """A callback calling ``opt.step()`` re-entered the step's judgement, which called the callback
     again: RecursionError after 166 findings of the same step. Now a RuntimeError saying what

@@ -11,10 +11,12 @@ work is never recorded as the user's ops. The mode knows nothing of the hunt but
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.modules import module as module_mod
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -66,6 +68,7 @@ class OpsHunt(Hunt):
         finally:
             self._mode.muted -= 1
         self._mode.__enter__()
+        self._mode_thread = threading.current_thread()  # (a dispatch mode sits on this thread's own stack)
 
     def _record_op(self, op: str, node: str | None, outs: list[torch.Tensor]) -> None:
         if self._paused or self._closed or replaying_here():
@@ -104,5 +107,32 @@ class OpsHunt(Hunt):
     del _muted
 
     def _release(self) -> None:
-        self._mode.__exit__(None, None, None)
-        super()._release()
+        try:
+            self._mode_out()
+        finally:
+            super()._release()
+
+    def _mode_out(self) -> None:
+        """Take the op mode off the stack of the thread that opened the hunt. Only that thread can pop
+        it, and only from the top: closed from another thread (a server's shutdown while the training
+        thread is mid-step; popping there failed and left every hook on), or under a mode of the
+        user's, it passes every op through until that thread's next module call takes it out."""
+        mode, thread = self._mode, self._mode_thread
+        mode.muted += 1  # for good
+
+        def on_top() -> bool:
+            n = torch._C._len_torch_dispatch_stack()
+            return n > 0 and torch._C._get_dispatch_stack_at(n - 1) is mode
+
+        if threading.current_thread() is thread and on_top():
+            mode.__exit__(None, None, None)
+            return
+
+        def later(module: Any, args: Any) -> None:
+            if not thread.is_alive():  # (its stack went with it)
+                handle.remove()
+            elif threading.current_thread() is thread and on_top():
+                handle.remove()
+                mode.__exit__(None, None, None)
+
+        handle = module_mod.register_module_forward_pre_hook(later)
