@@ -361,6 +361,7 @@ class StepLog:
         # sentinel under torch.compile(model)): its calls in this step were not recorded (see Hunt._after_trace)
         self.traced = False
         self.transformed = False  # the model was called inside torch.func transforms (vmap/grad): not recorded
+        self.foreign = False  # the model was called with grad on another thread than the step's: not recorded
         self.span = 0  # where the probes of the latest top-level call begin (see _record.retain)
         self.out_span = 0  # where the outside calls recorded since the latest top-level call begin
         self.pending: list[Any] = []  # no_grad top-level calls whose finiteness is not on the host yet

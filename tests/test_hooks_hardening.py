@@ -1101,6 +1101,31 @@ def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) 
     assert not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_of_a_forward_run_on_a_worker_thread_says_so_not_torch_compile(mode: str) -> None:
+    """The model's forward runs on a worker thread, backward and step() on the main thread. The
+    step's non-finite gradient had nothing of the step seen, and its hint sent the user to a
+    torch.compile'd training step (full) or to a GAN's parts called directly (sentinel)."""
+    model = zoo.cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        for s in range(3):
+            x = torch.randn(4, 1, 8, 8)
+            if s == 2:
+                x[0, 0, 0, 0] = float("nan")
+            got: list[torch.Tensor] = []
+            t = threading.Thread(target=lambda x, got: got.append(model(x)), args=(x, got))
+            t.start()
+            t.join()
+            got[0].float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    grads = [f for f in hunt.findings if f.phase == "grad" and f.step == 2]
+    assert grads and grads[0].cause == "unknown", [str(f) for f in hunt.findings]
+    assert "another thread" in grads[0].hint and "compile" not in grads[0].hint and "GAN" not in grads[0].hint
+    assert any(f.phase == "forward" and f.step == 2 and f.cause == "input" for f in hunt.findings)
+
+
 def test_an_on_find_callback_that_steps_the_optimizer_gets_a_clear_error() -> None:
     """A callback calling ``opt.step()`` re-entered the step's judgement, which called the callback
     again: RecursionError after 166 findings of the same step. Now a RuntimeError saying what

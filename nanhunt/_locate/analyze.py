@@ -1202,6 +1202,8 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 cause, hint = "unknown", _hints.untraced_forward_hint()
             elif ctx.log.transformed:  # its calls ran inside torch.func transforms (vmap/grad)
                 cause, hint = "unknown", _hints.transformed_forward_hint()
+            elif ctx.log.foreign:  # its calls ran on another thread than the one that steps the optimizer
+                cause, hint = "unknown", _hints.foreign_forward_hint()
             elif ctx.view.mode == "sentinel":
                 cause, hint = "unknown", _hints.unseen_forward_hint()
             else:  # no call of the model, no loss code: they ran where no hook runs (a compiled train step)

@@ -581,6 +581,15 @@ def transformed_forward_hint() -> str:
             "sample) under the hunt to have it located.")
 
 
+def foreign_forward_hint() -> str:
+    """Non-finite gradients of a step whose model calls all ran on another thread than the one
+    that steps the optimizer (a worker thread's forward): each was judged on its own as it returned."""
+    return ("The model ran on another thread than the one that calls optimizer.step(), and a step is recorded "
+            "from that thread, so where this gradient's NaN/Inf came from was not seen: each call on the other "
+            "thread was judged on its own as it returned (a forward finding of this step, if its output was "
+            "non-finite). Call the model on the thread that steps the optimizer to have it located.")
+
+
 def untraced_forward_hint() -> str:
     """Non-finite gradients of a step whose model calls all ran in a compiled graph the hunt had not
     hooked yet (the model compiled after watch(); sentinel under torch.compile(model)): caught from

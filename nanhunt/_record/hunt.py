@@ -1081,6 +1081,8 @@ class Hunt:
                 or _on_meta(module, args)):
             return False
         loc.top = (module, e[0], args, kwargs)
+        if torch.is_grad_enabled():
+            self._log.foreign = True  # (the analysis says why the step's forward was not seen)
         return True
 
     def _foreign_post(self, module: nn.Module, kwargs: Any, output: Any) -> None:
