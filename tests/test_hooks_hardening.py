@@ -1101,6 +1101,17 @@ def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) 
     assert not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
 
 
+def test_two_ops_hunts_closed_first_opened_first_leave_no_mode_or_hook() -> None:
+    """The first hunt's op mode sits under the second's: close() popped the top, the second's."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    first, second = nanhunt.watch(model, mode="ops"), nanhunt.watch(model, mode="ops")
+    model(torch.rand(2, 4))
+    first.close()
+    second.close()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_gradient_of_a_forward_run_on_a_worker_thread_says_so_not_torch_compile(mode: str) -> None:
     """The model's forward runs on a worker thread, backward and step() on the main thread. The

@@ -115,24 +115,40 @@ class OpsHunt(Hunt):
     def _mode_out(self) -> None:
         """Take the op mode off the stack of the thread that opened the hunt. Only that thread can pop
         it, and only from the top: closed from another thread (a server's shutdown while the training
-        thread is mid-step; popping there failed and left every hook on), or under a mode of the
-        user's, it passes every op through until that thread's next module call takes it out."""
-        mode, thread = self._mode, self._mode_thread
-        mode.muted += 1  # for good
+        thread is mid-step; popping there failed and left every hook on), or under another mode (a
+        hunt opened later, a mode of the user's), it passes every op through until it is on top of
+        that thread's stack at a close or a module call (`_sweep`)."""
+        self._mode.muted += 1  # for good
+        global _SWEEP
+        with _LOCK:
+            _ORPHANS.append((self._mode, self._mode_thread))
+            if _SWEEP is None:
+                _SWEEP = module_mod.register_module_forward_pre_hook(_sweep)
+        _sweep()
 
-        def on_top() -> bool:
-            n = torch._C._len_torch_dispatch_stack()
-            return n > 0 and torch._C._get_dispatch_stack_at(n - 1) is mode
 
-        if threading.current_thread() is thread and on_top():
-            mode.__exit__(None, None, None)
-            return
+_LOCK = threading.Lock()
+_ORPHANS: list[tuple[_OpsMode, threading.Thread]] = []  # closed hunts' modes still on a thread's stack
+_SWEEP: Any = None  # the module pre-hook that takes them out (while there are any)
 
-        def later(module: Any, args: Any) -> None:
-            if not thread.is_alive():  # (its stack went with it)
-                handle.remove()
-            elif threading.current_thread() is thread and on_top():
-                handle.remove()
-                mode.__exit__(None, None, None)
 
-        handle = module_mod.register_module_forward_pre_hook(later)
+def _sweep(*_: Any) -> None:
+    """Pop the closed hunts' modes on top of this thread's dispatch stack (one that ended took its
+    stack with it); the hook goes when none is left."""
+    global _SWEEP
+    me = threading.current_thread()
+    with _LOCK:
+        again = True
+        while again:
+            again = False
+            for mode, thread in list(_ORPHANS):
+                n = torch._C._len_torch_dispatch_stack()
+                if not thread.is_alive():
+                    _ORPHANS.remove((mode, thread))
+                elif thread is me and n and torch._C._get_dispatch_stack_at(n - 1) is mode:
+                    _ORPHANS.remove((mode, thread))
+                    mode.__exit__(None, None, None)
+                    again = True
+        if not _ORPHANS and _SWEEP is not None:
+            _SWEEP.remove()
+            _SWEEP = None
