@@ -104,6 +104,29 @@ def test_steps_after_the_bad_sample_poisoned_the_weights_name_no_sample_of_their
     assert hunt.first is not None and hunt.first.samples == (13,) and hunt.report.bad_samples == [13]
 
 
+def test_a_watch_per_epoch_names_the_rows_of_a_persistent_workers_loader() -> None:
+    """One watch per epoch over a loader with persistent_workers=True: the epochs after the first
+    reuse the iterator made while the first watch was open (no new `_get_iterator`), which kept
+    that closed watch's sampler: every later watch had no samples, and the closed watch stayed
+    referenced by the loader."""
+    loader = _loader(num_workers=2, persistent_workers=True)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for epoch in range(2):
+        order = []
+        with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:
+            for x, y, i in loader:
+                order.append(i.tolist())
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        assert hunt.report.bad_samples == sorted(POISONED), epoch
+        f = next(f for f in hunt.findings if f.phase == "forward")
+        assert f.samples == tuple(i for i in order[f.step] if i in POISONED), (epoch, f)
+        it = loader._iterator
+        assert type(it.__dict__["_index_sampler"]).__name__ == "BatchSampler" and "_nanhunt_indices" not in vars(it)
+
+
 def test_loader_must_be_a_dataloader() -> None:
     with pytest.raises(TypeError, match="DataLoader"):
         nanhunt.watch(zoo.bnmlp(), loader=[1, 2, 3])

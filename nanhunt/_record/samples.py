@@ -8,9 +8,9 @@ front as the indices of the batch it is returning. Worker processes fetch ahead,
 order (``in_order=True``, the default), so the queue's order is the delivery order. Everything is
 put back at ``close()``. A batch the loader did not deliver (``itertools.cycle(loader)``'s replays
 of its first pass, a cached list) has no samples once a step worked on the last delivered one,
-unless the call is given that batch's own tensors. Not covered: an iterator made before
-``watch()`` (e.g. a persistent one from an earlier epoch), ``in_order=False``, iterable datasets
-(no indices).
+unless the call is given that batch's own tensors. A persistent workers' iterator from an earlier
+epoch is subclassed at ``watch()`` (its next pass draws from the wrapped sampler). Not covered: any
+other iterator made before ``watch()``, ``in_order=False``, iterable datasets (no indices).
 """
 
 from __future__ import annotations
@@ -107,12 +107,19 @@ class LoaderIndices:
             it = original()
             owner = me()
             if owner is not None:
-                it.__class__ = _recording_iterator(type(it))
-                it._nanhunt_indices = me  # type: ignore[attr-defined]
-                owner._iters.add(it)
+                owner._record(it)
             return it
 
         loader._get_iterator = _get_iterator  # type: ignore[method-assign]
+        it = loader.__dict__.get("_iterator")  # persistent workers' iterator of an earlier pass: the next
+        if it is not None and it.__dict__.get("_index_sampler") is self._inner:  # pass resets it, made anew never
+            it._index_sampler = loader._index_sampler  # (its pass draws from what it kept at its making)
+            self._record(it)
+
+    def _record(self, it: Any) -> None:
+        it.__class__ = _recording_iterator(type(it))
+        it._nanhunt_indices = weakref.ref(self)
+        self._iters.add(it)
 
     def delivered(self, batch: Any = None) -> None:
         self.last = self.queue.popleft() if self.queue else None
@@ -153,6 +160,9 @@ class LoaderIndices:
         if "_get_iterator" in loader.__dict__:
             del loader._get_iterator
         for it in list(self._iters):
+            sampler = it.__dict__.get("_index_sampler")
+            if isinstance(sampler, _Recording) and sampler._nanhunt_owner is self:
+                it._index_sampler = self._inner  # (a persistent iterator lives on: made while watched, it kept ours)
             base = type(it).__mro__[1]
             if _SUBCLASSES.get(base) is type(it):
                 it.__class__ = base
