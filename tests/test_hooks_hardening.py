@@ -1101,6 +1101,43 @@ def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) 
     assert not (opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks)
 
 
+@pytest.mark.parametrize("mode", ["full", "ops"])
+def test_close_from_another_thread_mid_step_does_not_judge_the_training_threads_step(
+        mode: str, caplog: Any) -> None:
+    """Gradient accumulation: the step's first micro-batch made a NaN, the second is in its forward
+    when a shutdown thread calls close(). close() judged the half-written step there, replaying the
+    first call on the model the training thread was running, and raised the finding in the closing
+    thread. Now that step is left unjudged, with a warning; nothing of the hunt is left."""
+    torch.manual_seed(0)
+    tap = _Tap()
+    model = nn.Sequential(nn.Linear(4, 4), tap, nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    hunt = nanhunt.watch(model, opt, mode=mode)
+    errors: list[BaseException] = []
+
+    def close_elsewhere() -> None:
+        def close() -> None:
+            try:
+                hunt.close()
+            except BaseException as exc:  # (the test's own report of it)
+                errors.append(exc)
+
+        t = threading.Thread(target=close)
+        t.start()
+        t.join()
+
+    x = torch.rand(3, 4)
+    x[1, 2] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="nanhunt"):
+        model(x).sum().backward()
+        tap.at[tap.n + 1] = close_elsewhere
+        model(torch.rand(3, 4)).sum().backward()
+    assert errors == [] and hunt.closed and hunt.findings == []
+    assert any("another thread" in r.getMessage() for r in caplog.records)
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__ or m._forward_hooks] == []
+    assert torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+
+
 def test_two_ops_hunts_closed_first_opened_first_leave_no_mode_or_hook() -> None:
     """The first hunt's op mode sits under the second's: close() popped the top, the second's."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

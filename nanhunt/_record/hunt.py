@@ -2441,7 +2441,7 @@ class Hunt:
         self._closed = True
         _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
-            if self._root is not None:  # no collective: the other ranks may close elsewhere, or never
+            if self._root is not None and not self._owner_busy():  # no collective: the other ranks may close elsewhere, or never
                 if self._optimizer_every:
                     self._probe_last_updates()
                 self._end_step(advance=False, raise_ok=raise_pending and self.on_find in ("raise", "skip", "breakpoint"))
@@ -2453,6 +2453,19 @@ class Hunt:
                 raise InternalError(msg) from exc
         finally:
             self._release()
+
+    def _owner_busy(self) -> bool:
+        """close() on another thread than the step's while that thread is in its step (a server's
+        shutdown): the step is not judged here, where its log is still being written and a replay
+        would run on the model the training thread is using (a NaN it had made was judged from
+        half a log, or raised in the closing thread as "origin unknown")."""
+        owner, thread = self._owner, self._owner_thread
+        if (owner is None or owner == _get_ident() or thread.ident != owner or not thread.is_alive()
+                or not (self._stack or self._log.tops)):
+            return False
+        _logger.warning("nanhunt: close() was called on another thread than the one training (%s) while it was "
+                        "in step %d: that step is not judged", thread.name, self.step)
+        return True
 
     def _release(self) -> None:
         """Remove every hook and drop every reference (the end of `close()`)."""
