@@ -252,6 +252,66 @@ def test_a_forward_with_its_own_collective_is_analysed_without_a_collective_on_o
     assert res[0]["findings"] == res[1]["findings"]
 
 
+class _RowNorm(nn.Module):
+    """Rows scaled to unit length: an all-zero row (padding) is 0/0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.norm(dim=-1, keepdim=True)
+
+
+class _RowParallelAutograd(_RowParallel):
+    """The same, through the autograd-aware functional all_reduce (a new tensor, not in place)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dist.nn.functional.all_reduce(self.lin(x))
+
+
+def _spread_by_all_reduce(rank: int, world: int, mode: str, layer: str) -> dict[str, Any]:
+    import torch.distributed.nn  # noqa: F401  (dist.nn.functional)
+
+    torch.manual_seed(rank)
+    model = nn.Sequential(_RowNorm(), nn.Linear(6, 8), nn.Tanh(), _RowParallel() if layer == "inplace" else _RowParallelAutograd())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.watch(model, optimizer=opt, mode=mode, dist_timeout=10):
+        for step in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            if rank == 1 and step == 2:
+                x[3] = 0.0  # an empty row on rank 1 only; the all_reduce hands its NaN to rank 0
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"first": info.value.finding.to_dict(),
+            "mine": [f.to_dict() for f in info.value.report.findings if f.rank == rank and f.phase == "forward"]}
+
+
+@pytest.mark.parametrize(("mode", "layer"), [("full", "inplace"), ("sentinel", "inplace"), ("full", "functional")])
+def test_a_nan_one_rank_made_that_a_forward_all_reduce_spread_is_named_on_that_rank(tmp_path, mode, layer):
+    """A tensor-parallel all_reduce in the forward hands rank 1's NaN to rank 0, writing the output
+    in place (no version counter moves). The replay stops at the collective (`_NoCollectives`), and
+    was then dropped whole: rank 1's finding had cause "unknown" and no op, rank 0's (the healthy
+    rank, a Linear whose output the all_reduce overwrote) came first, and its hint blamed hardware.
+    The calls that returned before the collective are used; rank 0's is told as received. (The
+    functional all_reduce: the call it ran in, left by the refusal, was taken as returned, with no
+    output: rank 0's finding came out "not reproducible", its hint blaming hardware.)"""
+    res = ranks.run(_spread_by_all_reduce, 2, str(tmp_path), mode, layer, limit=60)
+    for r in res:
+        assert r is not None
+        first = r["first"]
+        assert (first["rank"], first["step"], first["phase"], first["module"], first["cause"], first["op"]) == (
+            1, 2, "forward", "0", "created", "aten.div.Tensor"), first
+        assert first["source"].endswith(f"test_distributed.py:{_RowNorm.forward.__code__.co_firstlineno + 1}")
+    if mode == "full":
+        received = res[0]["mine"][0]
+        assert received["reproducible"] is None and received["verdict"] is None, received
+        if layer == "inplace":
+            assert (received["module"], received["cause"]) == ("3.lin", "input")
+            assert "born on another rank" in received["hint"], received["hint"]
+        else:
+            assert (received["module"], received["cause"]) == ("3", "unknown")
+            assert "may have come from another rank" in received["hint"], received["hint"]
+
+
 # ---------------------------------------------------------------------------- dead and silent ranks
 def _silent_ranks(rank: int, world: int) -> dict[str, Any]:
     model = zoo.mlp(rank)  # each rank trains its own model: the only collective is nanhunt's

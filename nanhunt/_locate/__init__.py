@@ -19,6 +19,7 @@ from .._finding import Finding
 from .._steplog import StepView
 from .analyze import analyze
 from .bundle import BundleError, replay
+from .replay import CollectiveRefused
 
 __all__ = ["locate", "replay", "BundleError"]
 
@@ -70,5 +71,5 @@ class _NoCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
-            raise RuntimeError(f"nanhunt: {func} in a replay on one rank: the other ranks would never join it")
+            raise CollectiveRefused(str(func))
         return func(*args, **(kwargs or {}))

@@ -433,7 +433,13 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     reproducible: bool | None = None
     cause = "unknown"
     name, module, call = c.name, c.module, c.call
-    if r is not None and r.error is None:
+    received = r.collective if r is not None and rc is not None and not _bad_at_return(rc, path) else None
+    if received is not None:
+        # finite when it returned on this rank, and the replay (on this rank alone) stopped at a
+        # collective after it: that collective wrote it in place (an all_reduce moves no version
+        # counter) with another rank's values; that rank's own finding says where they were born
+        cause, rc = "input", None
+    elif r is not None and (r.error is None or rc is not None):
         again = dict(rc.outputs).get(path) if rc is not None else None
         if again is not None and not is_bad(again) and not bool(torch.isfinite(probe(again))):
             return None  # finite values whose sum overflowed: not a finding
@@ -479,12 +485,15 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             tensor = dict(rc.outputs).get(path, tensor)
     if cause == "unknown" and any(is_bad(p) for _, p in own_tensors(module)):
         cause = "parameter"
+    inside = _collective_in(r, c.ordinal, c.module) if cause == "unknown" else None
     if tensor is None:
         f = _partial(ctx, "forward", name, module, format_path("output", path), call, cause, reproducible)
         if rc is not None:  # for the verdict's replays (differential.judge)
             ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
         elif r is None and log.tops[c.top].kwargs is not None and not _replayable(log.tops[c.top]):
             ctx.facts[id(f)] = {"overwritten": True}  # no replay: its inputs were written in place since
+        if inside is not None:
+            ctx.facts[id(f)] = {"collective_in": inside}
         return f
     if rc is not None and dict(rc.outputs).get(path) is tensor:  # a sparse or nested output: as the call returned it
         tensor = rc.wrapped.get(path, tensor)
@@ -497,7 +506,18 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     )
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
+    if received is not None or inside is not None:
+        ctx.facts[id(f)] = {"collective": received} if received is not None else {"collective_in": inside}
     return f
+
+
+def _collective_in(r: Replay | None, ordinal: int, module: nn.Module) -> str | None:
+    """The collective a replay stopped at inside its ``ordinal``-th call, ``module``'s (which the
+    failure then left with no output), if it did."""
+    if r is None or r.collective is None or ordinal >= len(r.calls):
+        return None
+    rc = r.calls[ordinal]
+    return r.collective if rc.module is module and rc.done >= 0 and not rc.outputs else None
 
 
 def _returned(ctx: _Ctx) -> dict[int, torch.Tensor]:
@@ -525,10 +545,14 @@ def _bad_at_return(rc: ReplayCall, path: Path) -> bool:
 
 
 def _match(r: Replay | None, ordinal: int, module: nn.Module) -> ReplayCall | None:
-    if r is None or r.error is not None or ordinal >= len(r.calls):
+    """The replay's ``ordinal``-th call, if it is ``module``'s and returned: a replay that failed
+    after it (a collective refused later in the forward: `_locate._NoCollectives`) still ran it
+    as the step did. (A call the failure came through was ended too, by the always-called hook,
+    with no output.)"""
+    if r is None or ordinal >= len(r.calls):
         return None
     rc = r.calls[ordinal]
-    return rc if rc.module is module else None
+    return rc if rc.module is module and (r.error is None or (rc.done >= 0 and bool(rc.outputs))) else None
 
 
 def _feeds(r: Replay, first: ReplayCall, rc: ReplayCall, probed: set[int]) -> bool:
@@ -1056,7 +1080,8 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):
         r = ctx.replay(ti, backward=False)
-        first = _first_bad_forward(r, ctx.view.ignored) if r is not None and r.error is None else None
+        # (of the calls that returned: a replay that failed after them, at a collective, ran them as the step did)
+        first = _first_bad_forward(r, ctx.view.ignored) if r is not None else None
         if r is None or first is None:
             continue
         cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])

@@ -286,6 +286,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("backward_hook"):
         return (f"Made by the backward hook {fx['backward_hook']} on this module (at {f.source}): the gradients "
                 "it returned are non-finite where the ones it was given were finite.")
+    if fx.get("collective_in"):
+        return (f"This call ran the collective {fx['collective_in']}, which a replay on this rank alone cannot "
+                "run: the value may have come from another rank (see the other ranks' findings) or from this "
+                "call's own code after the collective.")
     if fx.get("overwritten"):
         return ("Its call's inputs were written in place after the call (a reused input buffer: "
                 "buf.copy_(batch)), so no replay could see the values it had: pass the model a fresh tensor "
@@ -422,6 +426,10 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.reproducible is False:
         return ("Replaying the step from the same inputs, weights and RNG state gave finite values: this "
                 "suggests nondeterminism, a race or a hardware fault rather than a bug in the model.")
+    if f.cause == "input" and f.phase == "forward" and fx.get("collective"):
+        return (f"Finite when this call returned on this rank: the collective {fx['collective']} after it wrote "
+                "it in place with another rank's values. The value was born on another rank: see that rank's "
+                "finding (Finding.rank).")
     if f.cause == "input" and f.phase == "forward":
         if f.module == "<outside>":
             return "Its input was already non-finite: it came from the data or from code nanhunt did not see."

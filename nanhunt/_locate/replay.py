@@ -43,9 +43,17 @@ from .._tensors import (
     version,
 )
 
-__all__ = ["ReplayCall", "Replay", "replay_top", "faithful", "as_it_is"]
+__all__ = ["ReplayCall", "Replay", "replay_top", "faithful", "as_it_is", "CollectiveRefused"]
 
 _logger = logging.getLogger("nanhunt")
+
+
+class CollectiveRefused(RuntimeError):
+    """A collective in a replay, which runs on one rank alone (`nanhunt._locate._NoCollectives`)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__(f"nanhunt: {op} in a replay on one rank: the other ranks would never join it")
+        self.op = op
 
 
 @dataclass
@@ -130,6 +138,7 @@ class Replay:
     grads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (tensor key, grad) in autograd order
     param_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     error: str | None = None
+    collective: str | None = None  # the collective the replay stopped at (`CollectiveRefused`), if it did
 
     def read_outputs(self) -> None:
         """Every call's output flags in one batch: one host read for the whole replay."""
@@ -554,6 +563,8 @@ def _replay_top(
             result.grads = grads
     except Exception as e:  # a replay must never break the user's run
         result.error = f"{type(e).__name__}: {e}"
+        if isinstance(e, CollectiveRefused):
+            result.collective = e.op
     finally:
         hooks.remove()
         for h in handles:

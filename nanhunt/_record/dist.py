@@ -325,8 +325,11 @@ def _plain_type(f: Finding) -> Finding:
 
 def merge(everyone: list[list[dict[str, Any]] | None]) -> list[Finding]:
     """Every rank's findings in one order, the same on every rank: by step, phase (parameters and
-    state from the last step, then forward, backward, accumulated gradients), then rank. A finding seen by
-    several ranks (the same reduced gradient under DDP) is kept once, from the lowest rank."""
+    state from the last step, then forward, backward, accumulated gradients), then those a replay
+    reproduced before the others, then rank. (A value a collective in the forward brought from
+    another rank, a tensor-parallel all_reduce, is reproduced only on the rank that made it: a
+    replay on one rank alone cannot run the collective.) A finding seen by several ranks (the same
+    reduced gradient under DDP) is kept once, from the lowest rank."""
     seen: set[str] = set()
     rows = []
     for r, fs in enumerate(everyone):
@@ -337,6 +340,7 @@ def merge(everyone: list[list[dict[str, Any]] | None]) -> list[Finding]:
                 continue
             seen.add(key)
             f = Finding.from_dict(d)
-            rows.append((f.step, _PHASE_ORDER.get(f.phase, 5), f.rank if f.rank is not None else r, r, i, f))
-    rows.sort(key=lambda x: x[:5])
-    return [x[5] for x in rows]
+            rows.append((f.step, _PHASE_ORDER.get(f.phase, 5), not f.reproducible, f.rank if f.rank is not None else r,
+                         r, i, f))
+    rows.sort(key=lambda x: x[:6])
+    return [x[6] for x in rows]
