@@ -341,6 +341,44 @@ def test_a_rank_that_dies_and_one_that_hangs_are_named_within_dist_timeout(tmp_p
         assert "ranks 1, 2 did not answer within dist_timeout=4 s" in r["message"]
 
 
+def _fewer_steps(rank: int, world: int, how: str) -> dict[str, Any]:
+    model = zoo.mlp(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    t0 = time.monotonic()
+    try:
+        with nanhunt.watch(model, optimizer=opt, dist_timeout=4) as hunt:
+            for step in range(3 + rank):  # rank 1 has one batch more
+                if how == "error" and rank == 0 and step == 2:
+                    raise KeyError("the loader's own error")
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "after": time.monotonic() - t0, "message": str(e), "step": hunt.step}
+    except KeyError:
+        pass
+    time.sleep(4)  # (alive, its hunt closed)
+    return {"ranks": None}
+
+
+@pytest.mark.parametrize("how", ["fewer", "error"])
+def test_a_rank_whose_hunt_ended_is_named_as_closed_not_as_dead(tmp_path, how):
+    """Rank 0 ran 3 optimizer steps (or left its loop by an error at the 3rd) and closed its hunt;
+    rank 1 went on. Rank 1 raised SilentRankError after dist_timeout saying rank 0 "died or stopped
+    answering" (it was alive and well): the hunt's close now tells the others, who say so at once,
+    and what to do."""
+    res = ranks.run(_fewer_steps, 2, str(tmp_path), how, limit=40)
+    assert res[0] == {"ranks": None}
+    n = 3 if how == "fewer" else 2
+    assert res[1] is not None and res[1]["ranks"] == [0] and res[1]["step"] == n, res[1]
+    said = {"fewer": "rank 0 closed its hunt after 3 optimizer steps while this rank, after 3, went on",
+            "error": "rank 0 left its hunt by an error after 2 optimizer steps while this rank, after 2, went on"}
+    assert said[how] in res[1]["message"], res[1]["message"]
+    assert "died" not in res[1]["message"]
+    assert ("distributed=False" in res[1]["message"]) == (how == "fewer"), res[1]["message"]
+    assert res[1]["after"] < 4, res[1]  # not a wait for dist_timeout
+
+
 def _watched_on_rank_0_only(rank: int, world: int) -> dict[str, Any]:
     model = zoo.mlp(rank)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

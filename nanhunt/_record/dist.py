@@ -15,7 +15,9 @@
   shards): there nothing is agreed, each rank judges its own calls. `close()` agrees nothing.
 - **A silent rank.** A rank that died or stopped answering makes the agreement fail (at once, or at
   the group's timeout); the ranks that are still there then name the absent ones through the
-  rendezvous store and raise `SilentRankError`, all within ``dist_timeout``.
+  rendezvous store and raise `SilentRankError`, all within ``dist_timeout``. A rank whose hunt
+  closed (fewer optimizer steps than the others, or its block left by an error) posts that to the
+  store as it closes: it is named as such, at once, not as dead.
 - **Before and after reduction** (`Distributed`): a tensor hook on each parameter
   (``register_post_accumulate_grad_hook``, which runs before DDP's reducer sees the gradient, and
   whatever comm hook or manual all_reduce the user has) probes the local gradient; FSDP2's
@@ -117,6 +119,8 @@ class Group:
         self._pg: Any = None
         self._name = ""
         self._seq = 0
+        self.agreed = 0  # steps agreed (`all_max`): told to the others when this hunt closes
+        self.leaving = False  # the hunt closes as its block is left by an exception (told to the others too)
         self.broken = False
 
     def _grace(self) -> float:
@@ -136,6 +140,7 @@ class Group:
         t = torch.tensor(values, dtype=torch.int32)
         pg = self._group()
         self._run("agree", lambda: d.all_reduce(t, op=d.ReduceOp.MAX, group=pg))
+        self.agreed += 1
         return [int(x) for x in t.tolist()]
 
     def gather(self, obj: Any) -> list[Any]:
@@ -155,6 +160,12 @@ class Group:
         pg, self._pg = self._pg, None
         d = _dist()
         if pg is not None and d.is_available() and d.is_initialized():
+            if not self.broken:  # (for a rank still agreeing: this one is not dead, its hunt ended, `_silent`)
+                try:
+                    d.distributed_c10d._get_default_store().set(f"nanhunt/{self._name}/closed/{self.rank}",
+                                                                 f"{self.agreed}{'!' if self.leaving else ''}")
+                except Exception:  # the store is gone with its host: nobody is left to tell
+                    pass
             try:
                 d.destroy_process_group(pg)
             except Exception:  # already gone with the default group, or broken: nothing to free
@@ -169,12 +180,14 @@ class Group:
             return fn()
         except Exception as e:
             self.broken = True
-            silent, note = self._silent(t0)
+            silent, closed, note = self._silent(t0)
             me = rank()
             if silent:
                 who = ", ".join(str(r) for r in silent)
                 msg = (f"nanhunt (rank {me}): rank{'s' if len(silent) > 1 else ''} {who} did not answer within "
                        f"dist_timeout={self.timeout:g} s ({what}): died or stopped answering{note}. Cause: {e}")
+                if closed:
+                    msg = f"nanhunt (rank {me}): {_left(closed, silent, self.agreed, what)}. Cause: {e}"
                 if what == "connect":  # (the first agreement: a rank that never opened a hunt never joins it)
                     msg += (". If that rank runs without nanhunt (watch() on some ranks only), open the hunt on "
                             "every rank, or pass distributed=False to judge each rank on its own")
@@ -182,26 +195,50 @@ class Group:
                 msg = f"nanhunt (rank {me}): the agreement between ranks failed ({what}){note}: {e}"
             raise SilentRankError(msg, tuple(silent)) from e
 
-    def _silent(self, t0: float) -> tuple[list[int], str]:
+    def _silent(self, t0: float) -> tuple[list[int], dict[int, str], str]:
         """The ranks that did not reach this failed collective: every rank that did posts its rank
-        to one store key; whoever has not posted by ``t0 + timeout`` is silent."""
+        to one store key; whoever has not posted by ``t0 + timeout`` is silent. Of those, the ones
+        that closed their hunt (alive: fewer steps, or an error of their own), with the steps they agreed."""
         d = _dist()
         n = world()
         deadline = t0 + self.timeout
         key = f"nanhunt/{self._name}/{self._seq}"
         have: set[int] = set()
+        closed: dict[int, str] = {}  # rank -> its steps, "!" when it left by an error
         try:
             store = d.distributed_c10d._get_default_store()
             store.append(key, f"{rank()},")
             while True:
                 have = {int(x) for x in store.get(key).decode().split(",") if x}
-                if len(have) >= n or time.monotonic() >= deadline:
+                for r in set(range(n)) - have - set(closed):
+                    ck = f"nanhunt/{self._name}/closed/{r}"
+                    if store.check([ck]):
+                        closed[r] = store.get(ck).decode()
+                if len(have) + len(closed) >= n or time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
         except Exception as e:  # the store is gone too: rank 0 (which usually hosts it) or the launcher
             if not have:
-                return [0], f" (the rendezvous store is unreachable: {type(e).__name__})"
-        return sorted(set(range(n)) - have), ""
+                return [0], {}, f" (the rendezvous store is unreachable: {type(e).__name__})"
+        silent = sorted(set(range(n)) - have)
+        return silent, {r: closed[r] for r in silent if r in closed}, ""
+
+
+def _left(closed: dict[int, str], silent: list[int], agreed: int, what: str) -> str:
+    """The words for silent ranks of which ``closed`` closed their hunt (alive): rank -> its steps,
+    ``!`` when its block was left by an exception."""
+    msg = ", ".join(f"rank {r} {'left its hunt by an error' if n.endswith('!') else 'closed its hunt'} after "
+                    f"{n.rstrip('!')} optimizer step{'' if n.rstrip('!') == '1' else 's'}" for r, n in closed.items())
+    msg += f" while this rank, after {agreed}, went on ({what})"
+    if all(n.endswith("!") for n in closed.values()):
+        msg += ": see that rank's own error"
+    else:
+        msg += (": the ranks ran different numbers of optimizer steps (every rank must call step() equally "
+                "often; with uneven data, pass distributed=False)")
+    gone = [str(r) for r in silent if r not in closed]
+    if gone:
+        msg += f"; rank{'s' if len(gone) > 1 else ''} {', '.join(gone)} died or stopped answering"
+    return msg
 
 
 # ---------------------------------------------------------------------------- one hunt's view

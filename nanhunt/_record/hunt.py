@@ -2439,6 +2439,8 @@ class Hunt:
         if self._closed:
             return
         self._closed = True
+        if self._dist is not None:
+            self._dist.group.leaving = not raise_pending  # (the other ranks are told why it stops answering)
         _logger.debug("closing the watch at step %d (%d finding(s) so far)", self.step, len(self.findings))
         try:
             if self._root is not None and not self._owner_busy():  # no collective: the other ranks may close elsewhere, or never
