@@ -599,6 +599,34 @@ def test_a_row_of_inf_from_the_data_turned_into_nan_by_a_matmul_was_fed_in(row: 
     assert f.counts["nan"] == 4 and "made before the model" in f.hint
 
 
+@pytest.mark.parametrize("how", ["std", "mask"])
+def test_a_nan_the_loop_made_before_the_forward_is_told_as_the_models_named_input(how: str) -> None:
+    # the loop's code before the model's call is not recorded: the first module fed the NaN (deep
+    # inside the model for a mask the attention's own code reads) said "made before the model, by
+    # the enclosing module's own forward, or outside any module", never which input of the model it was
+    torch.manual_seed(0)
+    m = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 1,
+                              enable_nested_tensor=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        for step in range(3):
+            x = torch.randn(4, 5, 8)
+            causal = torch.triu(torch.full((5, 5), float("-inf")), 1)
+            if step == 2 and how == "std":
+                x[..., 1] = 3.0  # a constant feature: its std is 0
+            x = (x - x.mean((0, 1))) / x.std((0, 1))
+            big = float("-inf") if step == 2 and how == "mask" else torch.finfo(torch.float32).min
+            mask = causal + (1.0 - torch.ones(5, 5).tril()) * big  # 0 * -inf = nan on the diagonal
+            m(x, mask=mask).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("forward", 2, "input"), f
+    want = "input[0]" if how == "std" else "mask"
+    assert f"The model was given a non-finite input ({want})" in f.hint, f.hint
+    assert "made before the model" in f.hint
+
+
 def test_a_nan_in_a_validation_loop_raises_at_the_models_next_forward() -> None:
     # an optimizer is watched, but a validation loop never calls step(): the NaN of batch 3 is
     # raised at batch 4's forward at the latest (not at close(), a thousand batches later),

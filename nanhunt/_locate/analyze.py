@@ -432,6 +432,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     rc = _match(r, c.ordinal, c.module)
     reproducible: bool | None = None
     cause = "unknown"
+    fed_in: tuple[str, str] | None = None
     name, module, call = c.name, c.module, c.call
     received = r.collective if r is not None and rc is not None and not _bad_at_return(rc, path) else None
     if received is not None:
@@ -477,6 +478,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         if reproducible and rc is not None:
             fed_to = rc
             cause, rc, path = _forward_cause(r, rc, path)
+            fed_in = _top_inputs_fed(r, rc, path) if cause == "input" else None
             if cause == "created" and rc is fed_to and any(rc.in_bad):
                 rc, path = _minf_maker(ctx, c.top, r, rc, path)
             if rc is not fed_to:  # born in an enclosing module's own code (the compiled root's too)
@@ -506,8 +508,12 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     )
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
-    if received is not None or inside is not None:
-        ctx.facts[id(f)] = {"collective": received} if received is not None else {"collective_in": inside}
+    facts: dict[str, Any] = {"collective": received} if received is not None else (
+        {"collective_in": inside} if inside is not None else {})
+    if fed_in is not None:
+        facts["top_input"] = fed_in
+    if facts:
+        ctx.facts[id(f)] = facts
     return f
 
 
@@ -518,6 +524,21 @@ def _collective_in(r: Replay | None, ordinal: int, module: nn.Module) -> str | N
         return None
     rc = r.calls[ordinal]
     return r.collective if rc.module is module and rc.done >= 0 and not rc.outputs else None
+
+
+def _top_inputs_fed(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, str] | None:
+    """The top-level call around ``rc`` and its inputs that held the non-finite value ``rc`` was
+    fed (NaN or +inf for a NaN, as `_forward_cause` judges): it came in with that call, made before
+    it by the data or by the loop's code (the model's name, the inputs' names); else ``None``."""
+    top = rc
+    while top.parent >= 0:
+        top = r.calls[top.parent]
+    out = dict(rc.outputs).get(path)
+    nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
+    fed = top.in_fed if nan else top.in_bad
+    names = [format_path(p[1], p[2:]) if len(p) > 1 and p[0] == 1 and isinstance(p[1], str)
+             else format_path("input", p[1:]) for (p, _), b in zip(top.inputs, fed) if b]
+    return (top.name, ", ".join(names)) if names else None
 
 
 def _returned(ctx: _Ctx) -> dict[int, torch.Tensor]:

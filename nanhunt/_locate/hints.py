@@ -431,6 +431,13 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
                 "it in place with another rank's values. The value was born on another rank: see that rank's "
                 "finding (Finding.rank).")
     if f.cause == "input" and f.phase == "forward":
+        if fx.get("top_input"):
+            who, args = fx["top_input"]
+            who = f"`{who}`" if who else "The model"
+            return (f"{who} was given a non-finite input ({args}): it was made before the model, by the data or "
+                    "by the loop's own code before the call (which nanhunt records only from the model's return "
+                    "to step()), e.g. a normalisation by a std of 0 or a mask built as 0 * -inf. Check it with "
+                    "torch.isfinite where it is made.")
         if f.module == "<outside>":
             return "Its input was already non-finite: it came from the data or from code nanhunt did not see."
         if f.module:
