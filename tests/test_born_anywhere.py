@@ -1439,6 +1439,22 @@ def test_a_fully_padded_row_in_multihead_attentions_fast_path_is_told_as_a_fully
     assert "fully masked row" in f.hint and "xlogy" not in f.hint, f.hint
 
 
+def test_attention_scores_past_float32s_max_are_told_as_an_overflow_not_a_mask() -> None:
+    # a post-LN encoder fed activations ~3e19 (exploding embeddings): q @ k^T passes float32's max
+    # inside the fused attention, whose softmax then makes inf - inf. The hint was the generic
+    # "0/0 ... e.g. a softmax over a fully masked row", sending the user to look for a mask
+    torch.manual_seed(0)
+    m = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 1,
+                              enable_nested_tensor=False)
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m(torch.randn(4, 5, 16) * 3e19)
+    f = hunt.first
+    assert f is not None and (f.module, f.cause) == ("layers.0.self_attn", "created"), f
+    assert f.op is not None and "scaled_dot_product" in f.op
+    assert "Attention scores too large" in f.hint and "float32's largest finite value" in f.hint, f.hint
+    assert "masked" not in f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_backward_nan_born_after_a_second_call_fed_by_the_loop_s_own_code_is_found_at_its_line(mode: str) -> None:
     """Two forwards a step, the second on a tensor the loop's code made (``model(x + noise)``: a

@@ -203,6 +203,16 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         if math.isfinite(big) and big * big * max(n, 1) > float(torch.finfo(acc).max):
             out["norm_big"] = big
             return out
+    if name.startswith(("scaled_dot_product", "_scaled_dot_product")) and len(args) >= 2:
+        q, k = args[0], args[1]  # scores q @ k^T past the largest value: the softmax inside makes inf - inf
+        if (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.is_floating_point() and q.dim() >= 2
+                and k.dim() == q.dim() and q.shape[-1] == k.shape[-1] and q.numel() // q.shape[-1] * k.shape[-2] <= 1 << 24):
+            with torch.no_grad():  # (unscaled: a kernel may scale the product only after it)
+                big = float((q.double() @ k.double().transpose(-2, -1)).abs().amax()) if q.numel() else 0.0
+            limit = float(torch.finfo(q.dtype).max)
+            if math.isfinite(big) and big > limit:
+                out.update(scores_big=big, limit=limit, dtype=str(q.dtype).removeprefix("torch."))
+                return out
     if name.startswith("nll_loss") and len(args) >= 5 and isinstance(args[1], torch.Tensor):
         if bool((args[1] == args[4]).all()):
             out["all_ignored"] = True
@@ -326,6 +336,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"value it is computed in, so {op} normalises inf/inf = nan (its eps is not the cause). The values "
                 "themselves are too large: look for exploding weights or activations (a lower learning rate, "
                 "gradient clipping).")
+    if "scores_big" in fx:
+        return (f"Attention scores too large: q @ k^T reaches {fx['scores_big']:.3g}, past {fx['dtype']}'s "
+                f"largest finite value {fx['limit']:g}, so the softmax inside {op} takes inf - inf = nan (no mask "
+                "is the cause). The queries and keys themselves are too large: look for exploding activations or "
+                "weights (a lower learning rate, gradient clipping, a LayerNorm before the attention).")
     if fx.get("masked_row") == "sub":
         return ("A fully masked row normalised by a subtraction: every position of that row is -inf, so x - "
                 "logsumexp(x) (Categorical(logits=...)'s normalisation, a log_softmax by hand) or x - x.amax() is "
