@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from tests import zoo
 
 
 def _mlp() -> nn.Module:
@@ -148,3 +149,30 @@ def test_lbfgs_weights_stay_where_they_stood_after_a_nan_at_a_trial_point(on_fin
                 assert len(v) == len(w) and all(torch.equal(x, y) for x, y in zip(v, w) if isinstance(x, torch.Tensor)), name
             else:
                 assert v == w, name
+
+
+@pytest.mark.parametrize("opt_first", [True, False])
+def test_autowatch_whose_model_is_first_called_inside_the_closure_checks_that_step_before_update(opt_first):
+    # nanhunt run / pytest --nanhunt on Lightning (or LBFGS): the model's first call is inside the
+    # first step(closure), so the hunt it opens missed that step's pre-hook, which wraps the closure.
+    # The update applied the log(0) gradient, and the first finding was an "optimizer" one on `lin`'s
+    # weight "although the step was given finite gradients", the forward's -inf only at step 1
+    from nanhunt._cli.auto import AutoWatch
+
+    model = zoo.lognet()
+    x = torch.randn(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01) if opt_first else None
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(nanhunt.NonFiniteError) as ei, AutoWatch(on_find="raise"):
+        opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).pow(2).mean()  # ReLU's zeros: log(0) = -inf
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "log", 0, "created", "aten.log.default"), f
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # never applied

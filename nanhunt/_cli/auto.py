@@ -309,13 +309,28 @@ class AutoWatch:
         finally:
             self._busy = False
 
-    def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if opt not in self._attached and not self._busy and not replaying_here():
             self._busy = True
             try:
-                self._attach(opt)
+                if self._attach(opt):
+                    return None
             finally:
                 self._busy = False
+            closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
+            if callable(closure):
+                # step(closure) (Lightning, LBFGS) with the model's first call inside the closure: the
+                # hunt it opens misses this step's pre-hook, so its check comes after the closure here
+                wrapped = functools.partial(self._closure_joined, opt, closure)
+                if kwargs and "closure" in kwargs:
+                    return args, {**kwargs, "closure": wrapped}
+                return (args[0], wrapped, *args[2:]), kwargs
+        return None
+
+    def _closure_joined(self, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
+        loss = closure()
+        hunt = next((h for h in list(self._roots.values()) if any(o is opt for o in h._opts)), None)
+        return hunt._closure_joined(opt, loss) if hunt is not None else loss
 
     def _attach(self, opt: torch.optim.Optimizer) -> bool:
         """Attach ``opt`` to the hunt owning most of its parameters; False if none owns any."""

@@ -1831,6 +1831,15 @@ class Hunt:
             self._in_closure = None
         return loss
 
+    def _closure_joined(self, opt: torch.optim.Optimizer, loss: Any) -> Any:
+        """``opt``'s ``step(closure)`` began before this hunt watched it (the model's first call ran
+        inside that closure: ``nanhunt run``, ``pytest --nanhunt``): its check after the closure, as
+        `_closure` makes it, still before the optimizer applies anything."""
+        i = next((k for k, o in enumerate(self._opts) if o is opt), None)
+        if i is None or self._closed or self._paused:
+            return loss
+        return self._closure(i, opt, lambda: loss)
+
     def _abandoned(self) -> None:
         """A finding raised out of ``step()`` before the update. A loop that catches it and goes on
         to its next batch counts the abandoned step, as a skipped one is counted, so the next
