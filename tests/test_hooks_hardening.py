@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import nanhunt
+from nanhunt._record import copies as nanhunt_copies
 from nanhunt._record import hunt as hunt_mod
 from nanhunt._record.faults import InternalError
 from nanhunt._steplog import StepLog
@@ -262,6 +263,36 @@ def test_torch_jit_trace_of_a_watched_model_works_and_the_hunt_goes_on(mode: str
         assert hunt.findings == []  # the traced calls are no steps of the model's
         model(torch.full((2, 8), 1e4))  # sigmoid underflows to 0: log gives -inf
     assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("2", "aten.log.default")
+
+
+def _doubled(module: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    return out * 2.0  # (a user's forward hook that TorchScript compiles with its module)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_torch_jit_script_of_a_watched_model_works_and_the_hunt_goes_on(mode: str) -> None:
+    # an export in the middle of a run: TorchScript compiled every module's forward and forward
+    # hooks, the hunt's wrappers and hooks too ('Forward' object has no attribute '__globals__';
+    # '_OnModule' object has no attribute '__name__')
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sigmoid(), zoo.Log(), zoo.transformer_encoder(dropout=0.0), nn.Linear(16, 1))
+    model[3].register_forward_hook(_doubled)
+    unwatched = copy.deepcopy(model)
+    x = torch.rand(2, 5, 16)
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        model(x)
+        hooks = [(dict(m._forward_pre_hooks), dict(m._forward_hooks), m.__dict__.get("forward")) for m in model.modules()]
+        scripted = torch.jit.script(model)
+        assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks), m.__dict__.get("forward"))
+                for m in model.modules()] == hooks  # all put back, in their order
+        assert torch.equal(scripted(x), unwatched(x)) and torch.equal(model(x), unwatched(x))
+        assert hunt.findings == []
+        bad = x.clone()
+        bad[1, 2, 3] = -1e4  # sigmoid underflows to 0: log gives -inf
+        model(bad)
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.index, f.step) == ("1", "aten.log.default", (1, 2, 3), 2)
+    assert torch.jit._recursive.create_script_module is nanhunt_copies._CREATE  # (put back at close)
 
 
 class _TracesItsPart(nn.Module):

@@ -13,13 +13,25 @@ companions (``_forward_hooks_with_kwargs``, ``_forward_hooks_always_called``). T
 counted by class (`hold`, `release`) and taken out with the last; a user's entry made since stays.
 A class with a ``__deepcopy__`` of its own is copied its way (the wrapper copies as the module's
 own ``forward``, bound to the copy; a hook as a no-op).
+
+``torch.jit.script`` of a watched module (an export in the middle of a run) compiles every module's
+``forward`` and forward hooks, and would try to compile the wrappers and hooks: so while anything
+is held, ``torch.jit._recursive.create_script_module`` (where ``torch.jit.script`` and the export
+path of ``torch.jit.trace`` build their ScriptModule; looked up at call time) is replaced by
+`_create_script_module`, which takes nanhunt's wrappers and hooks off the modules being scripted
+while the original runs and puts them back as they were, order included: the ScriptModule is the
+one an unwatched model gives, and the hunt goes on. The original comes back with the last release
+(unless someone replaced it after us: then ours stays in their chain as a pass-through).
 """
 
 from __future__ import annotations
 
 import copyreg
 import threading
+from collections.abc import Callable
 from typing import Any
+
+import torch.jit._recursive as _recursive
 
 __all__ = ["hold", "release"]
 
@@ -30,6 +42,8 @@ _HOOKS = {
     "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
     "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
 }
+_CREATE: Callable[..., Any] = _recursive.create_script_module  # torch's own, as it was at import
+_create_original: Callable[..., Any] | None = None  # what was there when we replaced it
 
 
 def hold(cls: type) -> None:
@@ -37,6 +51,8 @@ def hold(cls: type) -> None:
     with _lock:
         got = _classes.get(cls)
         if got is None:
+            if not _classes:
+                _install()
             _classes[cls] = [1, copyreg.dispatch_table.get(cls)]
             copyreg.dispatch_table[cls] = _reduce
         else:
@@ -58,6 +74,56 @@ def release(cls: type) -> None:
                 copyreg.dispatch_table[cls] = got[1]
             else:
                 del copyreg.dispatch_table[cls]
+        if not _classes:
+            _uninstall()
+
+
+def _install() -> None:
+    global _create_original
+    if _recursive.create_script_module is not _create_script_module:
+        _create_original = _recursive.create_script_module
+        _recursive.create_script_module = _create_script_module
+
+
+def _uninstall() -> None:
+    global _create_original
+    if _recursive.create_script_module is _create_script_module:
+        _recursive.create_script_module = _create_original if _create_original is not None else _CREATE
+        _create_original = None
+
+
+def _create_script_module(nn_module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.jit._recursive.create_script_module`` with nanhunt's wrappers and hooks off the
+    modules it scripts while it runs (see the module docstring)."""
+    original = _create_original if _create_original is not None else _CREATE
+    if not _classes:  # (a pass-through in someone's chain)
+        return original(nn_module, *args, **kwargs)
+    aside: list[tuple[dict[str, Any], str, Any]] = []  # (dict, key, what it held): put back in reverse
+    try:
+        for m in nn_module.modules():
+            d = m.__dict__
+            if _ours(d.get("forward")):
+                own = _own(d["forward"])
+                aside.append((d, "forward", d["forward"]))
+                if own is None:
+                    del d["forward"]
+                else:
+                    d["forward"] = own
+            for name in _HOOKS:
+                hooks = d.get(name)
+                if isinstance(hooks, dict) and any(_ours(v) for v in hooks.values()):
+                    aside.append((d, name, hooks.copy()))  # (its order, to put back)
+                    for k in [k for k, v in hooks.items() if _ours(v)]:
+                        del hooks[k]
+        return original(nn_module, *args, **kwargs)
+    finally:
+        for d, key, held in reversed(aside):
+            if key == "forward":
+                d["forward"] = held
+            else:
+                hooks = d[key]
+                hooks.clear()
+                hooks.update(held)
 
 
 def _reduce(obj: Any) -> Any:
@@ -78,15 +144,21 @@ def _ours(v: Any) -> bool:
     return getattr(type(v), "__nanhunt__", False) is True
 
 
+def _own(w: Any) -> Any:
+    """The instance's own ``forward`` beneath nanhunt's wrapper ``w`` (and other hunts'), or None."""
+    own = getattr(w, "own", None)
+    while _ours(own):  # another hunt's wrapper, beneath
+        own = getattr(own, "own", None)
+    return own
+
+
 def _without_ours(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (a module's ``__dict__``: never changed) without nanhunt's wrapper and hooks."""
     out: dict[str, Any] | None = None
     w = state.get("forward")
     if _ours(w):
         out = dict(state)
-        own = getattr(w, "own", None)
-        while _ours(own):  # another hunt's wrapper, beneath
-            own = getattr(own, "own", None)
+        own = _own(w)
         if own is None:
             del out["forward"]
         else:
