@@ -208,6 +208,51 @@ def test_run_a_script_that_compiles_its_model(tmp_path, cli, how):
         torch._dynamo.reset()
 
 
+COMPILED_STEP = """
+import sys, torch, torch.nn as nn
+from torch._dynamo.utils import counters
+torch._dynamo.reset()
+counters.clear()
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+opt.step = torch.compile(opt.step, backend="aot_eager")
+try:
+    for step in range(4):
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        if step == 2 and sys.argv[1] == "nan":
+            loss = loss.div(0.0).mul(0.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+finally:
+    print("graphs", counters["stats"]["unique_graphs"])
+"""
+
+
+def test_run_a_script_that_compiles_its_optimizer_step_compiles_as_many_graphs_as_unwatched(
+        tmp_path, cli, capsys, monkeypatch):
+    # aot_eager's runtime calls its graph as a module, at the top level: each was discovered as a
+    # root, its new hunt reset dynamo's caches, and every step compiled again (12 graphs for 1)
+    import runpy
+
+    import torch._dynamo
+
+    script = tmp_path / "compiled_step.py"
+    script.write_text(COMPILED_STEP)
+    try:
+        monkeypatch.setattr(sys, "argv", [str(script), "clean"])
+        runpy.run_path(str(script), run_name="__main__")
+        plain = capsys.readouterr().out
+        rc, out, err = cli("run", str(script), "clean")
+        assert rc == 0 and out == plain, (plain, out, err)
+        rc, out, err = cli("run", str(script), "nan")
+        assert rc == 3 and out == plain, (plain, out, err)
+        assert "forward of `<outside>`" in err and "at step 2" in err and "aten.div.Tensor" in err, err
+    finally:
+        torch._dynamo.reset()
+
+
 def test_run_script_that_crashes(tmp_path, cli):
     script = tmp_path / "boom.py"
     script.write_text("raise RuntimeError('the script broke')\n")

@@ -7,7 +7,9 @@
   finding names are relative to that root. If a later top-level module *contains* a watched root
   (``model.encoder(x)`` was called before ``model(x)``), the inner hunt is closed (its findings are
   kept) and the outer module is watched instead. Modules added to a tree after its hunt started
-  are not watched.
+  are not watched. A graph that ``torch.compile`` made, called as a module by its backend (the
+  ``GraphModule`` of AOTAutograd's ``aot_eager``, dynamo's graph returned by a custom backend), is
+  no root: watching it (a new hunt, dynamo's caches reset) had every step recompile.
 - **Parts of one model.** A loop that calls a model's parts one by one (``model.enc(x)``, then
   ``model.head(h)``; a LightningModule's ``training_step``) with one optimizer over the whole model:
   the root watched is the smallest module holding the called part and every parameter of an
@@ -44,6 +46,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -64,6 +68,10 @@ from .._words import paragraph
 __all__ = ["AutoWatch"]
 
 _logger = logging.getLogger("nanhunt")
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# frames between a module call and its caller (torch's module call, fx's, nanhunt's hooks)
+_PASSED = tuple(_TORCH_DIR + d + os.sep for d in ("nn", "fx")) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_COMPILER = tuple(_TORCH_DIR + d + os.sep for d in ("_dynamo", "_functorch", "_inductor"))
 
 
 class _OnFind:
@@ -158,8 +166,8 @@ class AutoWatch:
         running.append(module)
         if len(running) > 1 or self._busy or module in self._owned or module in self._aside:
             return
-        if isinstance(module, torch.jit.ScriptModule):  # (watch() refuses it: TorchScript runs its parts)
-            self._aside.add(module)
+        if isinstance(module, torch.jit.ScriptModule) or _compiler_graph(module):
+            self._aside.add(module)  # (watch() refuses a ScriptModule: TorchScript runs its parts)
             return
         self._discover(module, self._start, module, args)
 
@@ -506,6 +514,19 @@ class AutoWatch:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _compiler_graph(module: nn.Module) -> bool:
+    """``module`` is a graph ``torch.compile`` made, called by its backend's runtime (AOTAutograd's
+    ``aot_eager``; dynamo's own call of a custom backend's ``gm``), not by the script: the first
+    frame outside torch's module and fx calls (and nanhunt's hooks) is torch's compiler's. A
+    ``GraphModule`` of the script's own (``symbolic_trace``) is called from the script's code."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return False
+    f: Any = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_PASSED):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.startswith(_COMPILER)
 
 
 def _param_ids(opt: torch.optim.Optimizer) -> set[int]:
