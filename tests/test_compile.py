@@ -701,6 +701,51 @@ def test_a_compiled_optimizer_step_compiles_as_many_graphs_as_unwatched_and_stil
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # the 4 clean updates as unwatched; not the 5th
 
 
+def test_a_compiled_update_with_a_custom_backend_compiles_as_many_graphs_as_unwatched() -> None:
+    # a backend that returns dynamo's graph itself (the usual graph counter): dynamo calls it through
+    # a module wrapper of its own, whose global hooks it traces. Full mode took that call for one of
+    # the model's modules traced without in-graph slots and dropped every compiled graph at the
+    # step's end: 2 graphs where unwatched compiled 1
+    from torch._dynamo.utils import counters
+
+    def run(watch: bool) -> tuple[int, int, Any]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        backend_calls = []
+
+        def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            backend_calls.append(gm)
+            return gm
+
+        @torch.compile(backend=counting)
+        def update() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        hunt = nanhunt.watch(model, optimizer=opt) if watch else None
+        err = None
+        try:
+            for i in range(5):
+                model(torch.randn(4, 8)).pow(2).mean().div(0.0 if i == 4 else 1.0).mul(0.0).backward()
+                if i == 4 and watch:
+                    with pytest.raises(nanhunt.NonFiniteError) as err:
+                        update()
+                    break
+                update()
+        finally:
+            if hunt is not None:
+                hunt.close()
+        return int(counters["stats"]["unique_graphs"]), len(backend_calls), err
+
+    plain = run(False)[:2]
+    graphs, calls, err = run(True)
+    torch._dynamo.reset()
+    assert (graphs, calls) == plain
+    assert err is not None and (err.value.finding.step, err.value.finding.module) == (4, "<outside>")
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_compiled_training_step_that_calls_the_model_and_the_loss_gets_no_accumulation_guess(mode):
     # one compiled function runs the model and a masked mean (0/0 when every row is masked): no

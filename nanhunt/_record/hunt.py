@@ -1446,7 +1446,10 @@ class Hunt:
     def _post_compiled(self, module: nn.Module, output: Any, late: bool = False) -> None:
         slots, comp = self._cnames, self._compiled
         if comp is None:
-            self._traced = True  # compiled without slots to write into (compiled after watch()): see _after_trace
+            names = self._names
+            if names is None or id(module) in names:  # (not another module's call traced into a graph: a loss
+                # module's, dynamo's own wrapper of a custom backend's graph: dropping every graph for it recompiled them)
+                self._traced = True  # compiled without slots to write into (compiled after watch()): see _after_trace
             return
         if slots is None:  # (no _paused here: a guard on it would recompile the graph for the analysis'
             return  # compiled replay, whose writes into the slots are put back anyway: graph.guarded)
