@@ -265,6 +265,24 @@ def test_torch_jit_trace_of_a_watched_model_works_and_the_hunt_goes_on(mode: str
     assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("2", "aten.log.default")
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_torch_jit_trace_of_a_part_between_calls_gets_no_warning_of_nanhunt(mode: str) -> None:
+    # traced after the root's call returned (an export of the encoder mid-run): the loss-code
+    # recorder was on and probed the trace's ops (TracerWarning: 'Converting a tensor to a Python
+    # boolean', from nanhunt's code: an error under -W error)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Sigmoid()), zoo.Log())
+    x = torch.rand(2, 8)
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        model(x).sum()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torch.jit.TracerWarning)
+            traced = torch.jit.trace(model[0], x)
+        assert torch.equal(traced(x), model[0](x)) and hunt.findings == []
+        model(torch.full((2, 8), -1e4))  # sigmoid underflows to 0: log gives -inf
+    assert hunt.first is not None and (hunt.first.module, hunt.first.op) == ("1", "aten.log.default")
+
+
 def _doubled(module: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     return out * 2.0  # (a user's forward hook that TorchScript compiles with its module)
 

@@ -86,6 +86,7 @@ def _autocast() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_tracing_state = torch._C._get_tracing_state  # None unless torch.jit.trace is recording
 
 
 def _carried(name: str, args: Any) -> torch.Tensor | None:
@@ -514,8 +515,10 @@ class Outside(TorchFunctionMode):
         if _DROPS and args and _writes_dropped(func, args):
             return _dropped(func, args)
         if (self.stale or (type(func) in _OP_TYPES and func in _UNRECORDED) or torch.compiler.is_compiling()
-                or (REPLAYING and get_ident() in REPLAYING)):
-            return func(*args, **kwargs)  # a replay (any hunt's) is nobody's outside code
+                or (REPLAYING and get_ident() in REPLAYING) or _tracing_state() is not None):
+            # a replay (any hunt's) is nobody's outside code; torch.jit.trace of a part between
+            # steps (an export) records every op run: the recorder's probes warned into its trace
+            return func(*args, **kwargs)
         if in_transform():  # inside torch.func transforms (vmap/grad, per-sample gradients):
             return func(*args, **kwargs)  # not recorded, as module calls there are not (their tensors are wrapped)
         if _own_code(sys._getframe(1).f_code.co_filename):
