@@ -87,4 +87,6 @@ def watch(
         bundle=bundle, distributed=distributed, rank=rank, dist_timeout=dist_timeout,
         max_findings=max_findings, max_skips=max_skips, loader=loader, guard_saves=guard_saves,
     )
-    return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)
+    hunt = (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)
+    hunt.record_loop()
+    return hunt
