@@ -793,8 +793,7 @@ def _fed_run(mode: str, *, poison: str) -> nanhunt.Finding:
             opt.step()
             opt.zero_grad()
             if poison == "teacher":
-                # the warm-up ramp's bug at 0:
-                alpha = torch.clamp(1 - 1 / torch.tensor(float(step)), max=0.99)  # @fed-ramp
+                alpha = torch.clamp(1 - 1 / torch.tensor(float(step)), max=0.99)  # the warm-up ramp's bug at 0
                 with torch.no_grad():
                     for pt, ps in zip(teacher.parameters(), student.parameters()):
                         pt.mul_(alpha).add_(ps, alpha=float(1 - alpha))
@@ -804,18 +803,11 @@ def _fed_run(mode: str, *, poison: str) -> nanhunt.Finding:
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("poison", ["target", "teacher"])
 def test_loss_code_fed_a_nan_nothing_watched_made_is_reported_as_fed(mode: str, poison: str) -> None:
-    """A NaN target: the loss code was fed a value that nothing watched made. Its first use is the
-    finding, cause 'input', at the loss line, with the argument's element in the hint. (It was a
-    backward finding at MseLossBackward0, 'created from finite inputs': false, and it blamed the
-    loss function for the data's NaN.) An unwatched EMA teacher's NaN weights were reported the
-    same way, fed at the loss line; the loop's code after step() is recorded now, so the finding
-    is where the teacher's NaN was born: the warm-up ramp's 1/0 after step 0's step()."""
+    """A NaN target, or an unwatched EMA teacher's NaN weights: the loss code was fed a value that
+    nothing watched made. Its first use is the finding, cause 'input', at the loss line, with the
+    argument's element in the hint. (It was a backward finding at MseLossBackward0, 'created
+    from finite inputs': false, and it blamed the loss function for the data's NaN.)"""
     f = _fed_run(mode, poison=poison)
-    if poison == "teacher":
-        assert (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 1, "created"), f
-        assert f.op is not None and "reciprocal" in f.op and f.value == float("inf"), f
-        assert same_source(f.source, line("fed-ramp")), f.source
-        return
     assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "<outside>", 1, "input", None), f
     assert same_source(f.source, line(f"fed-{poison}")), f.source
     assert "nothing watched made" in f.hint
@@ -1483,71 +1475,3 @@ def test_a_backward_nan_born_after_a_second_call_fed_by_the_loop_s_own_code_is_f
     f = err.value.finding
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "SqrtBackward0", "created"), f
     assert same_source(f.source, line("second-call-sqrt")), f.source
-
-
-def _normalised_run(mode: str, bad_step: int) -> nanhunt.Finding:
-    """A loop that standardises each batch itself before the model; one batch has a constant
-    feature, whose std is 0: (x - mean) / std is 0/0 there."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
-        for step in range(4):
-            x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
-            if step == bad_step:
-                x[:, 1] = 3.0
-            x = (x - x.mean(0)) / x.std(0)  # @loop-standardise
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return err.value.finding
-
-
-@pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
-@pytest.mark.parametrize("bad_step", [0, 2])
-def test_the_loops_own_code_before_the_forward_is_outside_code(mode: str, bad_step: int) -> None:
-    """Code between step() (or watch()) and the model's next call is the loop's code too: the NaN
-    it makes is found where it is born, with op, line and element. (It was the model's first
-    Linear, cause 'input': the recorder was off from step() to the next forward.)"""
-    f = _normalised_run(mode, bad_step)
-    assert (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", bad_step, "created"), f
-    assert f.op is not None and f.op.startswith("aten.div"), f
-    assert same_source(f.source, line("loop-standardise")), f.source
-    assert f.index is not None and f.index[1] == 1 and math.isnan(f.value), f
-
-
-def test_zero_grad_and_the_loaders_next_are_not_recorded_and_are_torchs_own_after_close() -> None:
-    """With the recorder on from step() to the next forward, zero_grad's reads and writes of every
-    p.grad and a dataset's per-sample code (num_workers=0) would each be a recorded call, kept to
-    the step's end: they run with the recorder taken out. After close() the classes have torch's
-    own functions back."""
-    from torch.utils.data import DataLoader, Dataset
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-    class Squares(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-        def __len__(self) -> int:
-            return 64
-
-        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.full((4,), float(i)).sin()
-            return x, x.square().sum(0, keepdim=True)
-
-    before = (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, _BaseDataLoaderIter.__next__)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(Squares(), batch_size=8)
-    with nanhunt.watch(model, opt) as hunt:
-        it = iter(loader)
-        for _ in range(3):
-            x, y = next(it)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            model.zero_grad()
-            next(it)
-            assert hunt._log.outside == [], [r.func for r in hunt._log.outside]
-        x = x * 2  # (the loop's own code is recorded)
-        assert [getattr(r.func, "__name__", "") for r in hunt._log.outside] == ["mul"]
-    assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad, _BaseDataLoaderIter.__next__) == before

@@ -452,11 +452,6 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
             if any(_model_made(log, x) for x in bad_in):
                 return None  # the model's own -inf (log of 0 in it, unprobed in sentinel): its replay says where
         elif all(_foreign(log, x, grads) for x in fed):
-            if log.tops and r.clock < log.tops[0].clock:
-                # the loop's code before the model's first call of the step (x.to(device), x.float()):
-                # the data's NaN on its way in; the model's first call fed it is the finding, as
-                # without this code recorded (and names the batch's samples)
-                return None
             return _fed_finding(log, step, rec_i, out_i, t, fed[0])  # non-finite from nothing this step made
         elif all(_constant(log, x) for x in fed):
             # only a NaN/+inf constant this code wrote went in (torch.tensor(nan) as a default,
@@ -575,12 +570,7 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
         if depth >= 8:
             return False
         r = log.outside[got[0]]
-        leaves = tree_leaves((r.args, r.kwargs))
-        ins = [a for a in leaves if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
-        if not ins and in_place(getattr(r.func, "__name__", "")):
-            # a NaN/inf written into it by hand (``y[2, 1] = nan``, a label broken in the loop): as
-            # the data's, its first use is the finding
-            return any(isinstance(a, float) and not math.isfinite(a) for a in leaves)
+        ins = [a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
         return bool(ins) and all(_feeds(a) and _foreign(log, a, grads, depth + 1) for a in ins)
     key = (id(x), -1 if x.is_inference() else x._version)
     ref = log.probed.get(key)

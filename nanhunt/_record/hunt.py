@@ -1929,15 +1929,6 @@ class Hunt:
             self._fault(exc, "the optimizer step post-hook")
         finally:
             _left_hooks(opt)
-        self.record_loop()
-
-    def record_loop(self) -> None:
-        """``watch()`` returned, or a watched optimizer's ``step()`` did: the loop's own code from here
-        to the model's next call (the batch made ready, ``x = (x - x.mean(0)) / x.std(0)``, an EMA
-        update) is outside code, recorded as loss code is (``zero_grad`` and the DataLoader's
-        ``__next__`` aside: see `outside._Unrecorded`)."""
-        if not self._paused and not self._closed and self._root is not None and not self._stack:
-            self._outside.on()
 
     def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
         self._steps_applied += 1

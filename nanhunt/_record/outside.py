@@ -1,10 +1,8 @@
 """Code outside every watched module call: loss and metric code, the loop's own tensor code.
 
 A `TorchFunctionMode` that is on the mode stack only while no watched root call runs: the hunt
-turns it on when a root call returns, when `watch()` returns and after a watched optimizer's
-``step()`` (the loop's code that makes the next batch ready), and off when the next root call
-starts, at the step's end (the optimizer's step pre-hook, before the single sync) and while
-nanhunt's own code runs. Each torch
+turns it on when a root call returns and off when the next one starts, at the step's end (the
+optimizer's step pre-hook, before the single sync) and while nanhunt's own code runs. Each torch
 call made there costs one Python call: its floating outputs are probed into the step's log the way
 module outputs are (one device-side sum, no host read: `Out` entries), and the call is recorded
 (function, arguments by reference, outputs, the user's line) so that, after a hit, `_locate.outside`
@@ -13,10 +11,9 @@ stashed (the autograd engine captures the mode stack when a backward starts, so 
 pays for it); their arguments are recorded as the seeds of a replay of the outside code's backward.
 
 Measured (benchmarks/overhead.py loops): two intercepts per step (the loss function and
-``backward``), ~15-20 us each on a CPU core. ``zero_grad``'s ``p.grad`` reads and writes would
-go through ``__torch_function__`` (one call per parameter: +20% on the 24-block MLP) and a
-DataLoader's ``next()`` runs the dataset's per-sample code: both run with the mode taken out
-(`_Unrecorded`).
+``backward``), ~15-20 us each on a CPU core. The mode stays off after ``optimizer.step()`` until
+the next root call: ``zero_grad``'s ``p.grad`` reads and writes go through ``__torch_function__``
+(one call per parameter: +20% on the 24-block MLP), so code there is not watched.
 
 Several hunts share one switch: at most one mode is on the stack, recording for every hunt whose
 root call has returned (each into its own log), and none while any watched root call runs.
@@ -25,7 +22,6 @@ root call has returned (each into its own log), and none while any watched root 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import sys
@@ -438,68 +434,6 @@ class _Switch:
 
 
 _SWITCH = _Switch()
-
-
-class _Unrecorded:
-    """Calls that run with the recorder taken out while it is on after a step (`Hunt._post_step`):
-    ``Optimizer.zero_grad`` and ``Module.zero_grad`` (under it, every ``p.grad`` they read or set
-    is a ``__torch_function__`` call: x9 the plain zero_grad on the benchmark MLP's 98 parameters)
-    and a DataLoader iterator's ``__next__`` (a dataset's per-sample code in this process and the
-    collate: the data, not the loop's code; recorded, each call would be kept to the step's end).
-    Replaced on the classes while an `Outside` is open, put back when the last one closes (unless
-    someone replaced them after us: then ours stays in their chain, passing through)."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.saved: list[tuple[type, str, Any, Any]] = []  # (class, name, torch's function, ours)
-
-    def acquire(self) -> None:
-        self.users += 1
-        if self.users > 1 or self.saved:
-            return
-        for cls, attr in _UNRECORDED_CALLS:
-            orig = cls.__dict__[attr]
-            ours = _unrecorded(orig)
-            setattr(cls, attr, ours)
-            self.saved.append((cls, attr, orig, ours))
-
-    def release(self) -> None:
-        self.users = max(0, self.users - 1)
-        if self.users:
-            return
-        for cls, attr, orig, ours in self.saved:
-            if cls.__dict__.get(attr) is ours:
-                setattr(cls, attr, orig)
-        self.saved = [x for x in self.saved if x[0].__dict__.get(x[1]) is x[3]]
-
-
-def _unrecorded(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # (first: dynamo reads nothing of ours, no guard on it)
-            return orig(self, *args, **kwargs)
-        m = _SWITCH.on
-        if m is None or get_ident() != _MAIN_IDENT:
-            return orig(self, *args, **kwargs)
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is m:  # (on top, as without modes of the user's: the cheap way)
-            torch._C._pop_torch_function_stack()
-            try:
-                return orig(self, *args, **kwargs)
-            finally:
-                torch._C._push_on_torch_function_stack(m)
-        _SWITCH.off()
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            _SWITCH.resume(m)
-    return call
-
-
-_UNRECORDED_CALLS = ((torch.optim.Optimizer, "zero_grad"), (torch.nn.Module, "zero_grad"),
-                     (torch.utils.data.dataloader._BaseDataLoaderIter, "__next__"))
-_ASIDE = _Unrecorded()
-_MAIN_IDENT = threading.main_thread().ident
 # in-place calls that write their first argument besides ``name_`` ones
 _AUGMENTED = frozenset(("__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__"))
 _DATA = torch._C.TensorBase.__dict__["data"]  # ``p.data = new``: its ``__set__`` replaces p's values
@@ -538,7 +472,6 @@ class Outside(TorchFunctionMode):
         self.closed = False
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
         _SWITCH.sweep()
-        _ASIDE.acquire()
 
     def busy(self) -> bool:
         h = self._hunt()
@@ -564,8 +497,6 @@ class Outside(TorchFunctionMode):
             _DROPS.pop(id(self), None)
 
     def close(self) -> None:
-        if not self.closed:
-            _ASIDE.release()
         self.keep_writes()
         _calls.clear()  # they hold the user's module globals (and through them, often the model)
         _SWITCH.sweep()

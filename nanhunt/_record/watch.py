@@ -87,6 +87,4 @@ def watch(
         bundle=bundle, distributed=distributed, rank=rank, dist_timeout=dist_timeout,
         max_findings=max_findings, max_skips=max_skips, loader=loader, guard_saves=guard_saves,
     )
-    hunt = (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)
-    hunt.record_loop()
-    return hunt
+    return (OpsHunt if options.mode == "ops" else Hunt)(model, optimizer, options)
