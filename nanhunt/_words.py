@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -269,9 +270,19 @@ def _exact(v: Any) -> str:
     return f"{x:.7g}" if x is not None and math.isfinite(x) else fmt(v)
 
 
+# words with which a hint names its own fix (hints.py: "take (x + eps) ** p", "Let the loss use the
+# eigenvalues only", "leave at least one position unmasked"); a hint without them names only the mechanism
+_FIX_WORDS = re.compile(r"\b(use|take|clamp|keep|guard|leave|pass|skip|drop|mask with|compute it|let the loss|perturb|"
+                        r"lower|clip|prune|look for|find the|check|filter|restore|re-initialise|divide by max)\b", re.I)
+
+
 def remedy(f: Finding) -> str:
     """The usual remedy for the finding's verdict (empty when there is no verdict)."""
     v, op = f.verdict, f.reference.get("op") or f.op or "that op"
+    if v == "numerics" and _FIX_WORDS.search(f.hint):
+        # the hint knows this mechanism's fix (an epsilon on eigh's diagonal does not help, a masked row
+        # wants a position left unmasked, an overflow wants smaller values): the remedy defers to it
+        return "More precision will not help: the math itself makes it; the fix is the one the hint (why) gives."
     if v == "numerics":
         return ("More precision will not help: guard the op's domain (clamp or add an epsilon before a "
                 "log/sqrt/division, mask after a softmax, not before it with -inf on a whole row).")

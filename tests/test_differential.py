@@ -8,6 +8,7 @@ graph), a call that fails only on its first run (transient), identical replays t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -857,3 +858,41 @@ def test_a_bfloat16_difference_rounded_to_0_is_precision_with_the_subtraction_an
     text = str(hunt.report)
     assert "rounds to the same number" in text and "E[x^2]" not in text, text
     assert "binary_cross_entropy_with_logits" in text and "inputs smaller" not in text, text
+
+
+def test_a_numerics_remedy_defers_to_the_hint_that_names_the_fix_in_every_format(tmp_path) -> None:
+    # eigh's backward at a degenerate spectrum (a batch of one sample repeated): the hint says an
+    # epsilon on the diagonal shifts every eigenvalue alike, and the remedy row under it said "guard
+    # the op's domain (clamp or add an epsilon before a log/sqrt/division ...)": the fix it refutes
+    import io
+    import re
+
+    from nanhunt._report.render import html, text
+    from nanhunt._words import remedy
+
+    class Whiten(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            hc = h - h.mean(0, keepdim=True)
+            vals, vecs = torch.linalg.eigh(hc.T @ hc / h.shape[0] + 1e-3 * torch.eye(h.shape[1]))
+            return hc @ (vecs @ torch.diag(vals.rsqrt()) @ vecs.T)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), Whiten(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        F.mse_loss(model(torch.randn(1, 8).expand(16, 8).clone()), torch.randn(16, 1)).backward()
+        opt.step()
+    f, report = ei.value.finding, ei.value.report
+    assert (f.op, f.verdict) == ("LinalgEighBackward0", "numerics") and "+ eps * I" in f.hint, str(f)
+    buf = io.StringIO()
+    rich = pytest.importorskip("rich.console")
+    rich.Console(file=buf, width=400, force_terminal=False).print(report)
+    report.save(tmp_path / "r.json")
+    outs = {"text": text(report), "html": html(report), "rich": re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue()),
+            "json": json.loads((tmp_path / "r.json").read_text())["first"]["remedy"]}
+    for name, out in outs.items():
+        assert "More precision will not help" in out and "the hint" in out, name
+        assert "add an epsilon" not in out, name
+    # a hint that names only the mechanism (log of 0): the remedy still gives the usual fix
+    bare = dataclasses.replace(f, op="aten.log.default", hint="Log of 0 gives -inf and log of a negative number gives nan.")
+    assert "guard the op's domain" in remedy(bare)
