@@ -496,9 +496,21 @@ def test_adam_in_float16() -> None:
     assert "eps" in f.hint and "float16" in f.hint
 
 
-@pytest.mark.parametrize("case", ["ignored", "std", "ctc"])
+@pytest.mark.parametrize("case", ["ignored", "std", "ctc", "lgamma", "digamma", "beta", "softplus"])
 def test_hints_name_the_remedy(case: str) -> None:
+    # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
+    # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
+    # "Inf from finite inputs: an overflow past the dtype's max, x/0 or log(0)" (or its NaN twin)
     def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        if case in ("lgamma", "digamma"):
+            alpha = F.relu(out[:, 0] - 10.0)  # a concentration from a relu: 0
+            return getattr(torch, case)(alpha).mean()
+        if case == "beta":
+            ab = F.softplus(out[:, :2]) + 0.1
+            value = torch.tensor([0.3, 0.5, 1.0, 0.2, 0.7, 0.4])  # a target of exactly 1
+            return -torch.distributions.Beta(ab[:, 0], ab[:, 1]).log_prob(value).mean()
+        if case == "softplus":
+            return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
             return F.cross_entropy(out, torch.full_like(y, -100))
         if case == "std":
@@ -510,7 +522,9 @@ def test_hints_name_the_remedy(case: str) -> None:
 
     f = run_steps(model(), loss_fn)
     assert f.module == "<outside>"
-    want = {"ignored": "ignore", "std": "one element", "ctc": "zero_infinity=True"}[case]
+    want = {"ignored": "ignore", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
+            "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
+            "softplus": "threshold at the default 20"}[case]
     assert want in f.hint
 
 

@@ -57,6 +57,17 @@ _OPS = {
                               "decayed to 0) is 0/0 = nan. Prune by zeroing the magnitude g (original0 / weight_g), "
                               "not v's row, or re-initialise that row",
     "acosh": "acosh below 1 gives nan (a hyperbolic distance of points pushed past the ball's edge: clamp its argument to >= 1 + eps)",
+    "lgamma": "the log-gamma function lgamma is +inf at 0 and at the negative integers (its poles): a Gamma, Beta or negative-binomial "
+              "likelihood's shape parameter (concentration, alpha) that reached 0, from a relu or an underflowed "
+              "exp; keep it positive (F.softplus(x) + eps) or clamp it (clamp_min(eps))",
+    "digamma": "digamma (lgamma's derivative) is non-finite at 0 and at the negative integers (its poles): a Gamma, "
+               "Beta or Dirichlet shape parameter that reached 0 or below; keep it positive (F.softplus(x) + eps)",
+    "xlogy": "the x * log(y) of xlogy(x, y) is ±inf where y is 0 and x is not: a Beta log_prob at a value of exactly 0 or 1 "
+             "((a - 1) * log(value), (b - 1) * log(1 - value)), a Bernoulli or Binomial at a probability of exactly 0 or 1; "
+             "clamp the value into (eps, 1 - eps)",
+    "softplus": "softplus computes log1p(exp(beta * x)) / beta below its threshold and x above it: exp overflows once "
+                "beta * x passes 88.7 (float32), so a threshold above that lets it overflow; keep the threshold at "
+                "the default 20",
 }
 
 _BACKWARD = {
