@@ -496,7 +496,7 @@ def test_adam_in_float16() -> None:
     assert "eps" in f.hint and "float16" in f.hint
 
 
-@pytest.mark.parametrize("case", ["ignored", "std", "ctc", "lgamma", "digamma", "beta", "softplus"])
+@pytest.mark.parametrize("case", ["ignored", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson"])
 def test_hints_name_the_remedy(case: str) -> None:
     # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
     # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
@@ -509,6 +509,9 @@ def test_hints_name_the_remedy(case: str) -> None:
             ab = F.softplus(out[:, :2]) + 0.1
             value = torch.tensor([0.3, 0.5, 1.0, 0.2, 0.7, 0.4])  # a target of exactly 1
             return -torch.distributions.Beta(ab[:, 0], ab[:, 1]).log_prob(value).mean()
+        if case == "poisson":  # a Poisson NLL whose rate is a ReLU dead on the whole batch: all 0, not a 0/1 mask
+            rate = F.relu(out[:, 0] - 10.0)
+            return (rate - y * torch.log(rate)).mean()
         if case == "softplus":
             return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
@@ -524,7 +527,7 @@ def test_hints_name_the_remedy(case: str) -> None:
     assert f.module == "<outside>"
     want = {"ignored": "ignore", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
             "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
-            "softplus": "threshold at the default 20"}[case]
+            "softplus": "threshold at the default 20", "poisson": "Log of exactly 0"}[case]
     assert want in f.hint
 
 

@@ -259,7 +259,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and float(args[0].reshape(-1)[flat]) == 0):
         x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
-        out["log_mask" if not x.requires_grad and bool(((x == 0) | (x == 1)).all()) else "log_zero"] = True
+        # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
+        mask = not x.requires_grad and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
+        out["log_mask" if mask else "log_zero"] = True
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     if dtype is None or dtype == torch.float64:
         return out
