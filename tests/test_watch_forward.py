@@ -668,6 +668,42 @@ def test_a_float32_overflow_is_not_told_to_move_to_float32() -> None:
     assert "exploding weights" in f.hint
 
 
+class _VAE(nn.Module):
+    """An encoder's mean and log-variance, the reparameterisation z = mu + eps * exp(0.5 * logvar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mu, self.logvar = nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Linear(32, 4), nn.Linear(32, 4)
+        self.dec = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.enc(x)
+        mu, logvar = self.mu(h), self.logvar(h)
+        std = torch.exp(0.5 * logvar)  # @vae-std
+        return self.dec(mu + torch.randn_like(std) * std), mu, logvar
+
+
+@pytest.mark.parametrize("where", ["std", "kl"])
+def test_a_vae_whose_logvar_overflowed_exp_is_told_to_clamp_the_exponent(where: str) -> None:
+    # logvar near 200 (std = exp(100) = inf, z inf, the decoder nan) or near 100 (std finite, the KL
+    # term's logvar.exp() inf): the hint said only "look for exploding weights or inputs", no word
+    # of exp's input or of clamping logvar, the usual fix
+    torch.manual_seed(0)
+    vae = _VAE()
+    with torch.no_grad():
+        vae.logvar.bias.fill_(200.0 if where == "std" else 100.0)
+    opt = torch.optim.Adam(vae.parameters(), 1e-3)
+    x = torch.randn(8, 16)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(vae, opt):
+        rec, mu, logvar = vae(x)
+        kl = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+        (F.mse_loss(rec, x) + kl).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.cause, f.op) == ("" if where == "std" else "<outside>", "created", "aten.exp.default"), str(f)
+    assert "logvar.clamp" in f.hint and "past 88.72" in f.hint, f.hint
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "jagged"])

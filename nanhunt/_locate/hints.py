@@ -325,6 +325,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             # values are the trouble
             remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
                       "learning rate, gradient clipping, normalising the inputs)")
+            if _op_key(op) == "exp" and fx["reached"] > 0:  # (the exponent, not a value, is what to bound)
+                remedy = (f"its input, {math.log(fx['reached']):.4g}, is past {math.log(fx['limit']):.4g}, where exp "
+                          f"passes {fx['dtype']}'s largest value: clamp what goes into exp (a VAE's "
+                          "logvar.clamp(-30, 20)) or use a stable form (F.softplus, torch.logsumexp); or " + remedy)
         elif f.module == "<outside>":  # (the loop's own code: no module to keep in float32)
             remedy = "compute it in float32 (.float() before it, outside autocast) or scale before it"
         elif fx["dtype"] == "bfloat16":
