@@ -781,6 +781,8 @@ def test_a_reduction_over_a_fully_masked_row_in_loss_code_is_found(mode: str) ->
     f = err.value.finding
     assert (f.phase, f.module, f.step, f.cause) == ("forward", "<outside>", 2, "created"), f
     assert any("logsumexp" in c for c in f.chain) and f.index == (1,)
+    # told as the row with nothing to sum, not as "-inf * 0, inf - inf, a sum or mean over masked positions"
+    assert "logsumexp over a fully masked row" in f.hint and "-inf * 0" not in f.hint, f.hint
 
 
 # ---------------------------------------------------------------- fed from outside the model

@@ -152,6 +152,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
+            elif name == "logsumexp" and r.ins and r.ins[0].code is not None:
+                code = r.ins[0].code  # (a row all -inf sums nothing: -inf)
+                if code.dim() and bool((code == 3).all(-1).any()):
+                    out["masked_row"] = "logsumexp"
             elif (name == "sub" and (mask_write(first.op) or out.get("log_mask") or getattr(rec, "mask_fed", False))
                   and len(r.ins) == 2
                   and r.ins[0].code is not None and r.ins[0].code.dim()
@@ -358,6 +362,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"largest finite value {fx['limit']:g}, so the softmax inside {op} takes inf - inf = nan (no mask "
                 "is the cause). The queries and keys themselves are too large: look for exploding activations or "
                 "weights (a lower learning rate, gradient clipping, a LayerNorm before the attention).")
+    if fx.get("masked_row") == "logsumexp":
+        return ("A logsumexp over a fully masked row: every position of that row is -inf, so there is nothing to sum "
+                "and its logsumexp is -inf (an anchor with no positive in a contrastive loss, a sequence with no valid "
+                "position); a loss that takes it is inf. Leave at least one position unmasked, or drop such rows from "
+                "the loss (torch.where(has_any, lse, 0.), then a mean over the rows kept).")
     if fx.get("masked_row") == "sub":
         return ("A fully masked row normalised by a subtraction: every position of that row is -inf, so x - "
                 "logsumexp(x) (Categorical(logits=...)'s normalisation, a log_softmax by hand) or x - x.amax() is "
