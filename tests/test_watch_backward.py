@@ -742,6 +742,89 @@ def test_a_gradient_born_in_one_of_two_siblings_sharing_an_input_is_named_by_tha
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "1.b", "SqrtBackward0", "created"), f
 
 
+class _RootDistances(nn.Module):
+    """The root's own code takes ``h`` too: ``b(h)`` plus the sum of pairwise distances of ``h``'s
+    rows, whose sqrt at a distance of 0 (each row's own) has an infinite derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) + torch.sqrt(((h[:, None] - h[None]) ** 2).sum(-1)).sum(1, keepdim=True)  # the root's sqrt
+
+
+@pytest.mark.parametrize(("mode", "grad_hooks"), [("full", False), ("full", True), ("sentinel", False), ("ops", True)])
+def test_a_gradient_born_in_the_roots_own_code_is_not_blamed_on_a_child_sharing_its_tensor(
+        mode: str, grad_hooks: bool) -> None:
+    """``b`` takes ``h`` and the root's own code takes it too: ``h``'s gradient (what a hook on the
+    tensor sees) sums both uses, but ``b``'s backward made nothing non-finite: the root's sqrt did.
+    No other call takes ``h``, so only the graph tells that its gradient has another use."""
+    torch.manual_seed(0)
+    model = _RootDistances()
+    before = snapshot(model)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode, grad_hooks=grad_hooks):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.module_type, f.op, f.cause) == ("backward", "", "_RootDistances", "SqrtBackward0",
+                                                                 "created"), f
+    assert f.source is not None and "the root's sqrt" in linecache.getline(*_file_line(f.source))
+    assert same_state(before, snapshot(model))
+
+
+def _file_line(source: str) -> tuple[str, int]:
+    file, line = source.rsplit(":", 1)
+    return file, int(line)
+
+
+@pytest.mark.parametrize("where", ["ff", "sa"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_born_in_a_pre_norm_encoder_layers_own_code_is_the_layers(mode: str, where: str) -> None:
+    """nn.TransformerEncoderLayer(norm_first=True): the layer's own ``_ff_block`` / ``_sa_block``
+    takes ``norm2``'s / ``norm1``'s output as ``linear1`` / ``self_attn`` do; a sqrt at 0 there made
+    the NaN, and the sibling that only shares that tensor (it was blamed) is innocent."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    model = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    own = model.layers[1]
+    block = own._ff_block if where == "ff" else own._sa_block
+
+    def with_sqrt(y: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return block(y, *args, **kwargs) + torch.sqrt(y * y * 0)  # the layer's own sqrt
+
+    setattr(own, f"_{where}_block", with_sqrt)
+    x = torch.randn(4, 6, 16)
+    f = _one_step_finding(model, lambda: model(x).pow(2).mean(), mode)
+    assert (f.phase, f.module, f.module_type, f.op, f.cause) == (
+        "backward", "layers.1", "TransformerEncoderLayer", "SqrtBackward0", "created"), f
+    assert f.source is not None and "the layer's own sqrt" in linecache.getline(*_file_line(f.source))
+
+
+def _gpt2_block_with_sqrt(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """GPT2Block's forward with one more term in its own code, on the residual stream that ``ln_2``
+    takes too."""
+    residual = hidden_states
+    attn_output, _ = self.attn(self.ln_1(hidden_states), *args, **kwargs)
+    residual = attn_output + residual
+    return residual + self.mlp(self.ln_2(residual)) + torch.sqrt(residual * residual * 0)  # the block's sqrt
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_born_in_a_gpt2_blocks_own_code_is_the_blocks_not_its_layer_norms(mode: str) -> None:
+    pytest.importorskip("transformers")
+    model = zoo.gpt2(dropout=0.0)
+    blk = model.transformer.h[0]
+    blk.forward = _gpt2_block_with_sqrt.__get__(blk)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+    f = _one_step_finding(model, lambda: model(input_ids=ids, labels=ids).loss, mode)
+    assert (f.phase, f.module, f.module_type, f.op, f.cause) == (
+        "backward", "transformer.h.0", "GPT2Block", "SqrtBackward0", "created"), f  # (was: transformer.h.0.ln_2)
+    assert f.source is not None and "the block's sqrt" in linecache.getline(*_file_line(f.source))
+
+
 class _SqrtAtZeroAct(nn.Module):
     """An activation whose backward is 0 * inf = NaN: sqrt(x * x * 0) is 0, its derivative inf."""
 

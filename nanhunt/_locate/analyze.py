@@ -962,7 +962,7 @@ def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Fi
         p = r.calls[p].parent
     # the calls around it, and the others that take the same tensor (siblings: a(h) + b(h))
     sharing = [c for c in r.calls if c is not rc and any(kk == k for kk, _ in c.in_keys)]
-    if not sharing:
+    if not sharing and not (ancestors and _used_by_callers_code(r, rc, k)):
         return None
     f = _node_finding(ctx, top_i)
     if f is None:
@@ -971,6 +971,17 @@ def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Fi
     if owner is None:
         return None  # made inside the call (or outside the top): the call's own finding stands
     return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
+
+
+def _used_by_callers_code(r: Replay, rc: ReplayCall, k: int) -> bool:
+    """Is the input of ``rc`` whose gradient turned non-finite (key ``k``) also used outside the
+    calls, by the code of a call around it (``h = a(x); b(h) + sqrt(dist(h))`` in the root's
+    forward; a block's residual into ``ln_2`` and its own add): then its gradient sums that use too."""
+    t = next((t for kk, p in rc.in_keys if kk == k for pp, t in rc.inputs if pp == p), None)
+    if t is None or not t.requires_grad:
+        return True  # (cannot tell: let the nodes decide)
+    roots = [o.grad_fn for _, o in tensors(r.output) if o.requires_grad]
+    return _nodes.used_outside(t, [x for _, x in rc.inputs], [o for _, o in rc.outputs], roots)
 
 
 def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:

@@ -37,7 +37,8 @@ from .oplevel import (
 )
 from .replay import faithful
 
-__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "hook_names", "tensor_hooks"]
+__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "hook_names", "tensor_hooks",
+           "used_outside"]
 
 
 
@@ -96,6 +97,28 @@ def graph_nodes(roots: list[Any]) -> list[Any]:
         nodes.append(fn)
         todo.extend(n for n, _ in fn.next_functions)
     return nodes
+
+
+def used_outside(t: torch.Tensor, inputs: list[torch.Tensor], outputs: list[torch.Tensor], roots: list[Any]) -> bool:
+    """Does a node outside a call's own graph (the nodes its ``outputs`` reach before its
+    ``inputs``' nodes) take the gradient of its input ``t``: ``h`` used by the caller's own code
+    too (``b(h) + sqrt(...h...)``, a residual)? ``t``'s gradient is then the sum over those uses.
+    ``roots``: the nodes of the whole graph's outputs."""
+    node, nr = t.grad_fn, t.output_nr
+
+    def takes(n: Any, i: int) -> bool:
+        return n is node and i == nr if node is not None else getattr(n, "variable", None) is t
+
+    stop = {x.grad_fn for x in inputs}
+    own: set[Any] = set()
+    todo = [o.grad_fn for o in outputs]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in own or fn in stop:
+            continue
+        own.add(fn)
+        todo.extend(n for n, _ in fn.next_functions)
+    return any(takes(n, i) for fn in graph_nodes(roots) if fn not in own for n, i in fn.next_functions if n is not None)
 
 
 def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
