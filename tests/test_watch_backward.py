@@ -775,6 +775,38 @@ def test_a_gradient_born_in_the_roots_own_code_is_not_blamed_on_a_child_sharing_
     assert same_state(before, snapshot(model))
 
 
+class _Remembers(nn.Module):
+    """Reads a tensor kept on it (a memory the caller set), not given as an argument."""
+
+    mem: torch.Tensor
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z + torch.sqrt(((self.mem[:, None] - self.mem[None]) ** 2).sum(-1)).sum(1, keepdim=True)  # its sqrt
+
+
+class _WithMemory(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 3), nn.Linear(3, 1), _Remembers()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.c.mem = h
+        return self.c(self.b(h))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_born_in_a_module_reading_a_tensor_kept_on_it_is_that_modules(mode: str) -> None:
+    """``c`` reads ``h`` from an attribute, ``b`` takes it as its input: ``c``'s sqrt made the NaN in
+    ``h``'s gradient, and ``b`` (which no other call shares ``h`` with) is innocent."""
+    torch.manual_seed(0)
+    model = _WithMemory()
+    f = _one_step_finding(model, lambda: model(torch.randn(5, 4)).sum(), mode)
+    assert (f.phase, f.module, f.module_type, f.op, f.cause) == ("backward", "c", "_Remembers", "SqrtBackward0",
+                                                                 "created"), f
+    assert f.source is not None and "its sqrt" in linecache.getline(*_file_line(f.source))
+
+
 def _file_line(source: str) -> tuple[str, int]:
     file, line = source.rsplit(":", 1)
     return file, int(line)

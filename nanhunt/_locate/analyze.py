@@ -952,9 +952,10 @@ def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Fi
     """The gradient of a tensor is the sum over its uses: when the call's input that turned
     non-finite is also an input of a call around it or of another call, that call may have made it
     (``fc(h) * sqrt(gate + 0 * h)``: the NaN reaches ``h`` through ``0 * h``, not through ``fc``;
-    ``a(h) + b(h)`` with the NaN born in ``b``).
-    The autograd node that made it decides: a finding for the enclosing call that owns the node,
-    or None when the call itself does (or the node cannot be told)."""
+    ``a(h) + b(h)`` with the NaN born in ``b``), or used by code outside every call that takes it (the
+    caller's own ``sqrt(dist(h))``, a module reading ``h`` kept on it), that code may have made it.
+    The autograd node that made it decides: a finding for the call that owns the node, or None
+    when the call itself does (or the node cannot be told)."""
     ancestors: list[ReplayCall] = []
     p = rc.parent
     while p >= 0:
@@ -968,9 +969,12 @@ def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Fi
     if f is None:
         return None
     owner = next((a for a in (*ancestors, *sharing) if a.name == f.module and a is not rc), None)
-    if owner is None:
+    if owner is not None:
+        return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
+    if (rc.name == "" or f.module == rc.name or f.module.startswith(rc.name + ".")
+            or not any(c.name == f.module for c in r.calls)):
         return None  # made inside the call (or outside the top): the call's own finding stands
-    return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
+    return f  # a call that used the tensor without taking it (a memory kept on the module: ``self.mem = h``)
 
 
 def _used_by_callers_code(r: Replay, rc: ReplayCall, k: int) -> bool:
