@@ -1109,6 +1109,22 @@ def test_close_from_another_thread_while_the_analysis_replays_leaves_no_wrapper_
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
 
 
+def _closer_on_another_thread(hunt: nanhunt.Hunt, errors: list[BaseException]) -> Any:
+    """A function that closes ``hunt`` on a thread of its own and waits for it (a server's
+    shutdown), keeping what close() raised there in ``errors``."""
+    def close_elsewhere() -> None:
+        def close() -> None:
+            try:
+                hunt.close()
+            except BaseException as exc:  # (the test's own report of it)
+                errors.append(exc)
+
+        t = threading.Thread(target=close)
+        t.start()
+        t.join()
+    return close_elsewhere
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
 def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) -> None:
     """A server's shutdown: close() runs on another thread while the training thread is inside the
@@ -1124,17 +1140,7 @@ def test_close_from_another_thread_mid_forward_leaves_nothing_behind(mode: str) 
     opt.step()
     opt.zero_grad()
     errors: list[BaseException] = []
-
-    def close_elsewhere() -> None:
-        def close() -> None:
-            try:
-                hunt.close()
-            except BaseException as exc:  # (the test's own report of it)
-                errors.append(exc)
-
-        t = threading.Thread(target=close)
-        t.start()
-        t.join()
+    close_elsewhere = _closer_on_another_thread(hunt, errors)
 
     tap.at[tap.n + 1] = close_elsewhere
     model(torch.rand(3, 4)).sum().backward()
@@ -1163,17 +1169,7 @@ def test_close_from_another_thread_mid_step_does_not_judge_the_training_threads_
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     hunt = nanhunt.watch(model, opt, mode=mode)
     errors: list[BaseException] = []
-
-    def close_elsewhere() -> None:
-        def close() -> None:
-            try:
-                hunt.close()
-            except BaseException as exc:  # (the test's own report of it)
-                errors.append(exc)
-
-        t = threading.Thread(target=close)
-        t.start()
-        t.join()
+    close_elsewhere = _closer_on_another_thread(hunt, errors)
 
     x = torch.rand(3, 4)
     x[1, 2] = float("nan")

@@ -36,11 +36,8 @@ def _loader(**kw: Any) -> DataLoader:
     return DataLoader(Records(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3), **kw)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_bad_samples_are_named_from_a_shuffled_loader(workers: int) -> None:
-    loader = _loader(num_workers=workers)
-    model = zoo.bnmlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _skip_epoch(loader: DataLoader[Any], model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[nanhunt.Hunt, list[list[int]]]:
+    """One epoch watched with on_find="skip" and ``loader=``: the hunt, and each step's dataset indices."""
     order = []
     with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:
         for x, y, i in loader:
@@ -48,6 +45,15 @@ def test_bad_samples_are_named_from_a_shuffled_loader(workers: int) -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+    return hunt, order
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_are_named_from_a_shuffled_loader(workers: int) -> None:
+    loader = _loader(num_workers=workers)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hunt, order = _skip_epoch(loader, model, opt)
     expected_steps = [s for s, b in enumerate(order) if POISONED & set(b)]
     assert len(order) == 10 and sorted(sum(order, [])) == list(range(40))
     assert hunt.skipped == expected_steps and len(expected_steps) >= 2
@@ -113,13 +119,7 @@ def test_a_watch_per_epoch_names_the_rows_of_a_persistent_workers_loader() -> No
     model = zoo.bnmlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for epoch in range(2):
-        order = []
-        with nanhunt.watch(model, opt, on_find="skip", loader=loader) as hunt:
-            for x, y, i in loader:
-                order.append(i.tolist())
-                F.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+        hunt, order = _skip_epoch(loader, model, opt)
         assert hunt.report.bad_samples == sorted(POISONED), epoch
         f = next(f for f in hunt.findings if f.phase == "forward")
         assert f.samples == tuple(i for i in order[f.step] if i in POISONED), (epoch, f)
