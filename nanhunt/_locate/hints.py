@@ -699,7 +699,7 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
         return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
                 "gradients (on_find was not 'raise').")
     # (eps = 0: the division by the optimizer's own state, and its class's default eps)
-    division = f" ({g['division']})" if g.get("division") else ""
+    division = f" ({g['guarded']})" if g.get("guarded") else ""
     fix = (f"Use a positive eps (the default {g['eps_default']:g}).".replace("e-0", "e-") if g.get("eps_default")
            else "Use a positive eps.")
     if g.get("eps") == 0 and (g.get("zero_grad") or g.get("zero_some")):

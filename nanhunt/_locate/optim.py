@@ -218,23 +218,20 @@ _DIVISIONS: tuple[tuple[type, str, str, str], ...] = (
 )
 
 
-def _eps_division(opt: torch.optim.Optimizer) -> tuple[str, float | None]:
-    """The division by ``opt``'s state that its eps guards ("" for a class not known) and its
-    class's default eps (None when it has none)."""
-    division = next((d for c, d, _, _ in _DIVISIONS if isinstance(opt, c)), "")
+def _eps_default(opt: torch.optim.Optimizer) -> float | None:
+    """``opt``'s class's default eps (None when it has none)."""
     try:
         default = inspect.signature(type(opt).__init__).parameters["eps"].default
     except (KeyError, TypeError, ValueError):
         default = None
-    return division, default if isinstance(default, float) and default > 0 else None
+    return default if isinstance(default, float) and default > 0 else None
 
 
 def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     """What the numbers say of ``p``'s update, for the hint (after a hit: host reads allowed):
-    ``eps`` (the group's, when it is exactly 0, with ``division``, the division by the state it
-    guards, and ``eps_default``, the class's default, from `_eps_division`), ``lr`` (the group's, when finite) and,
-    for a torch.optim class whose update is known, ``update_division`` (the division by its state, "" for SGD's:
-    none), ``zero_grad`` (the gradient is 0 everywhere) or
+    ``eps`` (the group's, when it is exactly 0, with ``eps_default``, the class's default), ``lr``
+    (the group's, when finite) and, with it, for a torch.optim class whose update is known,
+    ``update_division`` (``guarded``, "" for SGD's: none), ``zero_grad`` (the gradient is 0 everywhere) or
     ``zero_some`` (somewhere), ``grad_max`` (its largest magnitude, when its square passes the
     dtype's largest value, with ``bad_state``, the first of ``p``'s optimizer states that is
     non-finite, or None); for a torch.optim class with a denominator, always ``denominator`` (the
@@ -252,15 +249,14 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
         eps = group.get("eps")
         if isinstance(eps, (int, float)) and eps == 0:
             out["eps"] = 0.0
-            out["division"], out["eps_default"] = _eps_division(opt)
+            out["eps_default"] = _eps_default(opt)
         lr = group.get("lr")
         if isinstance(lr, torch.Tensor) and lr.numel() == 1:
             lr = float(lr)
         if isinstance(lr, (int, float)) and math.isfinite(lr):
             out["lr"] = float(lr)
-            own = "" if isinstance(opt, torch.optim.SGD) else _eps_division(opt)[0]  # (SGD's update divides by nothing)
-            if own or isinstance(opt, torch.optim.SGD):
-                out["update_division"] = own
+            if isinstance(opt, torch.optim.SGD) or "guarded" in out:  # (SGD's update divides by nothing)
+                out["update_division"] = out.get("guarded", "")
         g = p.grad
         if g is None or g.is_sparse or not g.is_floating_point() or not g.numel():
             return out
