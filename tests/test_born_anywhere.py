@@ -1494,3 +1494,40 @@ def test_a_backward_nan_born_after_a_second_call_fed_by_the_loop_s_own_code_is_f
     f = err.value.finding
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "SqrtBackward0", "created"), f
     assert same_source(f.source, line("second-call-sqrt")), f.source
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_overflow_after_an_exploding_learning_rate_names_the_grown_weights_and_the_lr(mode: str) -> None:
+    # SGD at lr=2 with momentum diverges: the weights grow step after step until the squared error
+    # passes float32's max in the loss code. The hint was the generic "an overflow past the dtype's
+    # max, x/0 or log(0)", which says nothing of the learning rate that the user has to lower
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=2.0, momentum=0.9)
+    x = torch.randn(64, 8) * 3
+    y = (x**2).sum(1, keepdim=True)
+    with nanhunt.watch(m, optimizer=opt, mode=mode, on_find="record") as hunt:
+        for _ in range(100):
+            loss = ((m(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if hunt.first is not None:
+                break
+    f = hunt.first
+    assert f is not None and f.phase == "forward" and f.cause == "created" and f.step > 10, f
+    big = max((p.detach().abs().max().item(), n) for n, p in m.named_parameters())
+    assert big[0] > 1e10  # (what the run really did: the weights grew)
+    assert f"The model's weights are huge ('{big[1]}' reaches" in f.hint and "SGD lr=2" in f.hint, f.hint
+    assert "learning rate" in f.hint
+
+
+def test_an_overflow_with_sane_weights_says_nothing_of_the_learning_rate() -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=2.0)
+    with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
+        torch.exp(m(torch.randn(2, 4)) + 100).sum().backward()
+    f = hunt.first
+    assert f is not None and f.cause == "created" and "aten.exp" in (f.op or ""), f
+    assert "weights are huge" not in f.hint and "lr=" not in f.hint, f.hint

@@ -395,7 +395,10 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         # a cast whose input has another shape than the finding: the reference took that input's largest
         # element, the hint the one on the path to the finding's element (the value the user can look up)
         f = dataclasses.replace(f, reference={**ref, "value": facts["reached"]})
-    f = dataclasses.replace(f, hint=f.hint or _start_hint(ctx, f) or _hints.hint(f, facts), rank=ctx.view.rank)
+    hint = f.hint or _start_hint(ctx, f) or _hints.hint(f, facts)
+    if f.phase == "forward" and f.cause == "created" and "learning rate" not in hint:
+        hint += _hints.grown_hint(_grown(ctx))  # (whatever op it was born in: the values were huge)
+    f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
         _debug.stop_for(ctx.view, f, where)
@@ -1187,9 +1190,24 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
     return None
 
 
-def _largest_weight_up_to(root: nn.Module | None, mname: str) -> tuple[str, float] | None:
+def _grown(ctx: _Ctx) -> tuple[str, float, str] | None:
+    """The watched model's largest weight when it is huge (past `hints.HUGE_WEIGHT`: grown by the
+    updates), with its optimizer and lr as "SGD lr=2" ("" when no watched optimizer holds it)."""
+    largest = _largest_weight_up_to(ctx.view.root, None)
+    if largest is None or largest[1] <= _hints.HUGE_WEIGHT:
+        return None
+    p = ctx.view.root.get_parameter(largest[0]) if ctx.view.root is not None else None
+    for opt in ctx.view.optimizers:
+        for g in opt.param_groups:
+            if any(q is p for q in g["params"]) and isinstance(g.get("lr"), (int, float)):
+                return largest[0], largest[1], f"{type(opt).__name__} lr={float(g['lr']):g}"
+    return largest[0], largest[1], ""
+
+
+def _largest_weight_up_to(root: nn.Module | None, mname: str | None) -> tuple[str, float] | None:
     """The largest weight of the modules registered up to ``mname`` (those that feed it, in a
-    Sequential): grown huge by the updates, not a huge sample, they may have made its input."""
+    Sequential; None: all of them): grown huge by the updates, not a huge sample, they may have
+    made its input."""
     best: tuple[str, float] | None = None
     for name, m in root.named_modules() if root is not None else ():
         for pname, p in m.named_parameters(prefix=name, recurse=False):

@@ -531,13 +531,25 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     return ""
 
 
-_HUGE_WEIGHT = 1e4  # no weight of a sane model is this large: the values were made huge by the model
+HUGE_WEIGHT = 1e4  # no weight of a sane model is this large: the values were made huge by the model
+
+
+def grown_hint(grown: tuple[str, float, str] | None) -> str:
+    """The sentence added to a forward finding born from finite values when the model's weights are
+    huge: `analyze._grown`'s (name, magnitude, "SGD lr=2")."""
+    if grown is None:
+        return ""
+    name, big, lr = grown
+    lr = f", with {lr}" if lr else ""
+    return (f" The model's weights are huge ({name!r} reaches {big:.3g}{lr}): grown step after step, which "
+            "points to a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients "
+            "(torch.nn.utils.clip_grad_norm_ before step()).")
 
 
 def buffer_hint(buffer: str, module_type: str, largest: tuple[str, float] | None = None) -> str:
     """A buffer written non-finite by a forward whose outputs stayed finite. ``largest``: the
     model's largest weight and its magnitude."""
-    if (buffer.startswith("running_") or "Norm" in module_type) and largest is not None and largest[1] > _HUGE_WEIGHT:
+    if (buffer.startswith("running_") or "Norm" in module_type) and largest is not None and largest[1] > HUGE_WEIGHT:
         return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: its "
                 "input held huge (but finite) values, whose variance is past the dtype's largest value, and the "
                 f"model's weights are huge ({largest[0]!r} reaches {largest[1]:.3g}): the layers before it made "
