@@ -1531,3 +1531,30 @@ def test_an_overflow_with_sane_weights_says_nothing_of_the_learning_rate() -> No
     f = hunt.first
     assert f is not None and f.cause == "created" and "aten.exp" in (f.op or ""), f
     assert "weights are huge" not in f.hint and "lr=" not in f.hint, f.hint
+
+
+def _unit_grad(g: torch.Tensor) -> torch.Tensor:
+    return g / g.norm(dim=1, keepdim=True)  # a gradient normaliser: 0/0 on a row whose gradient is 0
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_hook_registered_in_the_loss_code_is_named_with_its_line(mode: str) -> None:
+    # the loss code hooks the logits' gradient to normalise it per row; a row whose loss term is
+    # multiplied by 0 has a zero gradient, so the hook makes 0/0. The finding was the gradient
+    # arriving at the model's output, cause "input", with "pass the loss to hunt.check(loss)",
+    # which would not find it either (the loss is finite)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    weight = torch.tensor([1.0, 0.0, 1.0, 1.0]).unsqueeze(1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, optimizer=opt, mode=mode):
+        logits = m(torch.randn(4, 4)) * 1.0
+        logits.register_hook(_unit_grad)  # @unit-hook
+        (logits.log_softmax(1) * weight).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause) == ("backward", "<outside>", "created"), f
+    assert f.source == line("unit-hook"), f.source
+    assert "_unit_grad" in f.hint and "register_hook" in f.hint, f.hint
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # raise: the step was not applied

@@ -32,7 +32,7 @@ from .._steplog import Out, OutRec, StepLog, Top
 from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, tensors, values
 from . import hints as _hints
 from .differential import _FROM_ZERO, REDUCED
-from .nodes import blame_nodes, named
+from .nodes import blame_nodes, hook_names, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 from .replay import faithful, given_objects
 
@@ -55,6 +55,9 @@ class Born:
     chain: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     node: str = ""  # the node's name (op differs for a custom Function's node: the op in its backward)
+
+
+_REGISTER_HOOK = torch.Tensor.register_hook
 
 
 class _Tag(TorchDispatchMode):
@@ -94,6 +97,9 @@ class _Replay:
         self.rerun: list[torch.Tensor] = []
         self.outs: list[list[torch.Tensor]] = []
         self.node_rec: dict[Any, int] = {}
+        # gradient hooks the recorded code registered (``z.register_hook(fn)``): (record, fn, the
+        # gradient it returned) for the first that turned a finite gradient non-finite (`_checked_hook`)
+        self.hook_made: list[tuple[int, Any, torch.Tensor]] = []
 
     def ext(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -132,6 +138,8 @@ class _Replay:
             args = tree_map(self.ext, r.args)
             kwargs = tree_map(self.ext, r.kwargs)
             func = r.func
+            if self.grad and func is _REGISTER_HOOK and len(args) > 1 and callable(args[1]):
+                args = (args[0], self._checked_hook(i, args[1]), *args[2:])
             if self.wide:
                 args, kwargs = tree_map(_wide_dtype, (args, kwargs))
                 if getattr(func, "__name__", "") in _NARROWING and args and isinstance(args[0], torch.Tensor):
@@ -173,6 +181,16 @@ class _Replay:
                         continue
                     self.node_rec[fn] = i
                     todo.extend(n for n, _ in fn.next_functions)
+
+    def _checked_hook(self, i: int, fn: Any) -> Any:
+        """``fn`` as its replay runs it, noting whether it turned a finite gradient non-finite."""
+        def hook(g: torch.Tensor) -> Any:
+            out = fn(g)
+            got = g if out is None else out
+            if not self.hook_made and isinstance(got, torch.Tensor) and is_bad(got) and not is_bad(g):
+                self.hook_made.append((i, fn, got))
+            return out
+        return hook
 
     def _top(self, top: Top, outs: list[tuple[torch.Tensor, Path]]) -> None:
         """A watched top-level call that took a value the recorded code made (``h = self.enc(x)``,
@@ -393,6 +411,10 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     if not ends:
         return None
     got = blame_nodes(list(rep.node_rec), run)
+    if got is None and rep.hook_made:  # no node made it: a gradient hook the code registered did
+        ri, fn, grad = rep.hook_made[0]
+        return Born("", recs[ri].src, "register_hook", ri, grad, 0,  # (no op: the user's hook)
+                    facts={"tensor_hook": hook_names([fn])})
     if got is None:
         return None
     ri = rep.node_rec[got.fn]
@@ -675,9 +697,9 @@ def backward_finding(log: StepLog, step: int) -> Finding | None:
         # the gradient its node made (as a module's node-level finding names it), not what reached the model
         phase="backward", module=OUTSIDE, module_type=b.function or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, b.rec), index=index, value=value, counts=counts, shape=shape_of(b.grad),
-        dtype=dtype, cause="created", op=b.op, source=b.source, chain=tuple(b.chain),
+        dtype=dtype, cause="created", op=b.op or None, source=b.source, chain=tuple(b.chain),
         reproducible=True, verdict="numerics" if numerics else None,
-        reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
+        reference={"dtype": dtype, "op": b.op or None, "tensor": tensor, "value": value} if numerics else {},
     )
     return dataclasses.replace(f, hint=_hints.hint(f, b.facts))
 

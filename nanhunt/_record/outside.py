@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.modules import module as module_mod
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function
 from torch.utils._device import DeviceContext as _DeviceContext  # set_default_device's: the stack's bottom
 
 from .._hooks import REPLAYING, in_transform
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["Outside", "user_line", "is_lib"]
 
 _BACKWARD = frozenset({torch.Tensor.backward, torch.autograd.backward})
+_REGISTER_HOOK = torch.Tensor.register_hook
 _PASS = frozenset({torch.autograd.grad})
 
 
@@ -145,6 +146,18 @@ def user_line(depth: int = 2) -> tuple[str | None, str]:
 
 def _plain_call(func: Any, args: Any, kwargs: Any) -> Any:
     return func(*args, **kwargs)
+
+
+_HOOK_PATH = frozenset(getattr(f, "__code__", None) for f in (torch.Tensor.register_hook, handle_torch_function))
+
+
+def _hooked_by_user() -> bool:
+    """Was the ``register_hook`` being intercepted called by code outside torch (the user's, not a
+    module's full backward hook, which torch registers on each of its outputs)?"""
+    f: Any = sys._getframe(2)
+    while f is not None and f.f_code in _HOOK_PATH:
+        f = f.f_back
+    return f is not None and not is_lib(f.f_code.co_filename)
 
 
 def _user_frame(depth: int) -> Any:
@@ -567,6 +580,10 @@ class Outside(TorchFunctionMode):
             outs = [t for t in out if isinstance(t, torch.Tensor)]
         elif out is None and name == "__setitem__" and args and isinstance(args[0], torch.Tensor):
             outs = (args[0],)  # x[i] = v writes a new value into x
+        elif func is _REGISTER_HOOK and _hooked_by_user():
+            # a gradient hook the code put on its tensor: the replay of its backward runs it too
+            # (not torch's own: a module's full backward hook registers one on each output)
+            outs = ()
         else:
             return out
         if frame is None:
