@@ -1258,6 +1258,47 @@ def test_a_gradient_made_non_finite_by_a_hook_on_an_activation_names_the_hook_no
     assert same_state(snapshot(model), before)  # raise: the step was not applied
 
 
+def _unit_rows(g: torch.Tensor) -> torch.Tensor:
+    return g / g.norm(dim=1, keepdim=True)  # a per-row gradient normaliser: 0/0 on a row whose gradient is 0
+
+
+class _MaskedPool(nn.Module):
+    """Its own forward hooks an activation that only its own code takes (the mask), not a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        h.register_hook(_unit_rows)  # @mask-hook
+        return self.head(torch.tanh(h) * keep)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_hook_on_an_activation_that_only_the_module_s_own_code_takes_is_named_with_its_line(mode: str) -> None:
+    """A row masked out by the module's own code has a zero gradient, which the hook normalises to
+    0/0. nanhunt's hook on ``enc``'s output saw the gradient before the user's hook ran, so every
+    module's gradients looked finite and the finding was ``enc.weight.grad``, "inf * 0 in a weight
+    gradient, or a gradient written after backward". It now names the hook and the line that
+    registered it."""
+    torch.manual_seed(0)
+    model = _MaskedPool()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model)
+    keep = torch.tensor([[1.0], [0.0], [1.0]])
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        model(torch.randn(3, 4), keep).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause) == ("backward", "", "created"), f
+    want = next(i for i in range(1, 10**5) if linecache.getline(__file__, i).rstrip().endswith("# @mask-hook"))
+    assert f.source == f"{__file__}:{want}", f.source
+    assert "_unit_rows" in f.hint and "register_hook" in f.hint, f.hint
+    assert same_state(snapshot(model), before)  # raise: the step was not applied
+
+
 def _log_norm(g: torch.Tensor) -> None:  # a harmless hook: it reads the gradient, returns None
     float(g.norm())
 

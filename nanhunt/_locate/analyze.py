@@ -879,7 +879,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         return owner
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
     hooks = _nodes.tensor_hooks(t) if (t := dict(rc.inputs).get(path)) is not None else []
-    if hooks and _node_finding(ctx, top_i) is None:
+    if hooks and ((nf := _node_finding(ctx, top_i)) is None or ctx.facts.get(id(nf), {}).get("tensor_hook")):
         # a hook of the user's on that input (``h.register_hook(...)`` in a forward) ran on its gradient
         # after the call's backward made it finite, and no autograd node made it: the hook did
         index, value, counts = element(grad)
@@ -1043,9 +1043,9 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=shape_of(b.grad),
         # a forward value it saved was non-finite (an overflow a saturating op hid from every output):
         # fed in by the forward, the 0 * inf of its backward only shows it
-        dtype=dtype, cause="input" if b.facts.get("saved_bad") else "created", op=b.op, source=b.source,
+        dtype=dtype, cause="input" if b.facts.get("saved_bad") else "created", op=b.op or None, source=b.source,
         chain=tuple(b.chain), reproducible=True, verdict="numerics" if numerics else None,
-        reference={"dtype": dtype, "op": b.op, "tensor": tensor, "value": value} if numerics else {},
+        reference={"dtype": dtype, "op": b.op or None, "tensor": tensor, "value": value} if numerics else {},
     )
     if not numerics:  # made in float16/bfloat16 (or under autocast): the same backward in float32
         e = _differential.examine_node(top, f, b.nth, b.slot, grads, b.node)
@@ -1289,6 +1289,13 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 cause, hint = "unknown", _hints.unseen_step_hint()
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []
         backwards = len(ctx.log.seeds)  # (the backward() calls the loop made in the step, where recorded)
+        if cause == "created" and not hooks:
+            # every gradient the modules' hooks saw was finite: a hook the forward put on an activation
+            # that only its own code takes (``h.register_hook(fn)``; ours saw the gradient before it)?
+            for top_i in reversed(range(max(len(ctx.log.tops) - 4, 0), len(ctx.log.tops))):  # (a replay each)
+                nf = _node_finding(ctx, top_i)
+                if nf is not None and ctx.facts.get(id(nf), {}).get("tensor_hook"):
+                    return nf
         f = Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,

@@ -307,10 +307,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return (f"A gradient hook on this parameter, {fx['grad_hook']}{where}, ran on its gradient: a hook that "
                 "divides by the gradient's norm or scale makes 0/0 of a zero gradient (a batch that does not "
                 "reach this weight). Check it first.")
-    if fx.get("tensor_hook") and f.module == "<outside>":
-        return (f"Made by the gradient hook {fx['tensor_hook']} that the code registered at {f.source} "
-                "(tensor.register_hook): the gradient that reached that tensor was finite, the one the hook "
-                "returned is not. A hook that divides by the gradient's norm or scale makes 0/0 of a zero gradient.")
+    if fx.get("tensor_hook") and fx.get("registered"):
+        by = "the loss code" if f.module == "<outside>" else "this module's forward"
+        return (f"Made by the gradient hook {fx['tensor_hook']} that {by} registered on a tensor at {f.source} "
+                "(register_hook): the gradient that reached that tensor was finite, the one the hook returned "
+                "is not. A hook that divides by the gradient's norm or scale makes 0/0 of a zero gradient.")
     if fx.get("tensor_hook"):
         return (f"Made by the gradient hook {fx['tensor_hook']} on this input (a register_hook at {f.source}): "
                 "the gradient this module's backward gave it was finite, the one the hook returned is not.")

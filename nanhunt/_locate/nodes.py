@@ -13,8 +13,12 @@ of the op that created it (`oplevel`'s node tracking).
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any, NamedTuple
 
 import torch
@@ -25,8 +29,10 @@ from .._steplog import Top
 from .._tensors import is_bad, tensors
 from .oplevel import (
     _SELECT,
+    _USER,
     OpOrigin,
     _fmt,
+    _kind,
     _Mode,
     _Recorder,
     dropped,
@@ -214,8 +220,9 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     rec = _Recorder()
     mode = _Mode(rec, track_nodes=True)
     hooks = ReplayHooks(pre, post)
+    made: list[tuple[Any, str, nn.Module, int, torch.Tensor]] = []  # (`_checked_hooks`)
     try:
-        with faithful(top), torch.enable_grad(), mode:
+        with faithful(top), torch.enable_grad(), mode, _checked_hooks(made, stack, top.module, done):
             out = top.module(*top.args, **(top.kwargs or {}))
             mode.flush()
     finally:
@@ -234,6 +241,10 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
         torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
 
     got = blame_nodes(nodes, run)
+    if got is None and made:  # no node made it: a gradient hook the forward registered did
+        user, line, by, nth, grad = made[0]
+        return Born("", line, grad, 0, [], by, names.get(by, ""), {"tensor_hook": hook_names([user]), "registered": True},
+                    0, nth)
     if got is None:
         return None
     owner, call = _owner(got.fn, done)
@@ -246,6 +257,39 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
         facts = {**facts, "backward_hook": hook_names(users)}
     return Born(op, src, got.grad, got.slot, chain, owner, names.get(owner, "") if owner is not None else "",
                 facts, got.nth, call, got.fn.name())
+
+
+@contextlib.contextmanager
+def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], stack: list[nn.Module],
+                   root: nn.Module, done: list[tuple[nn.Module, Any, Any]]) -> Iterator[None]:
+    """While a replayed forward runs on this thread: each gradient hook that the user's code in it
+    registers (``h.register_hook(fn)`` on an activation) runs checked, and the first that turns a
+    finite gradient non-finite goes into ``made``: (fn, the line that registered it, the module whose
+    forward did, which of its calls)."""
+    me = get_ident()
+
+    def register_hook(t: torch.Tensor, fn: Any) -> Any:
+        caller = sys._getframe(1)
+        if get_ident() != me or not callable(fn) or _kind(caller.f_code.co_filename) != _USER:
+            return orig(t, fn)  # (another thread's; torch's own: a module's full backward hook)
+        owner = stack[-1] if stack else root
+        where = (f"{caller.f_code.co_filename}:{caller.f_lineno}", owner, sum(1 for m, _, _ in done if m is owner))
+        user = fn
+
+        def checked(g: torch.Tensor) -> Any:
+            out = user(g)
+            got = g if out is None else out
+            if not made and isinstance(got, torch.Tensor) and is_bad(got) and not is_bad(g):
+                made.append((user, *where, got))
+            return out
+        return orig(t, checked)
+
+    orig = torch.Tensor.register_hook
+    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = orig  # type: ignore[method-assign]
 
 
 _HOOK_NODE = "BackwardHookFunctionBackward"  # the node a module's full backward (pre-)hooks run in

@@ -414,7 +414,7 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
     if got is None and rep.hook_made:  # no node made it: a gradient hook the code registered did
         ri, fn, grad = rep.hook_made[0]
         return Born("", recs[ri].src, "register_hook", ri, grad, 0,  # (no op: the user's hook)
-                    facts={"tensor_hook": hook_names([fn])})
+                    facts={"tensor_hook": hook_names([fn]), "registered": True})
     if got is None:
         return None
     ri = rep.node_rec[got.fn]
