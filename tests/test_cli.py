@@ -364,6 +364,43 @@ def test_autowatch_finding_names_are_relative_to_the_root():
     assert auto.report().meta["roots"] == ["Net"]
 
 
+GRADSCALER = """
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # too high: its first steps overflow float16
+for step in range(6):
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    if step == int(sys.argv[1]):
+        x[3, 2] = float("nan")  # a corrupt record
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+print("scale", scaler.get_scale())
+"""
+
+
+def test_run_of_a_gradscaler_script_reports_no_calibration_overflow_but_a_real_nan(tmp_path, cli):
+    # `nanhunt run` cannot be told the scaler: the inf gradients of its scale calibration (steps
+    # the scaler skips, as intended) were each a finding, the first at "step 0", exit status 3
+    script = tmp_path / "amp.py"
+    script.write_text(GRADSCALER)
+    step = torch.amp.GradScaler.step
+    rc, out, err = cli("run", str(script), "-1")
+    assert rc == 0 and "First" not in err, err
+    assert float(out.split()[-1]) < 2.0 ** 40  # the scaler did skip steps
+    rc, out, err = cli("run", "--on-find", "record", str(script), "4")
+    assert rc == 3, err
+    first = next(line for line in err.splitlines() if line.startswith("First"))
+    assert first.startswith("First NaN: forward of `0` (Linear) at step 4"), err
+    assert "All findings" not in err or "backward" not in err.split("All findings")[1], err
+    assert torch.amp.GradScaler.step is step
+
+
 LAYERNORM_OVERFLOW = '''
 import torch
 from torch import nn

@@ -39,7 +39,12 @@
   raised. Hunts whose roots have returned all record the loop's own code (``<outside>``): the
   same event found by several of them is reported once.
 
-`close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__``.
+- **GradScalers.** ``torch.amp.GradScaler.step`` is wrapped too: at a scaler's first ``step()``
+  the hunt that watches that optimizer takes the scaler, as ``watch(scaler=...)`` would, so the
+  steps it skips (inf gradients of a scale still too high, as intended) are no findings.
+
+`close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__`` and
+``GradScaler.step``.
 """
 
 from __future__ import annotations
@@ -147,6 +152,18 @@ class AutoWatch:
                 w._on_optimizer(opt)
 
         torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign,assignment]
+        self._orig_scaler_step: Callable[..., Any] | None = torch.amp.GradScaler.step
+        orig_step = self._orig_scaler_step
+
+        @functools.wraps(orig_step)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            w = me()
+            # (a scaler with a hunt's wrapper of its own gets here only from inside that wrapper)
+            if w is not None and "step" not in scaler.__dict__ and w._on_scaler(scaler, optimizer):
+                return scaler.step(optimizer, *args, **kwargs)  # through the wrapper its hunt just put on it
+            return orig_step(scaler, optimizer, *args, **kwargs)
+
+        torch.amp.GradScaler.step = step  # type: ignore[method-assign,assignment]
 
     # ---------------------------------------------------------------- discovery
     def _pre(self, module: nn.Module, args: Any) -> None:
@@ -335,6 +352,20 @@ class AutoWatch:
                 return (args[0], wrapped, *args[2:]), kwargs
         return None
 
+    def _on_scaler(self, scaler: Any, optimizer: Any) -> bool:
+        """A GradScaler's ``step(optimizer)``: the hunt that watches ``optimizer`` takes the scaler as
+        ``watch(scaler=...)`` would, so that the steps it skips (its scale too high: inf gradients,
+        as intended) are no findings. True if a hunt took it."""
+        if self._closed or self._busy or replaying_here() or not isinstance(optimizer, torch.optim.Optimizer):
+            return False
+        self._busy = True
+        try:
+            self._attach(optimizer)  # (its first step() may be one the scaler skips)
+        finally:
+            self._busy = False
+        hunt = next((h for h in list(self._roots.values()) if any(o is optimizer for o in h._opts)), None)
+        return hunt is not None and hunt.add_scaler(scaler)
+
     def _closure_joined(self, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()
         hunt = next((h for h in list(self._roots.values()) if any(o is opt for o in h._opts)), None)
@@ -499,6 +530,9 @@ class AutoWatch:
             if self._orig_init is not None:
                 torch.optim.Optimizer.__init__ = self._orig_init  # type: ignore[method-assign]
                 self._orig_init = None
+            if self._orig_scaler_step is not None:
+                torch.amp.GradScaler.step = self._orig_scaler_step  # type: ignore[method-assign]
+                self._orig_scaler_step = None
             for _, hunt in self.hunts:
                 self._close_quietly(hunt)
             for hunt in self.script_hunts:  # still open when the script ended: its last sync, never raising

@@ -443,6 +443,15 @@ class Hunt:
         self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
         self._handles.append(opt.register_load_state_dict_post_hook(partial(self._on_load, i)))
 
+    def add_scaler(self, scaler: Any) -> bool:
+        """Watch ``scaler``'s steps as ``watch(scaler=...)`` does (``nanhunt run`` finds a script's
+        GradScaler at its first ``step()``); False if the hunt is closed or has a scaler already."""
+        if self._closed or self._scaler is not None:
+            return False
+        self._scaler = scaler
+        self._wrap_scaler(scaler)
+        return True
+
     def _on_load(self, i: int, opt: torch.optim.Optimizer) -> None:
         """Optimizer ``i`` loaded a state dict: its next update is probed before and after (see
         `_params_before`), so that a state loaded non-finite is not taken as made by the update."""
