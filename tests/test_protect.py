@@ -608,6 +608,49 @@ def test_raise_then_resume_with_a_gradscaler_applies_unscaled_gradients_after(ba
     assert zoo.same_state(zoo.snapshot(model), zoo.snapshot(ref))
 
 
+class _SqrtTrap(nn.Module):
+    """``torch.where(x > 0, x.sqrt(), 0)``: finite outputs, a NaN gradient wherever x < 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x.sqrt(), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_in_backward_under_a_gradscaler_is_found_once_the_scale_is_down_to_1(mode: str) -> None:
+    """A NaN gradient made by the backward itself has the scaler skip every step, halving its scale
+    towards 0: the run never trains again. Every skipped step was taken for the scaler's calibration,
+    so nothing was ever reported. Once the scale is 1 (the gradients no longer magnified), the
+    non-finite gradients are judged as without a scaler: the op that made them is found."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), _SqrtTrap(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    before = zoo.snapshot(model)
+    batches = _batches(8, (), (6,), 3)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, scaler=scaler, mode=mode) as hunt:
+        for i, (x, y) in enumerate(batches):
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    f = err.value.finding
+    assert i == 3 and (f.step, f.phase, f.module, f.op) == (3, "backward", "1", "SqrtBackward0")
+    assert hunt.findings[0] is f and zoo.same_state(zoo.snapshot(model), before)
+    # an overflow of a scale above 1 is still the scaler's business
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, scaler=scaler, mode=mode) as hunt:
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert hunt.findings == [] and scaler.get_scale() < 2.0 ** 40
+
+
 class _SparseMix(nn.Module):
     """A fixed sparse mixing matrix kept as a buffer (graph models, sparse attention patterns)."""
 

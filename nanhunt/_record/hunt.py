@@ -2053,8 +2053,10 @@ class Hunt:
             before = h._steps_applied if h is not None else 0
             if h is not None:
                 h._outside.off()
+            scale = None  # the scale this iteration's gradients were multiplied by
             if h is not None and getattr(scaler, "_scale", None) is not None:
-                h._history.scales.append((h.step, scaler._scale.detach().clone()))  # read only for a report
+                scale = scaler._scale.detach().clone()
+                h._history.scales.append((h.step, scale))  # read only for a report
             if h is not None and not h._closed and h.skipped and h.skipped[-1] == h.step and all(
                     p.grad is None for g in optimizer.param_groups for p in g["params"]):
                 # on_find="skip" dropped this round's gradients at another optimizer's step: there is
@@ -2069,9 +2071,14 @@ class Hunt:
                 if h is not None and not h._closed and h._steps_applied == before:
                     # the scaler skipped the step: its scaled gradients overflowed, as expected. The
                     # iteration ends here (its forward is checked) and counts as a step, as the user's
-                    # loop (and Lightning's and the Trainer's step counters) count it
+                    # loop (and Lightning's and the Trainer's step counters) count it. At a scale
+                    # of 1 or below the gradients were not magnified: non-finite ones are no overflow
+                    # of the scale (a NaN made in backward would have the scaler skip every step,
+                    # its scale falling to 0) and are judged as without a scaler (one read, on a
+                    # skipped step only: the scaler has just read its own inf checks)
                     h._skipped_steps += 1
-                    h._drop_backward()
+                    if scale is None or float(scale) > 1.0:
+                        h._drop_backward()
                     h._end_step(advance=False, collective=True)
                     i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
                     if i is not None and not h._closed:
