@@ -63,6 +63,25 @@ def test_copies_are_judged_too(tmp_path: Any) -> None:
     assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
 
 
+def test_a_state_keyed_by_the_parameters_names_the_parameter_not_its_values(tmp_path: Any) -> None:
+    """``torch.save(opt.state)`` (a dict keyed by the parameters themselves) after a huge gradient
+    overflowed Adam's ``exp_avg_sq``: the key path was the repr of the whole Parameter (every
+    value, over many lines) in the error's one-paragraph summary and in the finding's ``tensor``."""
+    model = zoo.bnmlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt, on_find="record"):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        (F.cross_entropy(model(x), y) * 1e25).backward()  # squared past float32's range
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            torch.save(opt.state, tmp_path / "state.pt")
+    assert ei.value.finding.tensor == "[<fc1.weight>]['exp_avg_sq']"
+    assert "\n" not in str(ei.value) and not (tmp_path / "state.pt").exists()
+    keyed = {torch.ones(2, 3): {"x": torch.tensor([float("nan")])}}
+    assert [f.tensor for f in nanhunt.audit(keyed)] == ["[<Tensor (2, 3)>]['x']"]
+
+
 def test_sentinels_and_masks_are_not_judged(tmp_path: Any) -> None:
     model = zoo.bnmlp()
     model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))  # intended, already there at watch()

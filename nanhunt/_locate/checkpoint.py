@@ -35,7 +35,7 @@ from .._tensors import (
     values,
 )
 
-__all__ = ["Keys", "Entry", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
+__all__ = ["Keys", "Entry", "TensorKey", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
            "judgeable", "safe_load", "SPARSE"]
 
 Keys = tuple[Any, ...]
@@ -46,10 +46,17 @@ class Attr(str):
     """A key that is an attribute name (an object's field): ``.model`` in a key path."""
 
 
+class TensorKey(str):
+    """A key that is a tensor (a dict keyed by parameters: ``optimizer.state``), by what names it:
+    ``[<fc1.weight>]``, never its values (its repr is the whole tensor)."""
+
+
 def key_path(keys: Keys) -> str:
     """``['model']['fc.weight']``: how a person indexes the saved object (``.model['fc.weight']`` for
-    a dataclass's field); a bare tensor is ``<tensor>``."""
-    parts = [f".{k}" if isinstance(k, Attr) else f"[{k!r}]" for k in keys]
+    a dataclass's field, ``[<Parameter (16, 6)>]`` for a tensor key); a bare tensor is ``<tensor>``."""
+    parts = [f".{k}" if isinstance(k, Attr) else f"[<{k}>]" if isinstance(k, TensorKey)
+             else f"[<{type(k).__name__} {tuple(k.shape)}>]" if isinstance(k, torch.Tensor) else f"[{k!r}]"
+             for k in keys]
     if len(parts) > 2 * _KEYS_SHOWN:  # a hostile file nests 20,000 levels: the two ends say where
         parts = [*parts[:_KEYS_SHOWN], f"…{len(parts) - 2 * _KEYS_SHOWN} levels…", *parts[-_KEYS_SHOWN:]]
     return "".join(parts) or "<tensor>"

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parameter import is_lazy
 
-from .._locate.checkpoint import SPARSE, Keys, all_bad, finding, judgeable, walk
+from .._locate.checkpoint import SPARSE, Keys, TensorKey, all_bad, finding, judgeable, walk
 from .._tensors import is_checked, stack_probes, strided, widen
 
 if TYPE_CHECKING:
@@ -387,6 +387,9 @@ class SaveGuard:
         bad = all_bad([t for _, t in items])
         if bad:
             keys, t = items[bad[0]]
+            if any(isinstance(k, torch.Tensor) for k in keys):  # (``optimizer.state``: keyed by the parameters)
+                storages = self._watched(hunt)[0]
+                keys = tuple(_key_named(k, storages) for k in keys)
             return finding(file, keys, t, step=hunt.step, hint=_HINT, rank=hunt.rank)
         if not whole or not itself:  # (a clean copy of another model, an EMA's, is not part of this checkpoint)
             return None
@@ -416,6 +419,14 @@ class SaveGuard:
                 pass
         if got is not None:
             raise hunt._refused(got)
+
+
+def _key_named(k: Any, storages: dict[tuple[Any, int], str]) -> Any:
+    """A key that is one of the watched parameters, by its name."""
+    if not isinstance(k, torch.Tensor):
+        return k
+    n = storages.get(_storage(k))  # type: ignore[arg-type]
+    return TensorKey(n) if n is not None and n is not _OPTIMIZER_STATE else k
 
 
 def _named(keys: Keys, t: torch.Tensor, names: dict[str, tuple[int, ...]]) -> bool:
