@@ -1391,6 +1391,40 @@ def test_a_fully_masked_rows_logsumexp_that_the_loss_code_filters_out_is_not_a_f
     assert hunt.findings == []
 
 
+def _allowed_only(scores: torch.Tensor, allowed: list[int]) -> torch.Tensor:
+    # transformers' PrefixConstrainedLogitsProcessor: a -inf mask, opened in place where allowed
+    mask = torch.full_like(scores, -math.inf)
+    mask[:, allowed] = 0
+    return scores + mask
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_minus_inf_mask_opened_in_place_where_allowed_is_not_born_there(mode: str) -> None:
+    """``mask = full_like(x, -inf); mask[:, allowed] = 0``: the in-place write of 0 was reported
+    as where the -inf was born (with full_like as its op), stopping a healthy run in raise mode and
+    ``model.generate(prefix_allowed_tokens_fn=...)`` under a watch. It only carries the mask on."""
+    torch.manual_seed(0)
+    model = zoo.mlp(d_out=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for _ in range(2):
+            s = _allowed_only(model(torch.randn(2, 4)), [1, 3])
+            loss = F.cross_entropy(s, torch.tensor([1, 3]))
+            assert torch.isfinite(loss), "test set-up: a finite loss"
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == []
+    with nanhunt.watch(model, on_find="record") as hunt:  # a -inf that this write turns into a NaN still is
+        mask = torch.full_like(model(torch.randn(2, 4)), -math.inf)
+        mask.mul_(0)  # @mask-times-0
+        kept = [mask]
+    f = hunt.first
+    assert kept and f is not None and (f.phase, f.module, f.cause) == ("forward", "<outside>", "created"), f
+    mul = [c for c in f.chain if c.startswith("aten.mul_.Tensor @ ")]  # (op: the mask's full_like, as for a softmax)
+    assert mul and same_source(mul[0].split(" @ ")[1], line("mask-times-0")), f
+
+
 @pytest.mark.parametrize("foreach", [None, False])
 def test_a_gradient_norm_that_overflows_in_clip_grad_norm_is_found_at_its_op(foreach: bool | None) -> None:
     # finite gradients of 1e20: their norm's sum of squares passes float32's max. clip_grad_norm_

@@ -462,6 +462,10 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     if not in_place(name) and any(x is t for x in leaves):
         return None  # an input handed back unchanged (.to() its own device): not born here
     bad_in = [x for x in leaves if isinstance(x, torch.Tensor) and x is not t and is_bad(x)]
+    if not bad_in and in_place(name) and not bool(torch.isnan(values(t)).any()) and _held_before(log, rec_i, t):
+        # what it wrote into held them already (a -inf mask set to 0 where allowed): carried on. A
+        # NaN it made of them is born here (in-place arithmetic on a NaN or +inf is never judged)
+        return None
     if bad_in:
         fed = [x for x in bad_in if _feeds(x)]
         if not fed:
@@ -619,6 +623,23 @@ def writer(log: StepLog, t: torch.Tensor) -> str | None:
     except Exception:  # (a tensor without storage: nothing to tell)
         return None
     return None
+
+
+def _held_before(log: StepLog, ri: int, t: torch.Tensor) -> bool:
+    """An earlier recorded call's output in ``t``'s storage was non-finite when it was probed: what
+    the in-place call ``ri`` wrote into already held non-finite values (``full_like(x, -inf)``,
+    then ``mask[:, allowed] = 0``)."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        sbad, _ = log.bad_flags()
+        for e, b in zip(log.meta, sbad):
+            if b and isinstance(e, Out) and e.rec < ri:
+                outs = _outs(log.outside[e.rec])
+                if ptr and e.out < len(outs) and outs[e.out].untyped_storage().data_ptr() == ptr:
+                    return True
+    except Exception:  # (a tensor without storage: nothing to tell)
+        return False
+    return False
 
 
 def in_place(name: str) -> bool:
