@@ -496,7 +496,7 @@ def test_adam_in_float16() -> None:
     assert "eps" in f.hint and "float16" in f.hint
 
 
-@pytest.mark.parametrize("case", ["ignored", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson"])
+@pytest.mark.parametrize("case", ["ignored", "ignored sum", "count", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson"])
 def test_hints_name_the_remedy(case: str) -> None:
     # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
     # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
@@ -516,6 +516,12 @@ def test_hints_name_the_remedy(case: str) -> None:
             return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
             return F.cross_entropy(out, torch.full_like(y, -100))
+        if case == "ignored sum":  # transformers' loss under its Trainer: summed, divided by num_items_in_batch
+            labels = torch.full_like(y, -100)
+            return F.cross_entropy(out, labels, reduction="sum") / (labels.ne(-100).sum() / 1)
+        if case == "count":  # a mean over the positives by hand, their count an integer
+            pos = y > 2  # none
+            return (out[:, 0] * pos).sum() / pos.sum()
         if case == "std":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch warns "degrees of freedom is <= 0"
@@ -525,7 +531,8 @@ def test_hints_name_the_remedy(case: str) -> None:
 
     f = run_steps(model(), loss_fn)
     assert f.module == "<outside>"
-    want = {"ignored": "ignore", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
+    want = {"ignored": "ignore", "ignored sum": "every label of the batch is ignored (-100)",
+            "count": "divided by the number of its elements", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
             "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
             "softplus": "threshold at the default 20", "poisson": "Log of exactly 0"}[case]
     assert want in f.hint

@@ -145,6 +145,9 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     try:
         first = rec.recs[path[0]]
         out.update(_creator_facts(first))
+        num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
+        if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
+            out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -243,6 +246,8 @@ def _creator_facts(r: Any) -> dict[str, Any]:
                 flat = int(code.reshape(-1).nonzero()[0, 0])  # (the first non-finite element: 0/0 there?)
                 if n.numel() == code.numel() and float(n.reshape(-1)[flat]) == 0 == float(dd.reshape(-1)[flat]):
                     out["zero_over_zero"] = True
+                    if isinstance(d, torch.Tensor) and not (d.is_floating_point() or d.is_complex()):
+                        out["count_zero"] = True  # an integer denominator: a count (of targets, of positives)
     if name == "_to_copy" and args and isinstance(args[0], torch.Tensor) and r.outs and r.outs[0][1] is not None:
         src, code = args[0], r.outs[0][1]  # a cast down past the new dtype's range (autocast's copy of a weight, .half())
         to = kwargs.get("dtype")
@@ -411,6 +416,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
                     "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
                     "eps float16 can hold (1e-4), or compute the normalisation in float32.")
+        if fx.get("count_zero"):
+            return ("A division by a count of 0: a sum over nothing divided by the number of its elements is 0/0 = "
+                    "nan (a loss summed over its targets and divided by their count, as transformers' "
+                    "num_items_in_batch is, when every label of the batch is ignored (-100); positives counted "
+                    "where there are none); skip such batches, or divide by count.clamp(min=1).")
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
