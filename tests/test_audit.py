@@ -76,6 +76,21 @@ def test_cli_exit_codes(tmp_path: Any, capsys: Any) -> None:
     assert main(["audit", str(tmp_path / "missing.pt")]) == 2
 
 
+
+def test_ignore_takes_a_key_path_as_audit_prints_it(tmp_path: Any, capsys: Any) -> None:
+    # `--ignore "['state_dict']['mask']"` (the form --help and audit's own lines give) matched nothing:
+    # fnmatch read its brackets as sets of characters, which also hid every last key starting with one
+    files = _files(tmp_path)
+    assert main(["audit", str(files["bad"]), "--ignore", "['state_dict']['fc2.bias']"]) == 3
+    out = capsys.readouterr().out
+    assert "running_var" in out and "fc2.bias" not in out
+    kept = nanhunt.audit(files["bad"], ignore=["['state_dict']['*.bias']"])
+    assert [f.tensor for f in kept] == ["['state_dict']['bn.running_var']"]
+    assert nanhunt.audit(files["bad"], ignore=["['state_dict']*"]) == []
+    assert [f.tensor for f in nanhunt.audit(files["bad"], ignore=["['bn']*"])] == [
+        "['state_dict']['bn.running_var']", "['state_dict']['fc2.bias']"]
+    assert [f.tensor for f in nanhunt.audit(files["bad"], ignore=["fc[0-9].bias"])] == ["['state_dict']['bn.running_var']"]
+
 # ---------------------------------------------------------------- hostile files: one line naming the file, exit 2
 def _one_line(err: str) -> str:
     lines = err.strip().splitlines()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import os
+import re
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -37,7 +38,7 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
     Not judged: a Lightning checkpoint's ``callbacks`` and ``loops`` state, and key paths (as in
     ``['state_dict']['mask']``) or last keys (``mask``) matching an ``ignore`` glob.
     """
-    patterns = glob_patterns(ignore, "key paths or keys")
+    patterns = tuple(map(_key_glob, glob_patterns(ignore, "key paths or keys")))
     if path_or_object is None or isinstance(path_or_object, (bool, int, float, complex)):
         raise TypeError("audit() takes a checkpoint's path or the object loaded from it (a dict, a list, a "
                         f"tensor), got {type(path_or_object).__name__}: {path_or_object!r}")
@@ -94,6 +95,13 @@ def _same_values(t: Any) -> Any:
         return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
     except (RuntimeError, NotImplementedError, AttributeError):  # sparse, nested: the object
         return id(t)
+
+
+def _key_glob(p: str) -> str:
+    """``p``, or, when it is written as a key path (``['state_dict']['mask']``, also with wildcards:
+    ``['state_dict']['*.bias']``), with its brackets literal: fnmatch reads ``[...]`` as a set of
+    characters, which matches no key path (and any last key that starts with one of them)."""
+    return re.sub(r"[][]", r"[\g<0>]", p) if re.search(r"\[['\"]|['\"]\]", p) else p
 
 
 def _ignored(keys: Keys, patterns: tuple[str, ...]) -> bool:
