@@ -151,6 +151,19 @@ def test_run_clean_script_passes_its_status_and_argv(tmp_path, cli):
 
 
 
+def test_run_passes_a_double_dash_after_the_script_on_as_python_does(tmp_path, cli):
+    # `python train.py -- -x` gives the script ['--', '-x'] (its argparse then reads -x as a value);
+    # `nanhunt run train.py -- -x` gave it ['-x']: argparse dropped the `--` right after the script
+    script = tmp_path / "echo.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\n")
+    for args, want in [(["--", "-x"], "['--', '-x']"), (["--", "--", "a"], "['--', '--', 'a']"),
+                       (["a", "--", "b"], "['a', '--', 'b']"), (["--"], "['--']")]:
+        rc, out, err = cli("run", str(script), *args)
+        assert rc == 0 and out.strip() == f"argv {want}", (args, out, err)
+        rc, out, err = cli("run", "--", str(script), *args)  # nanhunt's own `--` before the script: its own
+        assert rc == 0 and out.strip() == f"argv {want}", (args, out, err)
+
+
 @pytest.mark.parametrize("status", ["3", "2", "1"])
 def test_run_script_own_exit_status_is_passed_on_and_told_from_a_finding(tmp_path, cli, status):
     # a script's own sys.exit(3) came back as a bare 3: the same status as a finding, with no word

@@ -54,12 +54,15 @@ def _at_least_1(value: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        ns = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, a usage error: a status, not an exception
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if ns.command == "run" and ns.script is None:  # optional in the grammar so that `args` may be empty
         return _usage(ns.parser, "the following argument is required: script")
+    if ns.command == "run" and argv[-len(ns.args) - 2:][:2] == [ns.script, "--"]:
+        ns.args = ["--", *ns.args]  # (argparse drops a `--` right after the script; python passes it on)
     if ns.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
