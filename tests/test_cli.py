@@ -579,6 +579,20 @@ def test_run_gives_the_script_an_absolute_file_as_python_does(tmp_path, cli, mon
     assert out.strip() == "cfg 7 True train.py"  # (argparse's usage line names the same script)
 
 
+def test_run_of_a_linked_script_imports_its_siblings_as_python_does(tmp_path, cli):
+    """`python bin/train.py`, a link to ``src/train.py``, puts ``src`` (the folder the link points into)
+    first on ``sys.path``; `nanhunt run bin/train.py` put ``bin`` there, and the script's
+    ``import helper`` of its sibling failed with ModuleNotFoundError (exit 1)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "src" / "helper.py").write_text("GATE_STEP = 5\n")
+    (tmp_path / "src" / "train.py").write_text(textwrap.dedent(LOG_OF_ZERO))
+    (tmp_path / "bin" / "train.py").symlink_to(tmp_path / "src" / "train.py")
+    rc, _, err = cli("run", str(tmp_path / "bin" / "train.py"))
+    assert rc == 3, err
+    assert "forward of `head` (LogHead) at step 5" in err
+
+
 # ---------------------------------------------------------------- several models: order of occurrence
 class _Gen(nn.Module):
     """A generator that normalises its features without an epsilon: 0/0 once they are all zero."""

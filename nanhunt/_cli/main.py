@@ -332,9 +332,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     bundle_was = _stamp(extra.get("bundle"))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *ns.args]
-    here = os.path.dirname(os.path.abspath(script))
+    here = os.path.dirname(os.path.realpath(script))
     if sys.path:
-        sys.path[0] = here  # as `python script.py` sets it
+        sys.path[0] = here  # as `python script.py` sets it (a link to the script: the folder it points into)
     else:
         sys.path.insert(0, here)
     code = 0
