@@ -272,6 +272,12 @@ def test_run_script_that_crashes(tmp_path, cli):
     rc, _, err = cli("run", str(script))
     assert rc == 1
     assert "the script broke" in err
+    # the traceback `python boom.py` prints: the script's frames, not nanhunt's and runpy's that ran it
+    assert err.splitlines()[:3] == ["Traceback (most recent call last):", f'  File "{script}", line 1, in <module>',
+                                    "    raise RuntimeError('the script broke')"], err
+    script.write_text("print(1\n")
+    rc, _, err = cli("run", str(script))
+    assert rc == 1 and err.splitlines()[0] == f'  File "{script}", line 1', err  # as python shows a syntax error
 
 
 def test_run_usage_errors(tmp_path, cli):

@@ -349,11 +349,11 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raised = e
     except SystemExit as e:
         code = _exit_code(e.code)
-    except KeyboardInterrupt:
-        traceback.print_exc()
+    except KeyboardInterrupt as e:
+        _script_traceback(e)
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        _script_traceback(e)
         code = 1
     finally:
         try:
@@ -396,6 +396,16 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             _err(str(e))
         group.close()
     return code
+
+
+def _script_traceback(e: BaseException) -> None:
+    """``e`` on stderr as `python script.py` shows it: from the script's own frames on, without
+    nanhunt's and runpy's that ran it (a syntax error in the script: its line alone)."""
+    tb = e.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    traceback.print_exception(type(e), e, tb)
 
 
 def _stamp(path: str | None) -> tuple[int, int] | None:
