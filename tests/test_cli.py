@@ -599,6 +599,47 @@ def test_run_of_a_linked_script_imports_its_siblings_as_python_does(tmp_path, cl
     assert "forward of `head` (LogHead) at step 5" in err
 
 
+SPAWNED = """
+import sys
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def worker(i, gate):
+    torch.manual_seed(i)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(4):
+        loss = torch.log(net(torch.randn(8, 4)).abs() * (0.0 if step == gate else 1.0)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=1)
+    print("finished")
+"""
+
+
+def test_run_watches_the_processes_of_torch_multiprocessing_spawn(tmp_path, cli):
+    # the training ran in mp.spawn's processes, which nothing watched: a log(0) there gave exit 0 and
+    # "no NaN/Inf" (or, the script failing for another reason, exit 1)
+    script = tmp_path / "spawned.py"
+    script.write_text(SPAWNED)
+    report = tmp_path / "r.json"
+    rc, out, err = cli("run", "--report", str(report), str(script), "2")
+    assert rc == 3, err
+    assert "First -Inf: forward of `<outside>` (worker) at step 2" in err and "aten.log.default" in err
+    r = Report.load(report)
+    assert r.first is not None and r.first.source == f"{script}:13"  # the line of torch.log
+    assert torch.multiprocessing.spawn is torch.multiprocessing.spawn  # (put back: the name is still the function)
+    assert sys.modules["torch.multiprocessing.spawn"].start_processes.__module__ == "torch.multiprocessing.spawn"
+    rc, out, err = cli("run", str(script), "99")
+    assert rc == 0 and "finished" in out, err
+
+
 # ---------------------------------------------------------------- several models: order of occurrence
 class _Gen(nn.Module):
     """A generator that normalises its features without an epsilon: 0/0 once they are all zero."""

@@ -339,8 +339,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         sys.path.insert(0, here)
     code = 0
     raised: NonFiniteError | None = None
-    auto = AutoWatch(on_find="breakpoint" if ns.pdb else ns.on_find, mode=ns.mode, history=ns.history,
-                     dist_timeout=ns.dist_timeout, **extra)
+    options = {"on_find": "breakpoint" if ns.pdb else ns.on_find, "mode": ns.mode, "history": ns.history,
+               "dist_timeout": ns.dist_timeout}
+    auto = AutoWatch(**options, **extra)
+    spawned = _Spawned(options)
     try:
         # (an absolute path, as `python script.py` gives ``__file__`` since 3.9: a script that
         # changes directory and reads a file beside itself still finds it)
@@ -359,9 +361,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         try:
             auto.close()
         finally:
+            spawned.close()
             sys.argv = saved_argv
             sys.path[:] = saved_path
-    report = auto.report()
+    report = spawned.report(auto.report())
     unbundled = _bundle_left_to_script(auto, extra.get("bundle"), bundle_was)
     if not report.findings and raised is not None:  # the script's own nanhunt.watch raised
         report = raised.report if raised.report is not None else type(report)([raised.finding])
@@ -396,6 +399,71 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             _err(str(e))
         group.close()
     return code
+
+
+class _Spawned:
+    """The processes of ``torch.multiprocessing.spawn``/``start_processes`` (a script's own
+    multi-process training without torchrun) are watched as the script is: while `nanhunt run` runs
+    it, each one's function runs under an `AutoWatch` of its own (a finding raises there as it would
+    in the script: the spawn raises in the script), and leaves its findings in a folder for `report`."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        import functools
+        import importlib
+
+        spawn: Any = importlib.import_module("torch.multiprocessing.spawn")  # (the module, not the function)
+        if options["on_find"] == "breakpoint":  # (no terminal in there: --pdb's stop is a raise)
+            options = {**options, "on_find": "raise"}
+        self.folder = tempfile.mkdtemp(prefix="nanhunt-spawned-")
+        self.module, self.original = spawn, spawn.start_processes
+        original = spawn.start_processes
+
+        @functools.wraps(original)
+        def start_processes(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(functools.partial(_watched_process, fn, options, self.folder), *args, **kwargs)
+
+        spawn.start_processes = start_processes  # (what torch.multiprocessing.spawn calls)
+
+    def close(self) -> None:
+        self.module.start_processes = self.original
+
+    def report(self, own: Any) -> Any:
+        """``own`` with every spawned process' findings (in the order `_dist.merge` gives them)."""
+        import json
+        import shutil
+
+        from .._record import dist as _dist
+        from .._report import Report
+
+        try:
+            names = sorted(os.listdir(self.folder), key=lambda n: int(n.partition(".")[0]))
+            theirs = []
+            for name in names:
+                with open(os.path.join(self.folder, name), encoding="utf-8") as fh:
+                    theirs.append(json.load(fh))
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        if not any(theirs):
+            return own
+        found = _dist.merge([[f.to_dict() for f in own.findings], *theirs])
+        return Report(found, history=own.history, warnings=own.warnings, meta=own.meta)
+
+
+def _watched_process(fn: Any, options: dict[str, Any], folder: str, i: int, *args: Any) -> Any:
+    """Process ``i`` of a spawn under `nanhunt run` (see `_Spawned`): ``fn(i, *args)`` watched."""
+    import json
+
+    from .auto import AutoWatch
+
+    auto = AutoWatch(**options)
+    try:
+        return fn(i, *args)
+    finally:
+        auto.close()
+        found = [f.to_dict() for f in auto.findings()]
+        if found:
+            with open(os.path.join(folder, f"{i}.json"), "w", encoding="utf-8") as fh:
+                json.dump(found, fh)
 
 
 def _script_traceback(e: BaseException) -> None:
