@@ -777,3 +777,30 @@ def test_a_compiled_training_step_that_calls_the_model_and_the_loss_gets_no_accu
     assert f is not None and (f.phase, f.step) == ("grad", 2), f
     assert f.cause == "unknown" and "accumulated" not in f.hint and "GAN" not in f.hint, f
     assert "compile" in f.hint, f.hint
+
+
+def test_a_nan_the_model_makes_inside_a_compiled_training_step_says_why_only_its_module_is_known():
+    # Lightning's fit(torch.compile(module)) compiles training_step, which calls the model: no call
+    # of it runs eagerly, the graph's own check finds the module and nothing can be replayed. The
+    # hint blamed replay=False or inputs changed in place (neither was so); it now says why, and to
+    # compile the model itself
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Softplus(), zoo.Log(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    @torch.compile(backend="aot_eager")
+    def training_step(x: torch.Tensor) -> torch.Tensor:
+        return net(x).pow(2).mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(net, optimizer=opt, on_find="record") as hunt:
+            for step in range(4):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                training_step(x * 1e4 if step == 2 else x).backward()  # softplus underflows to 0: log(0)
+                opt.step()
+                opt.zero_grad()
+    torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.module_type, f.step, f.cause) == ("forward", "2", "Log", 2, "unknown"), f
+    assert "replay=False" not in f.hint and "compiled training step" in f.hint and "model.compile()" in f.hint, f.hint

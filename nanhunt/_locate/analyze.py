@@ -1152,12 +1152,17 @@ def _compiled_finding(ctx: _Ctx, entry: CompiledSlots, flags: list[bool]) -> Fin
     root = ctx.view.root
     module = root.get_submodule(name) if root is not None else None
     poisoned = module is not None and any(is_bad(p) for _, p in own_tensors(module))
+    if poisoned:
+        hint = ""
+    elif ctx.view.replay and not ctx.log.tops:  # no call of the model ran eagerly: it was traced into a caller's graph
+        hint = _hints.traced_call_hint()
+    else:
+        hint = ("Found by the compiled graph's own check, with no replay to say more "
+                "(replay=False, or the call's inputs were changed in place since): only the module is known.")
     return Finding(
         phase="forward", module=name, module_type=mtype, tensor=format_path("output", path),
         step=ctx.step, call=0, index=None, value=None, counts={}, shape=(), dtype="",
-        cause="parameter" if poisoned else "unknown",
-        hint="" if poisoned else "Found by the compiled graph's own check, with no replay to say more "
-        "(replay=False, or the call's inputs were changed in place since): only the module is known.",
+        cause="parameter" if poisoned else "unknown", hint=hint,
     )
 
 

@@ -655,6 +655,16 @@ def unseen_step_hint() -> str:
             "forward (set by hand, loaded).")
 
 
+def traced_call_hint() -> str:
+    """A compiled graph's own check saw a module's output non-finite in a step in which the model
+    was never called eagerly: its calls were traced into a compiled function that calls it."""
+    return ("Found by the compiled graph's own check; the model ran only inside a torch.compile'd function that "
+            "calls it (a compiled training step; Lightning compiles training_step when given torch.compile(module)), "
+            "so no call of it can be replayed: only the module is known. Compile the model itself instead "
+            "(torch.compile(model) or model.compile(); in a LightningModule, the network it holds: "
+            "self.net.compile()), or run the failing step without torch.compile, to have the op, line and element.")
+
+
 def transformed_forward_hint() -> str:
     """Non-finite gradients of a step whose model calls all ran inside torch.func transforms
     (``vmap(model)``, ``grad``), which the hunt does not record."""
