@@ -141,6 +141,28 @@ def test_off_by_default_the_fixture_still_works(suite):
     assert "Captured nanhunt" not in r.stdout.str()
 
 
+def test_the_fixture_used_twice_fails_with_the_value_made_first(suite):
+    # the decoder's hunt was opened first, the encoder's log(0) made the -inf it was fed: the
+    # failure named the decoder (the first hunt with a finding), not where the value was born
+    suite.makepyfile(test_two='''
+import torch
+from torch import nn
+from test_models import net
+
+
+def test_encoder_feeds_decoder(nanhunt_watch):
+    encoder, decoder = net(), nn.Linear(1, 2)
+    nanhunt_watch(decoder, on_find="record")
+    nanhunt_watch(encoder, on_find="record")
+    decoder(encoder(torch.randn(3, 4))[:, None])
+''')
+    r = suite.runpytest_subprocess("-p", PLUGIN, "-p", "no:cacheprovider", "test_two.py")
+    r.assert_outcomes(failed=1)
+    text = r.stdout.str()
+    assert "nanhunt: First -Inf: forward of `1` (LogHead) at step 0" in text, text
+    assert "(Linear)" not in text, text
+
+
 def test_loading_the_plugin_imports_no_torch(pytester, monkeypatch):
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     root = str(Path(__file__).resolve().parents[1])

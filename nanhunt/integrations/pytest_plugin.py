@@ -67,16 +67,21 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
 
 
 def _finish(auto: Any, item: pytest.Item) -> Finding | None:
-    """Close the auto-watch and the fixture's hunts (nothing pending is raised); the first finding."""
-    firsts = []
+    """Close the auto-watch and the fixture's hunts (nothing pending is raised); the first finding:
+    of several hunts, the one whose value was made first (an encoder's log(0), not the decoder it
+    fed, whichever hunt the test opened first)."""
+    found = None
     if auto is not None:
         auto.close()
         own = auto.own_findings()  # a hunt the test opened itself is the test's business
-        firsts.append(own[0] if own else None)
-    for hunt in item.stash.get(_HUNTS, []):
+        found = own[0] if own else None
+    hunts = item.stash.get(_HUNTS, [])
+    for hunt in hunts:
         hunt.close(raise_pending=False)
-        firsts.append(hunt.first)
-    return next((f for f in firsts if f is not None), None)
+    firsts = [(h.occurred(f), f) for h in hunts if (f := h.first) is not None]
+    if found is None and firsts:
+        found = min(firsts, key=lambda t: t[0])[1]  # (on the event clock all hunts share)
+    return found
 
 
 def _message(f: Finding) -> str:
