@@ -804,3 +804,27 @@ def test_a_nan_the_model_makes_inside_a_compiled_training_step_says_why_only_its
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.module_type, f.step, f.cause) == ("forward", "2", "Log", 2, "unknown"), f
     assert "replay=False" not in f.hint and "compiled training step" in f.hint and "model.compile()" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_a_nan_in_a_later_micro_batch_of_a_compiled_model_has_its_call_index(how):
+    # gradient accumulation over 3 micro-batches, the NaN in the second of step 2: the part's calls
+    # ran inside the graph (only the root's were recorded), so its earlier calls of the step went
+    # uncounted and the finding said call 0, the first micro-batch
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Softplus(), zoo.Log(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    fn = zoo.compiled(net, how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(net, optimizer=opt, on_find="record") as hunt:
+            for step in range(3):
+                for micro in range(3):
+                    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3 * step + micro))
+                    fn(x * 1e4 if (step, micro) == (2, 1) else x).pow(2).mean().backward()  # softplus underflows: log(0)
+                opt.step()
+                opt.zero_grad()
+    torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.call, f.op) == ("forward", "2", 2, 1, "aten.log.default"), f

@@ -722,8 +722,11 @@ def _nth_call(ctx: _Ctx, top: int, module: nn.Module, within: int) -> int:
         if _evaluation(tops[ti]) != evaluation:
             continue  # an evaluation pass's calls are counted apart (StepLog.number_calls)
         seen = sum(1 for c in ctx.log.calls if c.top == ti and c.module is module)
-        if not seen and ctx.view.mode == "sentinel" and tops[ti].module is tops[top].module:
-            seen = per_top  # sentinel records the root's calls only: an earlier call of it ran the module as often
+        if (not seen and (ctx.view.mode == "sentinel" or tops[ti].compiled is not None)
+                and tops[ti].module is tops[top].module):
+            # sentinel records the root's calls only, a compiled root's ran its parts in the graph:
+            # an earlier call of it ran the module as often
+            seen = per_top
         earlier += seen
     return earlier + within
 
