@@ -125,6 +125,9 @@ def test_nanhunt_option_fails_tests_with_the_finding(suite):
     assert text.count(summary) >= 3, text
     assert "return torch.log(x.abs().sum(-1) * 0.0)  # log(0)" in text
     assert "nanhunt/_record" not in text and "NonFiniteError" not in text
+    # a test that made it on purpose (pytest.raises around it) is told how to opt out; one that
+    # asked for the watch itself (the fixture) is not
+    assert text.count("(made on purpose? mark the test @pytest.mark.no_nanhunt)") == 2, text
     # a test that fails on its own keeps its own failure; the finding is added as a section
     assert "the test's own assertion" in text and "Captured nanhunt call" in text
     r.assert_outcomes(passed=4, failed=4)
@@ -160,7 +163,7 @@ def test_encoder_feeds_decoder(nanhunt_watch):
     r.assert_outcomes(failed=1)
     text = r.stdout.str()
     assert "nanhunt: First -Inf: forward of `1` (LogHead) at step 0" in text, text
-    assert "(Linear)" not in text, text
+    assert "(Linear)" not in text and "no_nanhunt" not in text, text
 
 
 def test_loading_the_plugin_imports_no_torch(pytester, monkeypatch):

@@ -56,13 +56,13 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
         from .._finding import NonFiniteError
 
         if isinstance(e, NonFiniteError):
-            raise _failure(e.finding) from None
+            raise _failure(e.finding, auto is not None) from None
         if found is not None:  # the test failed on its own after a NaN/Inf: say where that was born
             item.add_report_section("call", "nanhunt", _message(found))
         raise
     found = _finish(auto, item)
     if found is not None:
-        raise _failure(found)
+        raise _failure(found, auto is not None)
     return result
 
 
@@ -91,10 +91,14 @@ def _message(f: Finding) -> str:
     return f"{msg}\n    {f.source}: {text}" if text else msg
 
 
-def _failure(f: Finding) -> BaseException:
-    """pytest's own failure outcome (its message only, no traceback into nanhunt)."""
+def _failure(f: Finding, auto: bool) -> BaseException:
+    """pytest's own failure outcome (its message only, no traceback into nanhunt); under
+    ``--nanhunt`` (``auto``), how a test that makes the value on purpose opts out."""
+    msg = _message(f)
+    if auto:
+        msg += "\n    (made on purpose? mark the test @pytest.mark.no_nanhunt)"
     try:
-        pytest.fail(_message(f), pytrace=False)
+        pytest.fail(msg, pytrace=False)
     except pytest.fail.Exception as e:
         return e
     raise AssertionError("pytest.fail returned")  # pragma: no cover
