@@ -123,6 +123,7 @@ class TensorInfo:
     # (a top-level output's) top-level calls begun and outside calls recorded when its gradient
     # arrived: what of the step came before that backward (see analyze's `_earlier_backward`)
     arrived: tuple[int, int] | None = None
+    last: tuple[int, int] | None = None  # ... the same when ``grad`` (the latest to arrive) arrived
 
 
 # ------------------------------------------------------------------ entries (one probe each)

@@ -300,6 +300,39 @@ def test_an_earlier_micro_batchs_backward_goes_before_a_later_micro_batchs_forwa
     assert not any(x.phase == "backward" for x in together), [str(x) for x in together]
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_a_second_order_backward_after_a_later_forward_does_not_go_before_it(mode: str, on_find: str) -> None:
+    """MAML: the inner loss's gradient (``autograd.grad(create_graph=True)``, finite) reaches call
+    0's output before call 1 (the fast weights) meets a NaN from its data; the outer backward later
+    brings a NaN gradient to call 0's output through the second-order graph. That NaN arrived after
+    call 1's forward: the forward goes first. It used to be named after call 0's first, finite
+    gradient and go first as a backward "made by the loss", the forward second."""
+    from torch.func import functional_call
+
+    model = zoo.mlp(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+    x1 = x.clone()
+    x1[2, 0] = float("nan")
+    found: list[Any] = []
+    try:
+        with nanhunt.watch(model, optimizer=opt, on_find=on_find, mode=mode) as hunt:
+            params = dict(model.named_parameters())
+            inner = (functional_call(model, params, (x,)) - y).pow(2).mean()
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            fast = {k: v - 0.1 * gr for (k, v), gr in zip(params.items(), grads)}
+            (functional_call(model, fast, (x1,)) - y).pow(2).mean().backward()
+            opt.step()
+        found = hunt.findings
+    except nanhunt.NonFiniteError as e:
+        found = [e.finding]
+    f = found[0]
+    assert (f.phase, f.module, f.call, f.cause) == ("forward", "0", 1, "input"), [str(x) for x in found]
+    assert not any(x.phase == "backward" for x in found), [str(x) for x in found]
+
+
 def test_sentinel_walks_the_optimizers_state_at_the_first_step_and_still_finds_it_poisoned_later(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A gradient of 1e22 is finite, its square is not: Adam's exp_avg_sq becomes inf, the update

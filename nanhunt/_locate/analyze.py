@@ -29,6 +29,7 @@ from .._steplog import (
     Out,
     StepLog,
     StepView,
+    TensorInfo,
     Top,
     given,
 )
@@ -336,13 +337,19 @@ def _earlier_backward(ctx: _Ctx, out: list[Finding], earlier: int, out_rec: int)
             return a[0] <= before  # the forward finding's call had not begun
     for j in range(min(before, len(log.tops))):
         top = log.tops[j]
-        arrived = [a for k in top.out_keys if (a := log.tensors[k].arrived) is not None]
+        # a gradient non-finite as it arrived came when the one kept arrived (the latest): an earlier
+        # finite one (MAML's inner autograd.grad(create_graph=True)) did not make it
+        arrived = [a for k in top.out_keys if (a := _arrival(log.tensors[k])) is not None]
         if not arrived or not preceded(min(arrived)):
             continue
         fb = _backward_from_replay(ctx, j, ctx.replay(j, backward=True))
         if fb is not None:
             out.insert(out.index(first), fb)
             return
+
+
+def _arrival(info: TensorInfo) -> tuple[int, int] | None:
+    return info.last if info.grad is not None and is_bad(info.grad) else info.arrived
 
 
 def _users_class(ctx: _Ctx, f: Finding) -> Finding:

@@ -1500,8 +1500,9 @@ class Hunt:
             info = log.tensors[i]
             if info.keep_grad:
                 info.grad = g
+                info.last = (len(log.tops), len(log.outside))
                 if info.arrived is None:  # (the first backward through it: retain_graph may run more)
-                    info.arrived = (len(log.tops), len(log.outside))
+                    info.arrived = info.last
         except Exception as exc:
             self._fault(exc, "a gradient hook")
 
