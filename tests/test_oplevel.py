@@ -736,6 +736,21 @@ def test_a_norm_of_values_whose_variance_overflows_is_told_so_not_as_eps_0(norm:
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batch_norm_of_values_whose_statistics_overflow_is_told_so(mode: str) -> None:
+    # a CNN's conv output blown up to 1e38 (channels_last, as a vision model trains) into a
+    # BatchNorm2d in training mode: its batch statistics overflow and it makes nan. The hint read
+    # "typically 0/0 ... a normalisation of a zero vector": the values are what is too large
+    model = nn.Sequential(nn.Conv2d(3, 3, 1, bias=False), nn.BatchNorm2d(3)).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(3).view(3, 3, 1, 1))
+    x = torch.full((2, 3, 4, 4), 1e38)
+    x[:, 1] = 0.5
+    f = train_step(model, x.contiguous(memory_format=torch.channels_last), mode=mode)
+    assert (f.module, f.op, f.cause) == ("1", "aten.native_batch_norm.default", "created"), f
+    assert f.hint.startswith("A normalisation of values as large as 1e+38: their mean or variance over the batch"), f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_in_torchs_own_layers_all_the_way_up_has_the_line_that_called_the_model(mode: str) -> None:
     # nn.Sequential of torch's layers only: no frame of the user's code between the op and the
     # model's call, and the source was None. The user's line is the one that called the model

@@ -195,6 +195,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     return out
 
 
+# batch norm's kernels: (input, weight, bias, running_mean, running_var, training, momentum, eps)
+_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
+
+
 def _creator_facts(r: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -212,14 +216,19 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if call is None:
         return out
     func, args, kwargs = call
-    if (name in ("native_layer_norm", "native_group_norm") and len(args) >= (2 if name == "native_layer_norm" else 7)
-            and isinstance(args[0], torch.Tensor)):
+    # (batch norm: in training mode, over the batch per channel; its running statistics are never summed)
+    batch = name in _BATCH_NORMS and len(args) >= 6 and args[5] is True and getattr(args[0], "ndim", 0) >= 2
+    if batch or (name in ("native_layer_norm", "native_group_norm") and len(args) >= (2 if name == "native_layer_norm" else 7)
+                 and isinstance(args[0], torch.Tensor)):
         x = args[0]  # values whose squares, summed over a row, pass the largest value it is computed in
-        n = (math.prod(args[1]) if name == "native_layer_norm" else x.numel() // max(args[3] * args[6], 1))
+        n = (x.numel() // max(x.shape[1], 1) if batch else math.prod(args[1]) if name == "native_layer_norm"
+             else x.numel() // max(args[3] * args[6], 1))
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         big = float(x.detach().abs().amax()) if x.numel() else 0.0
         if math.isfinite(big) and big * big * max(n, 1) > float(torch.finfo(acc).max):
             out["norm_big"] = big
+            if batch:
+                out["norm_batch"] = True
             return out
     if name.startswith(("scaled_dot_product", "_scaled_dot_product")) and len(args) >= 2:
         q, k = args[0], args[1]  # scores q @ k^T past the largest value: the softmax inside makes inf - inf
@@ -363,8 +372,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
     if "norm_big" in fx:
-        return (f"A normalisation of values as large as {fx['norm_big']:.3g}: their variance passes the largest "
-                f"value it is computed in, so {op} normalises inf/inf = nan (its eps is not the cause). The values "
+        how = ("their mean or variance over the batch passes the largest value it is computed in, so "
+               f"{op} makes nan of them (inf - inf, inf * 0)" if fx.get("norm_batch") else
+               f"their variance passes the largest value it is computed in, so {op} normalises inf/inf = nan")
+        return (f"A normalisation of values as large as {fx['norm_big']:.3g}: {how} (its eps is not the cause). The values "
                 "themselves are too large: look for exploding weights or activations (a lower learning rate, "
                 "gradient clipping).")
     if "scores_big" in fx:
