@@ -444,6 +444,30 @@ def test_a_parameter_outside_the_model_is_named_by_its_place_in_the_optimizer() 
     assert (grad.module, grad.tensor) == ("<outside>", "param_groups[1][0].grad")
 
 
+def test_a_parameter_outside_the_model_that_an_update_overflowed_is_born_once_and_is_damage() -> None:
+    # a loss's learned temperature in a group of its own, its lr raised to 1e38 for one step: the
+    # update makes it inf (a finding of step 1). The steps after only carry it on (inf - lr * g),
+    # the model's forward stays finite (logits / inf = 0): they used to be reported "created" again
+    # at every step, and Report.damage, which listed the model's state only, said nothing was left
+    torch.manual_seed(0)
+    model = zoo.mlp(d_out=1)
+    temp = torch.nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([{"params": model.parameters(), "lr": 0.1}, {"params": [temp], "lr": 1.0}])
+    g = torch.Generator().manual_seed(0)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for step in range(4):
+            opt.param_groups[1]["lr"] = 1e38 if step == 1 else 1.0
+            x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g).float()
+            loss = F.binary_cross_entropy_with_logits(model(x).squeeze(1) / temp, y) * 1e3
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.isinf(temp)
+    assert [(f.phase, f.module, f.tensor, f.step, f.cause) for f in hunt.findings] == [
+        ("optimizer", "<outside>", "param_groups[1][0]", 1, "created")], [str(f) for f in hunt.findings]
+    assert hunt.report.damage["parameters"] == ["param_groups[1][0]"], hunt.report.damage
+
+
 def _load_poisoned_state(m: nn.Module) -> None:
     state = {k: v.clone() for k, v in m.state_dict().items()}
     name = next(k for k in state if k.endswith("weight"))
