@@ -505,6 +505,34 @@ def test_a_weight_written_mid_run_is_not_blamed_on_the_optimizer(poison: Any, sa
     assert all(s in f.hint for s in said) and unsaid not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("back", [False, True], ids=["half", "half then float"])
+def test_a_weight_a_cast_made_inf_is_not_blamed_on_the_optimizer(back: bool) -> None:
+    """model.half() mid-run (for a float16 evaluation, or and back: .float()) of a weight past
+    float16's largest value: the cast makes it inf, and no version counter sees it (.to() replaces
+    .data). The optimizer had judged it finite as its step returned, yet the hint said 'an earlier
+    optimizer step poisoned it (look for a finding in phase 'optimizer')', where there is none."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        m[0].weight[0, 0] = 1e5  # a weight grown past 65504 (finite in float32)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(4, 4)
+    with nanhunt.watch(m, opt, on_find="record") as hunt:
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        m.half()
+        if back:
+            m.float()
+        m(x.to(m[0].weight.dtype)).float().pow(2).mean().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 1, "parameter"), str(f)
+    assert "replaced since: a cast (model.half()" in f.hint and "optimizer step poisoned" not in f.hint.replace(
+        "no optimizer step poisoned", ""), f.hint
+    assert ("now float16" in f.hint and "65504" in f.hint) != back, f.hint
+
+
 def _data_write(p: torch.Tensor) -> None:
     p.data[3] = float("nan")  # no version counter sees this  # @data-write
 

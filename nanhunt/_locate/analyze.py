@@ -1269,6 +1269,9 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             return _hints.written_hint(what, line)
         if id(t) in after and after[id(t)] != t._version:
             return _hints.written_hint(what)
+        if any(id(t) in ctx.view.after_step.get(i, {}) for i in ctx.view.judged):
+            # judged finite as its last step() returned, its version unmoved since: its .data was replaced
+            return _hints.replaced_hint(what, t.dtype)
         if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
             return _hints.unheld_hint(what)
         if not ctx.view.optimizers and isinstance(t, torch.nn.Parameter):

@@ -623,6 +623,17 @@ def written_hint(what: str, line: str | None = None) -> str:
             "an in-place assignment in your code): no optimizer step poisoned it; look at what wrote it.")
 
 
+def replaced_hint(what: str, dtype: torch.dtype) -> str:
+    """A weight finite when its optimizer's last step() returned, non-finite now, its version
+    unmoved: its ``.data`` was replaced (``model.half()``, ``.to(dtype)``, ``p.data = ...``)."""
+    name = str(dtype).removeprefix("torch.")
+    top = dtype_max(name) if dtype.is_floating_point and dtype.itemsize < 4 else None
+    cast = f" (now {name}: a value past its largest, {top:g}, becomes inf in the cast)" if top else ""
+    return (f"{_cap(what)} was finite after its optimizer's last step and was replaced since: a cast "
+            f"(model.half(), model.to(dtype)){cast} or an assignment to .data: no optimizer step poisoned it; "
+            "look at what converted or replaced it (keep the weights in float32 and use autocast).")
+
+
 def written_before_step_hint(what: str) -> str:
     """A parameter non-finite already when its optimizer's step() began: the user's code wrote it."""
     return (f"{_cap(what)} was already non-finite when optimizer.step() began, and no gradient was: code between "
