@@ -128,6 +128,35 @@ def test_torch_where_gradient_trap() -> None:
     assert same_state(snapshot(m), before)
 
 
+class _RatioHead(nn.Module):
+    """``torch.where(d > 0, x / d, 0)`` with ``d`` computed from ``x`` by a child: the module's input is
+    the child's input too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = torch.relu(self.fc(x))
+        return torch.where(d > 0, x / d, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_where_trap_on_a_division_in_a_module_whose_input_a_child_shares_is_told_as_the_trap(mode: str) -> None:
+    # x / d at d = 0 is inf in the untaken branch, and its backward 0 / 0 = nan. The finding (module,
+    # op, line) was right, but the node's facts were left behind when the finding was handed to the
+    # call that owns the node: the hint read "the gradient of a division by (nearly) 0 overflows"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), _RatioHead(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        m(torch.randn(8, 4, generator=torch.Generator().manual_seed(0))).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause, f.step) == ("backward", "1", "DivBackward0", "created", 0), f
+    assert "where trap" in f.hint and "double-where" in f.hint, f.hint
+
+
 class _GuardedHead(nn.Module):
     """A where (or masked_fill) that guards an unsafe op with arithmetic in between."""
 

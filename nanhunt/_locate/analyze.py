@@ -957,7 +957,7 @@ def _weight_grad_first(ctx: _Ctx, top_i: int, r: Replay, culprit: ReplayCall, ev
     c = best[2]
     f = _node_finding(ctx, top_i)
     if f is not None and f.module == c.name:
-        return dataclasses.replace(f, call=_call_index(ctx, top_i, c))
+        return _moved(ctx, f, call=_call_index(ctx, top_i, c))
     return None
 
 
@@ -983,7 +983,7 @@ def _owning_call(ctx: _Ctx, top_i: int, r: Replay, rc: ReplayCall, k: int) -> Fi
         return None
     owner = next((a for a in (*ancestors, *sharing) if a.name == f.module and a is not rc), None)
     if owner is not None:
-        return dataclasses.replace(f, call=_call_index(ctx, top_i, owner))
+        return _moved(ctx, f, call=_call_index(ctx, top_i, owner))
     if (rc.name == "" or f.module == rc.name or f.module.startswith(rc.name + ".")
             or not any(c.name == f.module for c in r.calls)):
         return None  # made inside the call (or outside the top): the call's own finding stands
@@ -1064,6 +1064,17 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
     ctx.facts[id(f)] = {**b.facts, "fed_bad": True} if b.facts.get("saved_bad") and _fed_bad(top) else b.facts
     _keep_rows(ctx, f, b.grad)
     return f
+
+
+def _moved(ctx: _Ctx, f: Finding, **changes: Any) -> Finding:
+    """``f`` with ``changes``, keeping what the analysis holds under its id (its hint's facts, its rows):
+    a node finding handed to the call that owns it is still a where trap."""
+    g = dataclasses.replace(f, **changes)
+    if id(f) in ctx.facts:
+        ctx.facts[id(g)] = ctx.facts.pop(id(f))
+    if id(f) in ctx.born_rows:
+        ctx.born_rows[id(g)] = ctx.born_rows.pop(id(f))
+    return g
 
 
 def _keep_rows(ctx: _Ctx, f: Finding, grad: torch.Tensor) -> None:
