@@ -817,3 +817,36 @@ def test_a_zero_vector_normalised_with_eps_0_is_told_as_0_over_0(how: str, mode:
     assert (f.module, f.op, f.cause, f.index) == ("", "aten.div.Tensor", "created", (1,)) and math.isnan(f.value), f
     assert f.hint.startswith("A division by 0") and "zero vector" in f.hint and "eps" in f.hint, f.hint
     assert "temperature" not in f.hint, f.hint
+
+
+class _HandNorm(nn.Module):
+    """A LayerNorm written by hand: its variance as E[x^2] - E[x]^2, then sqrt or rsqrt of it."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - mu * mu
+        if self.op == "sqrt":
+            return (x - mu) / torch.sqrt(var)
+        return (x - mu) * torch.rsqrt(var + 1e-12)
+
+
+@pytest.mark.parametrize("op", ["sqrt", "rsqrt"])
+def test_a_variance_below_0_from_cancellation_is_told_as_such(op: str) -> None:
+    # values near 1000 with a spread of 1e-3: E[x^2] - E[x]^2 cancels to -0.0625 in float32. The hint
+    # of rsqrt said "rsqrt of 0 gives inf" for a nan of a negative number, sqrt's "sqrt of a negative
+    # number gives nan" named no variance, no cancellation, no remedy
+    x = 1000.0 + 1e-3 * torch.randn(1, 8, generator=torch.Generator().manual_seed(0))
+    model = nn.Sequential(nn.Linear(8, 8), _HandNorm(op))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(8))
+        model[0].bias.zero_()
+    m = x.mean(-1, keepdim=True)
+    assert bool(((x * x).mean(-1, keepdim=True) - m * m < 0).all()), "set-up"
+    f = train_step(model, x)
+    assert (f.module, f.op) == ("1", f"aten.{op}.default") and math.isnan(f.value), f
+    assert "negative number" in f.hint and "E[x^2] - E[x]^2" in f.hint and "clamp_min(0)" in f.hint, f.hint
+    assert "of 0 gives inf" not in f.hint, f.hint

@@ -280,6 +280,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
         mask = not x.requires_grad and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
         out["log_mask" if mask else "log_zero"] = True
+    if (name in ("sqrt", "sqrt_", "rsqrt", "rsqrt_") and args and isinstance(args[0], torch.Tensor)
+            and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
+        out["negative"] = float(args[0].reshape(-1)[flat])  # (rsqrt's nan is no 0's: its hint speaks of 0 only)
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     if dtype is None or dtype == torch.float64:
         return out
@@ -342,6 +345,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "(or buf.clone()) to have the op, line and element.")
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
+    if "negative" in fx:
+        return (f"{_cap(_op_key(op))} of a negative number, {fx['negative']:.3g}, gives nan. A variance computed as "
+                "E[x^2] - E[x]^2 (a LayerNorm or RMSNorm written by hand) comes out slightly below 0 by cancellation "
+                "when the values' mean is large against their spread: compute it as ((x - mean) ** 2).mean(-1) "
+                "(x.var(-1, unbiased=False), F.layer_norm) or clamp it (var.clamp_min(0) + eps); any other input: "
+                "keep it non-negative (clamp_min(0), F.softplus).")
     if "reached" in fx:
         if fx["dtype"] in ("float32", "float64") or abs(fx["reached"]) > _F32_MAX:
             # no wider dtype to move to, or float32 overflows too (bfloat16 has its range): the
