@@ -850,3 +850,23 @@ def test_a_variance_below_0_from_cancellation_is_told_as_such(op: str) -> None:
     assert (f.module, f.op) == ("1", f"aten.{op}.default") and math.isnan(f.value), f
     assert "negative number" in f.hint and "E[x^2] - E[x]^2" in f.hint and "clamp_min(0)" in f.hint, f.hint
     assert "of 0 gives inf" not in f.hint, f.hint
+
+
+class _HandSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_softmax_written_by_hand_without_its_max_subtracted_is_told_as_such(dtype: torch.dtype) -> None:
+    # exp(x) / exp(x).sum(): one exp past the dtype's max is inf, inf / inf = nan. The remedy was to
+    # clamp what goes into exp or to keep the module in float32, not the max subtraction softmax does
+    x = torch.tensor([[1.0, 2.0, 95.0, 3.0]] if dtype == torch.float32 else [[1.0, 2.0, 12.0, 3.0]], dtype=dtype)
+    model = nn.Sequential(nn.Linear(4, 4).to(dtype), _HandSoftmax())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    f = train_step(model, x)
+    assert (f.module, f.op) == ("1", "aten.exp.default") and math.isnan(f.value), f
+    assert "softmax written by hand" in f.hint and "x.amax(-1, keepdim=True)" in f.hint, f.hint

@@ -170,6 +170,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["masked_row"] = True
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
+        if _op_key(first.op).split(".")[0] == "exp" and any(
+                _op_key(r.op).split(".")[0] == "div" and len(r.ins) == 2 and r.ins[1].code is not None
+                and bool(r.ins[1].code.ne(0).any()) for r in (rec.recs[ri] for ri in path[1:])):
+            out["exp_ratio"] = True  # exp(x) / exp(x).sum(): a softmax by hand, inf / inf
         code0 = first.outs[0][1] if first.outs else None
         if (len(path) > 1 and (mask_write(first.op) or out.get("log_mask")) and code0 is not None
                 and bool((code0[code0 != 0] == 3).all())):
@@ -367,6 +371,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
+        if fx.get("exp_ratio") and fx["reached"] > 0:  # (a division after it made inf / inf: no max subtracted)
+            remedy = ("a softmax written by hand, exp(x) / exp(x).sum(-1), makes inf / inf = nan of it: use "
+                      "torch.softmax(x, -1) (F.log_softmax for its log), which subtracts each row's max first, "
+                      "or subtract it yourself, exp(x - x.amax(-1, keepdim=True))")
         wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
         if fx.get("min_mask"):
             return (f"Overflow: {op} added a mask of {fx['dtype']}'s lowest value ({-fx['limit']:g}, "
