@@ -870,3 +870,22 @@ def test_a_softmax_written_by_hand_without_its_max_subtracted_is_told_as_such(dt
     f = train_step(model, x)
     assert (f.module, f.op) == ("1", "aten.exp.default") and math.isnan(f.value), f
     assert "softmax written by hand" in f.hint and "x.amax(-1, keepdim=True)" in f.hint, f.hint
+
+
+class _BiasedVar(nn.Module):
+    def __init__(self, correction: int) -> None:
+        super().__init__()
+        self.correction = correction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.var(-1, correction=self.correction, keepdim=True)
+
+
+@pytest.mark.filterwarnings("ignore:var... degrees of freedom is <= 0:UserWarning")
+@pytest.mark.parametrize("correction", [4, 5])
+def test_a_var_with_a_correction_not_below_its_count_is_told_as_such(correction: int) -> None:
+    # var(correction=c) over n <= c elements divides by max(0, n - c) = 0: inf. The hint was the
+    # generic "an overflow past the dtype's max, x/0 or log(0)"
+    f = train_step(nn.Sequential(nn.Linear(4, 4), _BiasedVar(correction)), torch.randn(3, 4))
+    assert (f.module, f.op) == ("1", "aten.var.correction") and math.isinf(f.value), f
+    assert f"correction={correction} over 4 elements" in f.hint and "overflow" not in f.hint, f.hint

@@ -214,6 +214,10 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         n_out = math.prod(r.outs[0][0]) if r.outs[0][0] else 1
         if n_out and n_in // max(n_out, 1) <= 1:
             out["one_element"] = True
+        call = getattr(r, "call", None)  # (var(correction=c) divides by max(0, n - c): 0 once c >= n)
+        c = call[2].get("correction") if call is not None else None
+        if isinstance(c, (int, float)) and n_out and 1 < n_in // n_out <= c:
+            out["correction"] = (n_in // n_out, c)
     if "ctc_loss" in name:
         out["ctc"] = True
     call = getattr(r, "call", None)
@@ -428,6 +432,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         what = "every target is ignored (ignore_index)" if fx.get("all_ignored") else "the selection is empty"
         return (f"A mean over zero elements: {what}, so the mean is 0/0 = nan; skip such batches, or "
                 "divide by max(count, 1).")
+    if fx.get("correction"):
+        n, c = fx["correction"]
+        return (f"std/var with correction={c:g} over {n} elements: it divides by max(0, n - correction) = 0, so it is "
+                "x/0 = inf (0/0 = nan for a constant row); use a correction below the count (correction=0 for the "
+                "population variance, the default 1 needs two elements).")
     if fx.get("one_element"):
         return ("std/var of one element: with the unbiased correction the count is n - 1 = 0, so it is 0/0 = nan; "
                 "use correction=0 or skip batches of one.")
