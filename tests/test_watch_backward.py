@@ -1183,6 +1183,37 @@ def test_a_gradient_that_explodes_through_a_gru_is_told_as_exploding_gradients_t
     assert math.isinf(f.value) and "exploding gradients" in f.hint and "clip_grad_norm_" in f.hint, f.hint
 
 
+def test_a_gradient_that_explodes_inside_a_fused_lstm_kernel_is_told_as_exploding_gradients_to_clip() -> None:
+    # the LSTM's backward runs in one kernel (MkldnnRnnLayerBackward0 on the CPU): the overflow inside
+    # it comes out as nan, and the hint was the generic "0/0, inf - inf ... a fully masked row"
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 16, batch_first=True)
+    with torch.no_grad():
+        lstm.weight_hh_l0.mul_(30.0)
+    with nanhunt.watch(lstm, on_find="record") as hunt:
+        (lstm(torch.randn(2, 60, 4, generator=torch.Generator().manual_seed(0)))[0].mean() * 1e36).backward()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module_type, f.cause) == ("backward", "LSTM", "created"), f
+    assert math.isnan(f.value) and "exploding gradients" in f.hint and "clip_grad_norm_" in f.hint, f.hint
+
+
+def test_a_relu_rnn_whose_hidden_state_explodes_along_the_sequence_is_told_as_such() -> None:
+    # nn.RNN(nonlinearity="relu") with recurrent weights grown large: the hidden state is multiplied
+    # by weight_hh at every time step and passes float32's max in the forward. The remedy read "look
+    # for exploding weights or inputs", no word of the recurrence, its nonlinearity or its init
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 16, nonlinearity="relu", batch_first=True)
+    with torch.no_grad():
+        rnn.weight_hh_l0.mul_(10.0)
+    opt = torch.optim.SGD(rnn.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(rnn, opt):
+        rnn(torch.randn(2, 300, 4, generator=torch.Generator().manual_seed(0)))[0].sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module_type, f.cause, f.step) == ("forward", "RNN", "created", 0) and math.isinf(f.value), f
+    assert "at every time step" in f.hint and "nonlinearity='relu'" in f.hint and "orthogonal_" in f.hint, f.hint
+
+
 def _nan_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     g = grad_input[0]
     return (g / (g - g),)  # 0/0 and x/0: the hook's own arithmetic

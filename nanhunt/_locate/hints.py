@@ -111,6 +111,8 @@ _PRODUCTS = frozenset({"AddmmBackward0", "MmBackward0", "BmmBackward0", "MvBackw
                        "BaddbmmBackward0", "ConvolutionBackward0", "LinearBackward0", "EmbeddingBackward0"})
 
 _RECURRENT = frozenset({"RNN", "LSTM", "GRU", "RNNCell", "LSTMCell", "GRUCell"})  # (a gradient multiplied at every time step)
+# a recurrent layer's whole backward in one kernel: an overflow inside it comes out as nan (inf - inf, inf * 0)
+_FUSED_RNN = ("MkldnnRnnLayerBackward", "CudnnRnnBackward", "MiopenRnnBackward", "ThnnFused")
 
 
 def _op_key(op: str) -> str:
@@ -369,6 +371,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 remedy = (f"its input, {math.log(fx['reached']):.4g}, is past {math.log(fx['limit']):.4g}, where exp "
                           f"passes {fx['dtype']}'s largest value: clamp what goes into exp (a VAE's "
                           "logvar.clamp(-30, 20)) or use a stable form (F.softplus, torch.logsumexp); or " + remedy)
+            if f.module_type in ("RNN", "RNNCell") and f.phase == "forward":  # (its hidden state, times weight_hh at every step)
+                remedy = ("the hidden state of this recurrent layer is multiplied by its recurrent weights at every "
+                          "time step: with recurrent weights whose largest eigenvalue is past 1 (a large init, "
+                          "weights grown in training) and an unbounded nonlinearity (nonlinearity='relu') it grows "
+                          "exponentially along the sequence; use tanh (or an LSTM/GRU), initialise weight_hh smaller "
+                          "(nn.init.orthogonal_), lower the learning rate or clip the gradients")
         elif f.module == "<outside>":  # (the loop's own code: no module to keep in float32)
             remedy = "compute it in float32 (.float() before it, outside autocast) or scale before it"
         elif fx["dtype"] == "bfloat16":
@@ -548,9 +556,10 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
                         "inputs or the gradient reaching it are huge. Weights that grew step after step point to "
                         "a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients.")
             if (f.module_type in _RECURRENT and f.dtype in ("float32", "float64") and f.value is not None
-                    and math.isinf(f.value)):
+                    and (math.isinf(f.value) or f.op.startswith(_FUSED_RNN))):
+                fused = "" if math.isinf(f.value) else " (inside its fused kernel, where inf - inf or inf * 0 made nan)"
                 return (f"The gradient through this recurrent layer passed {f.dtype}'s largest finite value "
-                        f"{dtype_max(f.dtype):g} from finite values: exploding gradients, multiplied again at "
+                        f"{dtype_max(f.dtype):g} from finite values{fused}: exploding gradients, multiplied again at "
                         "every time step (long sequences, recurrent weights grown large). Clip them "
                         "(torch.nn.utils.clip_grad_norm_ before step()), lower the learning rate or shorten "
                         "the sequences backpropagated through (truncated BPTT).")
