@@ -1214,6 +1214,31 @@ def test_a_relu_rnn_whose_hidden_state_explodes_along_the_sequence_is_told_as_su
     assert "at every time step" in f.hint and "nonlinearity='relu'" in f.hint and "orthogonal_" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_inf_gradient_that_clip_grad_norm_turns_into_nan_is_found_at_the_backward_with_a_line(mode: str) -> None:
+    # a huge loss scale: the last layer's bias gradient passes float32's max, and clip_grad_norm_
+    # (error_if_nonfinite=False) multiplies every gradient by max_norm / inf = 0, inf * 0 = nan. The
+    # finding is the backward's inf, not the clip; its node was made inside nn.Linear (torch's own
+    # code), and its source was None where a forward finding names the line that called the model
+    import inspect
+
+    m = zoo.mlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    before = snapshot(m)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        out = m(x)
+        at = f"{__file__}:{inspect.currentframe().f_lineno - 1}"  # (the line above)
+        (out * 3e37).sum().backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, error_if_nonfinite=False)
+        assert torch.isnan(m[3].bias.grad).all(), "set-up: the clip made nan of the inf"
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause, f.step) == ("backward", "3", "AddmmBackward0", "created", 0), f
+    assert f.value == math.inf and f.source == at, (f.source, at)
+    assert same_state(snapshot(m), before)
+
+
 def _nan_grad_input(module: nn.Module, grad_input: Any, grad_output: Any) -> Any:
     g = grad_input[0]
     return (g / (g - g),)  # 0/0 and x/0: the hook's own arithmetic

@@ -1053,7 +1053,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         call=_nth_call(ctx, top_i, module, b.call), index=index, value=value, counts=counts, shape=shape_of(b.grad),
         # a forward value it saved was non-finite (an overflow a saturating op hid from every output):
         # fed in by the forward, the 0 * inf of its backward only shows it
-        dtype=dtype, cause="input" if b.facts.get("saved_bad") else "created", op=b.op or None, source=b.source,
+        dtype=dtype, cause="input" if b.facts.get("saved_bad") else "created", op=b.op or None, source=b.source or top.src,
         chain=tuple(b.chain), reproducible=True, verdict="numerics" if numerics else None,
         reference={"dtype": dtype, "op": b.op or None, "tensor": tensor, "value": value} if numerics else {},
     )
