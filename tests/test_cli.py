@@ -837,3 +837,26 @@ def test_run_bundle_says_why_none_was_written_when_the_script_watches_the_model_
     assert rc == 3, err
     assert f"no repro bundle written to {bundle}" in err and "bundle=" in err, err
     assert bundle.read_bytes() == b"an old bundle"
+
+
+def test_run_m_runs_a_module_of_a_package_as_python_m_does(tmp_path):
+    """`python -m trainer.train --report mine.json` is how many projects start training (relative
+    imports need the package); `nanhunt run -m trainer.train` was refused ("unrecognized arguments:
+    -m"). The module runs as __main__ with its package imported, the arguments after it are its
+    own (its --report too), and nanhunt's options come before -m."""
+    pkg = tmp_path / "trainer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("GATE_STEP = 5\n")
+    (pkg / "train.py").write_text(textwrap.dedent(LOG_OF_ZERO).replace("from helper import", "from .helper import"))
+    report = tmp_path / "nh.json"
+    got = subprocess.run([sys.executable, "-m", "nanhunt", "run", "--on-find", "record", "--report", str(report),
+                          "-m", "trainer.train", "--report", "mine.json"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert got.returncode == 3, got.stderr
+    assert "finished ['--report', 'mine.json']" in got.stdout, got.stdout
+    assert "forward of `head` (LogHead) at step 5" in got.stderr, got.stderr
+    assert json.loads(report.read_text())["first"]["module"] == "head"
+    missing = subprocess.run([sys.executable, "-m", "nanhunt", "run", "-m", "trainer.nosuch"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert missing.returncode == 2 and "no module named 'trainer.nosuch'" in missing.stderr, missing.stderr

@@ -54,7 +54,7 @@ def test_no_command_shows_help_and_exits_2(cli):
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (("run",), "nanhunt run: error: the following argument is required: script (see 'nanhunt run --help')"),
+    (("run",), "nanhunt run: error: the following argument is required: script (or -m MODULE) (see 'nanhunt run --help')"),
     (("demo", "--steps", "-5"), "nanhunt demo: error: argument --steps: must be >= 1; got -5"),
     (("demo", "--steps", "0"), "nanhunt demo: error: argument --steps: must be >= 1; got 0"),
     (("demo", "--steps", "many"), "nanhunt demo: error: argument --steps: must be a whole number >= 1; got 'many'"),

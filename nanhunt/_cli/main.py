@@ -16,6 +16,7 @@ finding). Every error is one line on stderr.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -52,15 +53,45 @@ def _at_least_1(value: str) -> int:
     return n
 
 
+_RUN_VALUED = ("--report", "--on-find", "--bundle", "--mode", "--history", "--dist-timeout")
+
+
+def _run_module(argv: list[str]) -> tuple[tuple[str, list[str]] | None, list[str]]:
+    """``run``'s ``-m MODULE args...`` (as ``python -m``: everything after the module is its own),
+    taken out of ``argv`` before argparse, which would read the module's options as nanhunt's:
+    ((module, its args), nanhunt's own argv), or (None, argv) when the run names a script."""
+    if not argv or argv[0] != "run":
+        return None, argv
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return (argv[i + 1] if i + 1 < len(argv) else "", argv[i + 2:]), argv[:i]
+        if a.startswith("-m") and not a.startswith("--"):  # (-mpackage.train, as python takes it)
+            return (a[2:], argv[i + 1:]), argv[:i]
+        if a in _RUN_VALUED:
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            break  # the script: the rest is its own
+    return None, argv
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    module, argv = _run_module(argv)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, a usage error: a status, not an exception
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    if ns.command == "run" and ns.script is None:  # optional in the grammar so that `args` may be empty
-        return _usage(ns.parser, "the following argument is required: script")
+    if module is not None:  # `nanhunt run [options] -m MODULE [args...]`
+        if not module[0] or module[0].startswith("-"):
+            return _usage(ns.parser, "-m takes a module name (nanhunt run -m package.train ...)")
+        ns.module, ns.args = module
+    if ns.command == "run" and ns.script is None and ns.module is None:  # (optional in the grammar: `args` may be empty)
+        return _usage(ns.parser, "the following argument is required: script (or -m MODULE)")
     if ns.command == "run" and argv[-len(ns.args) - 2:][:2] == [ns.script, "--"]:
         ns.args = ["--", *ns.args]  # (argparse drops a `--` right after the script; python passes it on)
     if ns.command is None:
@@ -103,7 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
                    help="under torch.distributed: seconds to wait for the other ranks before naming the silent ones "
                         "(300)")
-    r.add_argument("script", nargs="?", help="the Python script to run (required)")
+    r.add_argument("-m", dest="module", metavar="MODULE",
+                   help="run a module as `python -m MODULE args...` would (the arguments after it are its own), "
+                        "instead of a script")
+    r.add_argument("script", nargs="?", help="the Python script to run (required, unless -m MODULE)")
     r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (optional)")
     r.set_defaults(func=_cmd_run, parser=r)
 
@@ -288,6 +322,21 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     script = ns.script
     from .._files import not_a_file
 
+    if ns.module is not None:
+        try:  # (as `python -m` finds it: the current folder first; a package runs its __main__)
+            sys.path.insert(0, os.getcwd())
+            try:
+                spec = importlib.util.find_spec(ns.module)
+                if spec is not None and spec.submodule_search_locations is not None:
+                    spec = importlib.util.find_spec(f"{ns.module}.__main__")
+            finally:
+                sys.path.pop(0)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or spec.origin is None or not os.path.isfile(spec.origin):
+            _err(f"no module named {ns.module!r} to run (as python -m {ns.module} would, from {os.getcwd()!r})")
+            return EXIT_USAGE
+        script = spec.origin
     why = not_a_file(script)  # (a device, a loop of links, an unreadable file: named as what it is)
     if why is not None:
         _err(f"{script!r} is a folder, not a script (give the .py file the folder's training starts from)"
@@ -332,7 +381,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     bundle_was = _stamp(extra.get("bundle"))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *ns.args]
-    here = os.path.dirname(os.path.realpath(script))
+    here = os.getcwd() if ns.module is not None else os.path.dirname(os.path.realpath(script))
     if sys.path:
         sys.path[0] = here  # as `python script.py` sets it (a link to the script: the folder it points into)
     else:
@@ -346,7 +395,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     try:
         # (an absolute path, as `python script.py` gives ``__file__`` since 3.9: a script that
         # changes directory and reads a file beside itself still finds it)
-        runpy.run_path(os.path.abspath(script), run_name="__main__")
+        if ns.module is not None:  # (its package imported first, __spec__ and relative imports as python -m gives them)
+            runpy.run_module(ns.module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(os.path.abspath(script), run_name="__main__")
     except NonFiniteError as e:
         raised = e
     except SystemExit as e:
