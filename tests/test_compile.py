@@ -828,3 +828,38 @@ def test_a_nan_in_a_later_micro_batch_of_a_compiled_model_has_its_call_index(how
     torch._dynamo.reset()
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.step, f.call, f.op) == ("forward", "2", 2, 1, "aten.log.default"), f
+
+
+def _cross_entropy_by_hand(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(logits, -1)
+    logp = torch.log(p)  # a softmax underflowed to 0: -inf, then 0 * -inf = nan below
+    return -(target * logp).sum(-1).mean()
+
+
+def test_a_nan_born_in_a_compiled_loss_function_is_at_its_op_and_the_line_in_its_graph() -> None:
+    # a loss function compiled on its own runs as one call of the loss code: its ops took that
+    # call's line (the function's def line), and dynamo, tracing the outside recorder's mode
+    # into the graph, gave every node nanhunt's own line as its innermost frame
+    import inspect
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 5))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    loss_fn = torch.compile(_cross_entropy_by_hand, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(net, optimizer=opt, on_find="record") as hunt:
+            for step in range(3):
+                x = torch.randn(6, 4) * (300 if step == 2 else 1)
+                target = nn.functional.one_hot(torch.randint(0, 5, (6,)), 5).float()
+                loss_fn(net(x), target).backward()
+                opt.step()
+                opt.zero_grad()
+    torch._dynamo.reset()
+    first = inspect.getsourcelines(_cross_entropy_by_hand)[1]
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 2, "aten.log.default"), f
+    assert f.source == f"{__file__}:{first + 2}", f.source
+    assert f.chain[1] == f"aten.mul.Tensor @ {__file__}:{first + 3}", f.chain
+    assert f.verdict == "numerics", f

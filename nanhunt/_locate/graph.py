@@ -25,6 +25,7 @@ graph, ~1 s per cold C++ kernel, ~0.05 s for a prefix of extern kernels only).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -64,13 +65,15 @@ class GraphOrigin:
 
 
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
+_OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _source(stack_trace: Any) -> str | None:
-    """The innermost ``File "x.py", line N`` of a node's stack trace: the user's line."""
+    """The innermost ``File "x.py", line N`` of a node's stack trace outside nanhunt (a function
+    compiled in the loss code traces the outside recorder's mode too): the user's line."""
     if not isinstance(stack_trace, str):
         return None
-    found = _FILE_LINE.findall(stack_trace)
+    found = [f for f in _FILE_LINE.findall(stack_trace) if not os.path.abspath(f[0]).startswith(_OWN)]
     return f"{found[-1][0]}:{found[-1][1]}" if found else None
 
 

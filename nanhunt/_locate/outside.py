@@ -32,6 +32,7 @@ from .._steplog import Out, OutRec, StepLog, Top
 from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, tensors, values
 from . import hints as _hints
 from .differential import _FROM_ZERO, REDUCED
+from .graph import _source, node_of_frame
 from .nodes import blame_nodes, hook_names, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 from .replay import faithful, given_objects
@@ -71,7 +72,10 @@ class _Tag(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.on:
             return func(*args, **kwargs)
-        return self.rec.record(func, args, kwargs, self.src)
+        # a compiled function in the loss code (recorded as one call): its op's line is its graph node's
+        node = node_of_frame()
+        src = _source(node.meta.get("stack_trace")) if node is not None else None
+        return self.rec.record(func, args, kwargs, src or self.src)
 
 
 class _Replay:
