@@ -143,6 +143,24 @@ def test_failure_on_the_first_run_only_is_transient_and_names_the_host():
     assert f.reference["replays"] >= 2
 
 
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+def test_a_compiled_failure_no_replay_reproduces_is_transient_at_the_module_its_graph_flagged(how):
+    # no replay reproduces it, so there is no op trace: the finding stayed at the root's output,
+    # though the failing run's own in-graph checks named the flaky layer
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Flaky(), nn.Linear(4, 2))
+    run = zoo.compiled(model, how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(model, on_find="record") as hunt:
+            run(torch.randn(3, 4))
+    torch._dynamo.reset()
+    f = hunt.first
+    assert f is not None and (f.verdict, f.reproducible) == ("transient", False), f
+    assert (f.module, f.module_type, f.tensor) == ("1", "Flaky", "output"), f
+
+
 class EveryOther(nn.Module):
     """inf on every other run: identical replays disagree. The count lives outside the model (a
     flaky device's state, not the module's: a replay puts the module's own attributes back)."""

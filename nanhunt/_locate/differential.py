@@ -769,11 +769,16 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, 
     f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     o = e.origin
     if o is None:
-        slot = _first_bad_slot(view) if e.verdict == "compiler" else None
-        if slot is not None:  # no op seen (Inductor's fused kernels): the module its slot names
+        # no op seen (Inductor's fused kernels; no replay reproduced it): the module the failing
+        # run's own in-graph checks name
+        slot = _first_bad_slot(view) if e.verdict == "compiler" or (f.op is None and e.verdict in (
+            "transient", "nondeterministic")) else None
+        if slot is not None:
             sname, stype, spath = slot
+            compiler = e.verdict == "compiler"
             f = dataclasses.replace(f, module=sname, module_type=stype, tensor=format_path("output", spath),
-                                    reproducible=True, cause="created")
+                                    reproducible=True if compiler else f.reproducible,
+                                    cause="created" if compiler else f.cause)
         return f
     name = watched_name(o, view.names)
     module, mtype = (name, o.module_type) if name is not None else (f.module, f.module_type)
