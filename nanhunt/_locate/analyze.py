@@ -889,7 +889,10 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         return owner
     grad = next(g for kk, g in r.grads if kk == k and is_bad(g))
     hooks = _nodes.tensor_hooks(t) if (t := dict(rc.inputs).get(path)) is not None else []
-    if hooks and ((nf := _node_finding(ctx, top_i)) is None or ctx.facts.get(id(nf), {}).get("tensor_hook")):
+    nf = _node_finding(ctx, top_i) if hooks else None
+    hooked = hooks and (nf is None or ctx.facts.get(id(nf), {}).get("tensor_hook"))
+    _forget(ctx, nf)
+    if hooked:
         # a hook of the user's on that input (``h.register_hook(...)`` in a forward) ran on its gradient
         # after the call's backward made it finite, and no autograd node made it: the hook did
         index, value, counts = element(grad)
@@ -1075,6 +1078,14 @@ def _moved(ctx: _Ctx, f: Finding, **changes: Any) -> Finding:
     if id(f) in ctx.born_rows:
         ctx.born_rows[id(g)] = ctx.born_rows.pop(id(f))
     return g
+
+
+def _forget(ctx: _Ctx, f: Finding | None) -> None:
+    """A finding made and dropped (asked only what it says): what the analysis holds under its id goes,
+    before a later finding gets that id."""
+    if f is not None:
+        ctx.facts.pop(id(f), None)
+        ctx.born_rows.pop(id(f), None)
 
 
 def _keep_rows(ctx: _Ctx, f: Finding, grad: torch.Tensor) -> None:
@@ -1325,6 +1336,7 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 nf = _node_finding(ctx, top_i)
                 if nf is not None and ctx.facts.get(id(nf), {}).get("tensor_hook"):
                     return nf
+                _forget(ctx, nf)
         f = Finding(
             phase="grad", module=mname, module_type=type(m).__name__ if m is not None else "Parameter",
             tensor=f"{pname}.grad", step=ctx.step, call=0, index=index, value=value, counts=counts,
