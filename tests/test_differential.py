@@ -9,6 +9,7 @@ graph), a call that fails only on its first run (transient), identical replays t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import socket
@@ -339,6 +340,94 @@ def test_nan_only_inductor_makes_after_a_graph_break_in_training_names_its_modul
         assert f.source is not None and f.source.endswith(f"zoo.py:{zoo.SHARP_SOFTMAX_LINE}")
     finally:
         torch._dynamo.reset()
+
+
+class KeptMean(nn.Module):
+    """The mean of the features dropout keeps: a row with none kept is 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        keep = F.dropout(torch.ones_like(h), 0.5, training=self.training)
+        return (h * keep).sum(-1) / keep.sum(-1)
+
+
+KEPT_MEAN_LINE = inspect.getsourcelines(KeptMean.forward)[1] + 3  # the 0/0 (the mask is drawn a line above)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_from_a_dropout_mask_only_inductor_drew_is_the_math_at_its_op_and_row(mode):
+    """Inductor draws dropout's mask with its own generator (fallback_random off): the eager replay
+    draws another mask, finite, which made it "compiler" (at another row). The captured graph runs
+    node by node on the mask the compiled code drew: the 0/0 at its op, line and row, numerics.
+    Sentinel, the loss taking nan_to_num of it: the backward's 0/0 (g / keep.sum), from the mask
+    the compiled forward saved."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = KeptMean()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+                for _ in range(40):
+                    y = compiled(torch.randn(8, 4))
+                    (y if mode == "full" else torch.nan_to_num(y)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if hunt.first is not None:
+                        break
+        f = hunt.first
+        phase = "forward" if mode == "full" else "backward"
+        assert f is not None and (f.phase, f.module, f.op, f.verdict) == (phase, "", "aten.div.Tensor", "numerics"), f
+        if mode == "full":
+            assert f.source == f"{__file__}:{KEPT_MEAN_LINE}", f.source
+        assert f.reference["random"] == f"{__file__}:{KEPT_MEAN_LINE - 1}", f.reference
+        _nan_at(f, torch.isnan(y.detach()))  # the row the compiled run made 0/0
+        _left_behind_modes()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_nan_from_random_numbers_only_inductor_draws_gets_no_verdict_where_they_cannot_be_had(monkeypatch):
+    """The compiled draws cannot be had again: no "compiler" for an eager replay that drew another
+    mask, no op of a graph run on a mask of its own; the hint says how to have them (fallback_random)."""
+    from nanhunt._locate import inductor
+
+    def fails(*a):
+        raise RuntimeError("no prefix compile")
+
+    monkeypatch.setattr(inductor, "_draws", fails)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = KeptMean()
+    compiled = torch.compile(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, on_find="record") as hunt:
+                for _ in range(40):
+                    compiled(torch.randn(8, 4))
+                    if hunt.first is not None:
+                        break
+        f = hunt.first
+        assert f is not None and (f.phase, f.module, f.op, f.verdict) == ("forward", "", None, None), f
+        assert f.reference == {"config": "eager", "random": f"{__file__}:{KEPT_MEAN_LINE - 1}"}, f.reference
+        assert "torch._inductor.config.fallback_random = True" in f.hint and f.reference["random"] in f.hint, f.hint
+    finally:
+        torch._dynamo.reset()
+
+
+def _left_behind_modes() -> None:
+    from torch.nn.modules import module as module_mod
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not module_mod._global_forward_hooks and not module_mod._global_forward_pre_hooks
+    assert not _get_current_dispatch_mode_stack()
 
 
 def test_inductor_finite_model_no_finding_no_graph_break():

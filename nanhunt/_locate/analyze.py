@@ -1012,8 +1012,9 @@ def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
     names = ctx.view.names
     prefix = names.get(top.module, "")
     settings = _inductor.inductor_settings(top.compiled)
+    seen: dict[str, Any] = {}
     if settings is not None:  # Inductor's kernels dispatch nothing: its captured backward graph, node by node
-        o = _inductor.locate_inductor_backward(top.compiled, settings, top, prefix, grads, ctx.view.scratch)
+        o = _inductor.locate_inductor_backward(top.compiled, settings, top, prefix, grads, ctx.view.scratch, seen)
     else:
         o = _graph.locate_graph_backward(top.compiled, top, prefix, grads, ctx.view.scratch)
     if o is None:
@@ -1022,11 +1023,17 @@ def _compiled_backward(ctx: _Ctx, top_i: int) -> Finding | None:
     if name is None:
         name = names.get(top.module, "")
     module = next((m for m, n in names.items() if n == name), top.module)
+    verdict, ref = "compiler", {"config": "eager", "op": o.op, "node": o.node, "dtype": o.dtype}
+    if "random" in seen:
+        # the forward drew its random numbers with Inductor's own generator: the eager replay's finite
+        # backward had another mask; the graph's own aten ops made this one from the values it saved
+        verdict, ref = "numerics", {**ref, "config": "eager graph on the compiled run's random numbers",
+                                    "random": seen["random"]}
     return Finding(
         phase="backward", module=name, module_type=o.module_type or type(module).__name__, tensor="grad_input",
         step=ctx.step, call=0, index=o.index, value=o.value, counts=dict(o.counts), shape=tuple(o.shape),
         dtype=o.dtype, cause="created", op=o.op, source=o.source, chain=tuple(o.chain), reproducible=True,
-        verdict="compiler", reference={"config": "eager", "op": o.op, "node": o.node, "dtype": o.dtype},
+        verdict=verdict, reference=ref,
     )
 
 

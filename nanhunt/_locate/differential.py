@@ -15,7 +15,9 @@ failing module's parameters are ever copied to float32.
 
 Verdicts (``Finding.verdict``): ``"numerics"`` (non-finite in float32 eager too), ``"precision"``
 (finite in float32), ``"compiler"`` (only compiled), ``"nondeterministic"`` (identical replays
-disagree), ``"transient"`` (no replay reproduces it). Runs only after a hit; never raises.
+disagree), ``"transient"`` (no replay reproduces it). A graph whose random numbers Inductor drew with
+its own generator is judged on the numbers it drew (:mod:`nanhunt._locate.inductor`), not against an
+eager replay that drew others; where they cannot be had, no verdict. Runs only after a hit; never raises.
 Cost (2-core CPU): 0.5 ms for a float32 finding (one scoped replay); 190 ms of a 300 ms hit
 analysis for a float16 256-wide MLP; 360 ms of 820 ms for a tiny float16 GPT-2.
 """
@@ -65,7 +67,7 @@ def _failed(what: str, exc: Exception) -> None:
 
 @dataclass
 class Examined:
-    verdict: str
+    verdict: str | None  # None: no replay can say (random numbers only the compiled code draws)
     reference: dict[str, Any]
     origin: GraphOrigin | None = None  # compile-only: where the graph made it
 
@@ -610,10 +612,13 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
         eager = _run(top, names, ordinal, path, eager=True)
         if eager.bad is False:
             settings = inductor_settings(compiled)
+            seen: dict[str, Any] = {}
             if settings is not None:  # fused kernels dispatch nothing: a capturing re-compile
-                origin = locate_inductor(compiled, settings, top, prefix, path if ordinal == 0 else None, keep)
+                origin = locate_inductor(compiled, settings, top, prefix, path if ordinal == 0 else None, keep, seen)
             else:
                 origin = locate_graph(compiled, top, prefix, path if ordinal == 0 else None, keep)
+            if "random" in seen:
+                return _drawn_by_inductor(f, origin, seen)
             ref: dict[str, Any] = {"config": "eager"}
             if f.dtype:
                 ref["dtype"] = f.dtype
@@ -652,6 +657,22 @@ def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, pa
             got["value"], _ = _value_at(ref32.output, f.index)
     got.setdefault("failing", f.value)
     return Examined("precision", got)
+
+
+def _drawn_by_inductor(f: Finding, origin: GraphOrigin | None, seen: dict[str, Any]) -> Examined:
+    """Inductor drew the graph's random numbers with its own generator (``fallback_random`` off): the
+    eager replay drew others (another dropout mask), so its being finite says nothing. The graph
+    run node by node on the numbers the compiled code drew made it: the math ("numerics"); a compiled
+    prefix that makes what that run has finite: the compiler; else no verdict."""
+    ref: dict[str, Any] = {"config": "eager", "random": seen["random"]}
+    if origin is None or not seen.get("drawn"):  # (a graph run on numbers of its own draw found some other value)
+        return Examined(None, ref)
+    ref.update(op=origin.op, node=origin.node, dtype=origin.dtype or f.dtype)
+    if origin.value is not None:
+        ref["value"] = origin.value
+    if seen.get("interpreted"):
+        return Examined("numerics", {**ref, "config": "eager graph on the compiled run's random numbers"}, origin)
+    return Examined("compiler", ref, origin)
 
 
 def _numerics(dtype: str, f: Finding, value: float | None) -> dict[str, Any]:
@@ -738,6 +759,14 @@ def examine_node(top: Top, f: Finding, nth: int, slot: int, grads: list[torch.Te
             h.remove()
 
 
+def _random_hint(src: str) -> str:
+    at = f" (at {src})" if src else ""
+    return (f"Inductor drew this graph's random numbers{at} with its own generator "
+            "(torch._inductor.config.fallback_random is False), so no eager replay draws the same ones (another "
+            "dropout mask) and no op or verdict can be given: set torch._inductor.config.fallback_random = True "
+            "before compiling (random ops then draw as eager does) and rerun to have the op and line.")
+
+
 def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
     """The first module (in the compiled graph's order) whose output the failing run's in-graph
     checks saw non-finite."""
@@ -767,11 +796,13 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, 
     if e is None:
         return f
     f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
+    if e.verdict is None and "random" in e.reference:
+        f = dataclasses.replace(f, hint=_random_hint(e.reference["random"]))
     o = e.origin
     if o is None:
-        # no op seen (Inductor's fused kernels; no replay reproduced it): the module the failing
-        # run's own in-graph checks name
-        slot = _first_bad_slot(view) if e.verdict == "compiler" or (f.op is None and e.verdict in (
+        # no op seen (Inductor's fused kernels; no replay reproduced it; random numbers only the
+        # compiled code draws): the module the failing run's own in-graph checks name
+        slot = _first_bad_slot(view) if e.verdict in ("compiler", None) or (f.op is None and e.verdict in (
             "transient", "nondeterministic")) else None
         if slot is not None:
             sname, stype, spath = slot

@@ -18,6 +18,14 @@ the post-AOT aten graph Inductor received (already decomposed; nodes carry ``sta
    values; a binary search finds the first ``k`` whose compiled prefix makes a value non-finite
    that the interpreted graph has finite: ``log2(nodes)`` compiles, stopped past :data:`BUDGET_S`.
 
+Random numbers: with ``config.fallback_random`` off (the default) Inductor draws them with its own
+generator (``prims.inductor_random`` from seeds taken of torch's RNG as the graph starts), so eager
+draws others (another dropout mask) and so does ``inductor_random`` run eagerly. The graph up to its
+last such node is compiled once more with those nodes as outputs and run from the RNG state the
+failing call began at: step 1 runs on the numbers the compiled code drew (as does each compiled
+prefix in step 2, from the same state). ``differential`` then does not take the eager replay's
+finite value as a compiler bug.
+
 The re-compile goes through a fresh code object of nanhunt's own, so the user's compiled function
 keeps its dynamo cache; every Inductor setting is patched only for the duration (``config.patch``).
 Anything unexpected gives ``None``: the finding then stays at module level.
@@ -89,6 +97,20 @@ def _closure(fn: Any, name: str) -> Any:
     return cells[name].cell_contents
 
 
+_State = tuple[torch.Tensor, list[torch.Tensor] | None]  # the CPU RNG state, CUDA's (once initialised)
+
+
+def _rng() -> _State:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng(state: _State) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
 @dataclass
 class _Graph:
     """One forward graph Inductor received: a copy taken before compiling, each call's arguments."""
@@ -97,6 +119,9 @@ class _Graph:
     kwargs: dict[str, Any] = field(default_factory=dict)  # compile_fx_inner's keywords for this graph
     args: list[Any] = field(default_factory=list)
     compiled_outs: list[Any] = field(default_factory=list)
+    rng: _State | None = None  # the RNG state as the compiled graph began (it draws its seeds from it)
+    # Inductor's own random draws (fallback_random off): the values the compiled code drew, per node
+    drawn: dict[Any, Any] = field(default_factory=dict)
 
 
 class _Capture:
@@ -119,8 +144,9 @@ class _Capture:
 
         def run(args: list[Any]) -> Any:
             if cap.interpret:
-                return _interpreted(g.gm, args)
+                return _interpreted(g.gm, args, g.drawn)
             g.args = [_own(a) for a in args]
+            g.rng = _rng()
             out = real(args)
             g.compiled_outs = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             return out
@@ -142,10 +168,59 @@ class _Capture:
         return run
 
 
-def _interpreted(gm: torch.fx.GraphModule, args: list[Any]) -> list[Any]:
-    """``gm`` run node by node, its outputs as the boxed calling convention returns them."""
-    out = torch.fx.Interpreter(gm).run(*args)
+def _interpreted(gm: torch.fx.GraphModule, args: list[Any], drawn: dict[Any, Any] | None = None) -> list[Any]:
+    """``gm`` run node by node, its outputs as the boxed calling convention returns them (``drawn``:
+    the random nodes' values as the compiled code drew them)."""
+    out = _Drawn(gm, drawn or {}).run(*args)
     return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class _Drawn(torch.fx.Interpreter):
+    """The graph node by node, its random nodes giving what the compiled code drew: eagerly, Inductor's
+    ``inductor_random`` ignores its seed (a torch.rand of another mask than the one that failed)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, drawn: dict[Any, Any], **kw: Any) -> None:
+        super().__init__(gm, **kw)
+        self.drawn = drawn
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        got = self.drawn.get(n)
+        return got if got is not None else super().run_node(n)
+
+
+def random_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+    """The nodes that draw random numbers with Inductor's own generator (its ``fallback_random``
+    off): ``inductor_random`` and the seeds it takes."""
+    ops = {getattr(torch.ops.prims, n).default for n in ("inductor_random", "inductor_seeds", "inductor_seed")
+           if hasattr(torch.ops.prims, n)}
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
+
+
+def _draws(cap: _Capture, g: _Graph) -> dict[Any, Any]:
+    """What the compiled graph's random nodes drew in the call recorded: the graph up to its last random
+    node compiled with the user's inner compiler (its outputs those nodes), run from the RNG state
+    the call began at, so that it draws the same seeds; the user's RNG put back after."""
+    rand = random_nodes(g.gm)
+    if not rand or g.rng is None:
+        return {}
+    nodes = [n for n in g.gm.graph.nodes if n.op == "call_function"]
+    keep = set(nodes[: max(nodes.index(n) for n in rand) + 1])
+    graph = torch.fx.Graph()
+    remap: dict[Any, Any] = {}
+    for n in g.gm.graph.nodes:
+        if n.op == "placeholder" or n.op == "get_attr" or n in keep:
+            remap[n] = graph.node_copy(n, lambda a: remap[a])
+    graph.output(tuple(remap[n] for n in rand))
+    sub = torch.fx.GraphModule(g.gm, graph)
+    user = _rng()
+    try:
+        with torch.no_grad():
+            compiled = cap.inner(sub, [_own(a) for a in g.args], **g.kwargs)
+            _set_rng(g.rng)
+            got = compiled([_own(a) for a in g.args])
+    finally:
+        _set_rng(user)
+    return dict(zip(rand, got))
 
 
 def _own(a: Any) -> Any:
@@ -167,10 +242,12 @@ def _fresh_entry() -> Callable[..., Any]:
 
 
 def locate_inductor(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
-                    path: Path | None, keep: Any = ()) -> GraphOrigin | None:
+                    path: Path | None, keep: Any = (), seen: dict[str, Any] | None = None) -> GraphOrigin | None:
     """The graph node where the compiled ``top`` first made a non-finite value, ``compiled`` being
-    a ``torch.compile`` wrapper with the Inductor ``settings`` of :func:`inductor_settings`."""
-    return guarded(keep, lambda: _locate(compiled, settings, top, prefix, path))
+    a ``torch.compile`` wrapper with the Inductor ``settings`` of :func:`inductor_settings`.
+    ``seen`` gets ``random`` (the line of the first node that drew random numbers with Inductor's
+    own generator: eager draws others) and ``drawn`` (whether the graph ran on the compiled draws)."""
+    return guarded(keep, lambda: _locate(compiled, settings, top, prefix, path, {} if seen is None else seen))
 
 
 def _capturing(compiled: Any, settings: dict[str, Any], top: Top) -> tuple[_Capture, Callable[..., Any], dict[str, Any]]:
@@ -203,34 +280,55 @@ def _patched(patches: dict[str, Any]) -> Iterator[None]:
         yield
 
 
-def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None) -> GraphOrigin | None:
+def _locate(compiled: Any, settings: dict[str, Any], top: Top, prefix: str, path: Path | None,
+            seen: dict[str, Any]) -> GraphOrigin | None:
     cap, call, patches = _capturing(compiled, settings, top)
     with _patched(patches):
         with faithful(top, compiled=True):
             call(*top.args, **(top.kwargs or {}))  # compiles; records each graph's arguments
         if not cap.graphs:
             return None
+        if _random_seen(cap, seen):
+            seen["drawn"] = False
+            for g in cap.graphs:
+                g.drawn = _draws(cap, g)
+            seen["drawn"] = True
         cap.interpret = True  # the captured graphs run node by node from here on (_bisect compiles its own)
         origin = _locate_graph(call, top, prefix, path)
         if origin is not None:
+            seen["interpreted"] = True  # (the graph's own aten ops made it: no codegen bug)
             return origin
         return _bisect(cap, prefix, time.monotonic() + BUDGET_S)
 
 
+def _random_seen(cap: _Capture, seen: dict[str, Any]) -> bool:
+    """Do the captured graphs draw with Inductor's own generator? ``seen["random"]``: the line of
+    the first such node."""
+    rand = [n for g in cap.graphs for n in random_nodes(g.gm)]
+    if rand:
+        seen["random"] = next((s for s in (_source(n.meta.get("stack_trace")) for n in rand) if s), "")
+    return bool(rand)
+
+
 def locate_inductor_backward(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
-                             grads: list[torch.Tensor | None], keep: Any = ()) -> GraphOrigin | None:
+                             grads: list[torch.Tensor | None], keep: Any = (),
+                             seen: dict[str, Any] | None = None) -> GraphOrigin | None:
     """A gradient only the Inductor-compiled backward makes: the backward graph Inductor received,
     run node by node from the compiled forward's saved values (a wrong decomposition; a backward
-    codegen bug is not bisected), its node's forward module and line (through ``seq_nr``)."""
-    return guarded(keep, lambda: _locate_bw(compiled, settings, top, prefix, grads))
+    codegen bug is not bisected), its node's forward module and line (through ``seq_nr``).
+    ``seen["random"]``: as for :func:`locate_inductor` (the forward's random numbers are the
+    compiled run's own, in the values it saved)."""
+    return guarded(keep, lambda: _locate_bw(compiled, settings, top, prefix, grads, {} if seen is None else seen))
 
 
 def _locate_bw(compiled: Any, settings: dict[str, Any], top: Top, prefix: str,
-               grads: list[torch.Tensor | None]) -> GraphOrigin | None:
+               grads: list[torch.Tensor | None], seen: dict[str, Any]) -> GraphOrigin | None:
     cap, call, patches = _capturing(compiled, settings, top)
     with _patched(patches):
         cap.interpret_backward = True
-        return _locate_backward(call, top, prefix, grads, lambda: [n for g in cap.graphs for n in g.gm.graph.nodes])
+        origin = _locate_backward(call, top, prefix, grads, lambda: [n for g in cap.graphs for n in g.gm.graph.nodes])
+        _random_seen(cap, seen)
+        return origin
 
 
 # ---------------------------------------------------------------- codegen bugs: bisection
@@ -264,7 +362,7 @@ def _bisect(cap: _Capture, prefix: str, deadline: float) -> GraphOrigin | None:
 
 def _interpret(g: _Graph) -> dict[Any, Any]:
     """Every node's value, the graph run node by node on the recorded arguments."""
-    it = torch.fx.Interpreter(g.gm, garbage_collect_values=False)
+    it = _Drawn(g.gm, g.drawn, garbage_collect_values=False)
     it.run(*[_own(a) for a in g.args])
     return it.env
 
@@ -284,9 +382,15 @@ def _prefix_bad(cap: _Capture, g: _Graph, env: dict[Any, Any], nodes: list[Any],
         return None
     graph.output(tuple(remap[n] for n in outs))
     sub = torch.fx.GraphModule(g.gm, graph)
-    with torch.no_grad():  # as AOT runs a compiled forward
-        compiled = cap.inner(sub, [_own(a) for a in g.args], **g.kwargs)
-        got = compiled([_own(a) for a in g.args])
+    user = _rng()
+    try:
+        with torch.no_grad():  # as AOT runs a compiled forward
+            compiled = cap.inner(sub, [_own(a) for a in g.args], **g.kwargs)
+            if g.rng is not None:
+                _set_rng(g.rng)  # (a prefix that draws: the seeds the graph drew)
+            got = compiled([_own(a) for a in g.args])
+    finally:
+        _set_rng(user)
     for n, o in sorted(zip(outs, got), key=lambda p: p[0] is not nodes[k]):  # node k's own output first
         if isinstance(o, torch.Tensor) and _code(o) is not None and _code(env[n]) is None:
             return n, o
