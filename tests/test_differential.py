@@ -160,6 +160,10 @@ def test_a_compiled_failure_no_replay_reproduces_is_transient_at_the_module_its_
     f = hunt.first
     assert f is not None and (f.verdict, f.reproducible) == ("transient", False), f
     assert (f.module, f.module_type, f.tensor) == ("1", "Flaky", "output"), f
+    # the checks flag Flaky's output and keep none of it: not the element (0, 0) of the root's (3, 2)
+    # output told as Flaky's (its inf is at (0, 1))
+    assert (f.index, f.value, f.counts, f.shape, f.dtype) == (None, None, {}, (), ""), f
+    assert "has shape" not in f.summary()
 
 
 class EveryOther(nn.Module):
@@ -215,6 +219,32 @@ def test_nan_only_the_compiled_graph_makes_is_compiler_at_its_op_and_line(run, h
     assert not _get_current_dispatch_mode_stack()
     assert not torch.are_deterministic_algorithms_enabled()
     assert bool(torch.isnan(compiled(x)).any())  # the stance is back: the user's call still runs compiled
+
+
+def test_nan_only_the_compiled_graph_makes_without_its_op_names_its_module_and_none_of_the_roots_element(monkeypatch):
+    # no graph node found (an opaque backend's kernels; a bisection past its budget): the finding moves
+    # to the module the in-graph checks flagged, whose output they never keep; the element, counts,
+    # shape, dtype and reference values were the root's output's, (4, 2), for attn's (4, 8)
+    from nanhunt._locate import differential
+
+    monkeypatch.setattr(differential, "locate_graph", lambda *a, **k: None)
+    torch._dynamo.reset()
+    model, x = zoo.sharp_scores(0)
+    compiled = torch.compile(model, backend=zoo.naive_softmax_backend())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nanhunt.watch(model, on_find="record") as hunt:
+                y = compiled(x)  # (kept: the root's output, whose element the finding had)
+    finally:
+        torch._dynamo.reset()
+    assert y.shape == (4, 2)
+    f = hunt.first
+    assert f is not None and (f.verdict, f.module, f.module_type, f.tensor, f.op) == (
+        "compiler", "attn", "SharpAttention", "output", None), f
+    assert (f.index, f.value, f.counts, f.shape, f.dtype) == (None, None, {}, (), ""), f
+    assert f.reference == {"config": "eager", "dtype": "float32"}, f.reference
+    assert "eager is finite" in f.summary() and "has shape" not in f.summary()
 
 
 # ---------------------------------------------------------------- Inductor (the default backend)

@@ -807,7 +807,13 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, 
         if slot is not None:
             sname, stype, spath = slot
             compiler = e.verdict == "compiler"
-            f = dataclasses.replace(f, module=sname, module_type=stype, tensor=format_path("output", spath),
+            tensor = format_path("output", spath)
+            if (sname, tensor) != (f.module, f.tensor):
+                # the checks flag that output, never keep it: the element, counts, shape and dtype (and
+                # the reference's values) were the root's output's, which the finding no longer names
+                f = dataclasses.replace(f, index=None, value=None, counts={}, shape=(), dtype="", reference={
+                    k: v for k, v in f.reference.items() if k not in ("value", "failing")})
+            f = dataclasses.replace(f, module=sname, module_type=stype, tensor=tensor,
                                     reproducible=True if compiler else f.reproducible,
                                     cause="created" if compiler else f.cause)
         return f
