@@ -420,6 +420,52 @@ def test_run_of_a_gradscaler_script_reports_no_calibration_overflow_but_a_real_n
     assert torch.amp.GradScaler.step is step
 
 
+
+GAN_GRADSCALER = """
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)  # one for both, too high at first
+bce = F.binary_cross_entropy_with_logits
+for step in range(6):
+    real, z = torch.randn(16, 8), torch.randn(16, 4)
+    if step == int(sys.argv[1]):
+        real[1, 2] = float("nan")  # a corrupt record
+    with torch.autocast("cpu", dtype=torch.float16):
+        fake = G(z)
+        loss_d = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+    opt_d.zero_grad()
+    scaler.scale(loss_d).backward()
+    scaler.step(opt_d)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_g = bce(D(fake), torch.ones(16, 1))
+    opt_g.zero_grad()
+    scaler.scale(loss_g).backward()
+    scaler.step(opt_g)
+    scaler.update()
+print("scale", scaler.get_scale())
+"""
+
+
+def test_run_of_a_gan_with_one_gradscaler_for_both_models_reports_no_calibration_overflow(tmp_path, cli):
+    # only the hunt of the first optimizer stepped took the scaler: the generator's calibration
+    # overflows were findings (a backward of `<outside>` at step 0, exit status 3), and the
+    # discriminator's hunt took the generator's step for a skip of its own
+    script = tmp_path / "gan.py"
+    script.write_text(GAN_GRADSCALER)
+    step = torch.amp.GradScaler.step
+    rc, out, err = cli("run", str(script), "-1")
+    assert rc == 0 and "First" not in err, err
+    assert float(out.split()[-1]) < 2.0 ** 40  # the scaler did skip steps
+    rc, out, err = cli("run", "--on-find", "record", str(script), "4")
+    assert rc == 3, err
+    first = next(line for line in err.splitlines() if line.startswith("First"))
+    assert first.startswith("First NaN: forward of `0` (Linear) at step 4"), err
+    assert "All findings" not in err or "backward" not in err.split("All findings")[1], err
+    assert torch.amp.GradScaler.step is step
+
 LAYERNORM_OVERFLOW = '''
 import torch
 from torch import nn

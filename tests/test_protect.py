@@ -651,6 +651,92 @@ def test_a_nan_made_in_backward_under_a_gradscaler_is_found_once_the_scale_is_do
     assert hunt.findings == [] and scaler.get_scale() < 2.0 ** 40
 
 
+def _amp_gan(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, Any]:
+    """A GAN's generator and discriminator, each with its optimizer, and ONE GradScaler for both,
+    its scale too high at first (its calibration overflows float16, as intended)."""
+    torch.manual_seed(seed)
+    G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt_g, opt_d = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    return G, D, opt_g, opt_d, torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+
+
+def _amp_gan_round(G: nn.Module, D: nn.Module, opt_g: Any, opt_d: Any, scaler: Any, g_first: bool,
+                   nan: bool = False) -> bool:
+    """One round of the usual AMP GAN loop (``nan``: a corrupt real batch); True if the scaler
+    applied it."""
+    bce = F.binary_cross_entropy_with_logits
+    real, z = torch.randn(16, 8), torch.randn(16, 4)
+    if nan:
+        real[1, 2] = float("nan")
+    with torch.autocast("cpu", dtype=torch.float16):
+        fake = G(z)
+
+    def d_step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_d = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+        opt_d.zero_grad()
+        scaler.scale(loss_d).backward()
+        scaler.step(opt_d)
+
+    def g_step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_g = bce(D(fake), torch.ones(16, 1))  # through the discriminator: its gradients too
+        opt_g.zero_grad()
+        scaler.scale(loss_g).backward()
+        scaler.step(opt_g)
+
+    for f in ((g_step, d_step) if g_first else (d_step, g_step)):
+        f()
+    scale = scaler.get_scale()
+    scaler.update()
+    return scaler.get_scale() >= scale
+
+
+@pytest.mark.parametrize("g_first", [False, True])
+@pytest.mark.parametrize("close_g_first", [True, False])
+def test_two_hunts_share_one_gradscaler_and_close_in_either_order(g_first: bool, close_g_first: bool) -> None:
+    """A GAN's two models watched each with its optimizer and the ONE GradScaler of the loop: the
+    second hunt wrapped the first one's wrapper, and each took the other's ``scaler.step`` for a
+    skip of its own (twice the skipped steps, its step ended at the other's); the first close()
+    deleted whichever wrapper was on top (the other hunt's): its calibration overflows became
+    findings. Now the steps the scaler skips are no findings and are counted once, a hunt left
+    open keeps working, and the scaler is left exactly as it was."""
+    G, D, opt_g, opt_d, scaler = _amp_gan()
+    step = scaler.step
+    hunts = {"G": nanhunt.watch(G, opt_g, scaler=scaler, on_find="record"),
+             "D": nanhunt.watch(D, opt_d, scaler=scaler, on_find="record")}
+    applied = [_amp_gan_round(G, D, opt_g, opt_d, scaler, g_first) for _ in range(4)]
+    first, second = ("G", "D") if close_g_first else ("D", "G")
+    hunts[first].close()
+    applied += [_amp_gan_round(G, D, opt_g, opt_d, scaler, g_first, nan=(i == 2 and second == "D"))
+                for i in range(3)]
+    hunts[second].close()
+    assert applied == [False] * 7, "test set-up: the scaler skips every step of its calibration"
+    assert hunts[first].findings == [] and hunts[first].report.meta["skipped_steps"] == 4
+    assert hunts[first].step == 4 and hunts[second].step == 7
+    if second == "D":  # the corrupt batch: found in the discriminator's step 6, nothing else
+        assert [(f.phase, f.module, f.step, f.cause) for f in hunts["D"].findings] == [("forward", "0", 6, "input")]
+    else:
+        assert hunts["G"].findings == []
+    assert hunts[second].report.meta["skipped_steps"] == 7
+    assert "step" not in scaler.__dict__ and scaler.step == step
+
+
+def test_a_hunt_lets_another_optimizers_gradscaler_step_pass() -> None:
+    """The discriminator watched with the GradScaler; the generator's optimizer steps through the
+    same scaler, unwatched. Each ``scaler.step(opt_g)`` that did not step a watched optimizer was
+    taken for a skip of the hunt's own step (ending it there), also once the scaler applied the
+    steps: every round counted a skip. Now only the rounds the scaler skipped count; the
+    generator's overflows through the discriminator are still the scaler's business."""
+    G, D, opt_g, opt_d, scaler = _amp_gan()
+    with nanhunt.watch(D, opt_d, scaler=scaler) as hunt:
+        applied = [_amp_gan_round(G, D, opt_g, opt_d, scaler, g_first=False) for _ in range(40)]
+    assert not all(applied) and any(applied), "test set-up: the scaler calibrates, then applies steps"
+    assert hunt.findings == [] and hunt.step == 40
+    assert hunt.report.meta["skipped_steps"] == applied.count(False)
+
+
 class _SparseMix(nn.Module):
     """A fixed sparse mixing matrix kept as a buffer (graph models, sparse attention patterns)."""
 

@@ -41,7 +41,9 @@
 
 - **GradScalers.** ``torch.amp.GradScaler.step`` is wrapped too: at a scaler's first ``step()``
   the hunt that watches that optimizer takes the scaler, as ``watch(scaler=...)`` would, so the
-  steps it skips (inf gradients of a scale still too high, as intended) are no findings.
+  steps it skips (inf gradients of a scale still too high, as intended) are no findings; so does
+  each other hunt at the first ``step()`` of its optimizer through that scaler (a GAN's generator
+  and discriminator, one scaler for both).
 
 `close()` closes every hunt, removes the global hooks and restores ``Optimizer.__init__`` and
 ``GradScaler.step``.
@@ -158,9 +160,11 @@ class AutoWatch:
         @functools.wraps(orig_step)
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             w = me()
-            # (a scaler with a hunt's wrapper of its own gets here only from inside that wrapper)
-            if w is not None and "step" not in scaler.__dict__ and w._on_scaler(scaler, optimizer):
-                return scaler.step(optimizer, *args, **kwargs)  # through the wrapper its hunt just put on it
+            # (a scaler that hunts watch gets here from inside their wrapper, when none of them
+            # watches ``optimizer``: another model's hunt may take it now, as the first took it)
+            hunt = w._on_scaler(scaler, optimizer) if w is not None else None
+            if hunt is not None:  # its first step() through this scaler: watched as its later ones will be
+                return hunt._scaled_step(scaler, functools.partial(orig_step, scaler), optimizer, *args, **kwargs)
             return orig_step(scaler, optimizer, *args, **kwargs)
 
         torch.amp.GradScaler.step = step  # type: ignore[method-assign,assignment]
@@ -352,19 +356,20 @@ class AutoWatch:
                 return (args[0], wrapped, *args[2:]), kwargs
         return None
 
-    def _on_scaler(self, scaler: Any, optimizer: Any) -> bool:
+    def _on_scaler(self, scaler: Any, optimizer: Any) -> Hunt | None:
         """A GradScaler's ``step(optimizer)``: the hunt that watches ``optimizer`` takes the scaler as
         ``watch(scaler=...)`` would, so that the steps it skips (its scale too high: inf gradients,
-        as intended) are no findings. True if a hunt took it."""
+        as intended) are no findings; every hunt whose optimizers step through it takes it (a GAN's
+        generator and discriminator). The hunt if it took it just now, else None."""
         if self._closed or self._busy or replaying_here() or not isinstance(optimizer, torch.optim.Optimizer):
-            return False
+            return None
         self._busy = True
         try:
             self._attach(optimizer)  # (its first step() may be one the scaler skips)
         finally:
             self._busy = False
         hunt = next((h for h in list(self._roots.values()) if any(o is optimizer for o in h._opts)), None)
-        return hunt is not None and hunt.add_scaler(scaler)
+        return hunt if hunt is not None and hunt.add_scaler(scaler) else None
 
     def _closure_joined(self, opt: torch.optim.Optimizer, closure: Callable[[], Any]) -> Any:
         loss = closure()

@@ -289,6 +289,7 @@ class Hunt:
         self._probed_at: dict[int, int] = {}  # per optimizer: the step of the last update whose state was probed
         self._loaded: set[int] = set()  # optimizers whose load_state_dict() ran since their last step()
         self._skipped_steps = 0
+        self._steps_seen = 0  # step() calls of any optimizer (see _ScalerStep)
         self._history = History(o.history)
         self._grad_hooks = o.grad_hooks
         self._optimizer_every = o.optimizer_every
@@ -1760,6 +1761,7 @@ class Hunt:
         still counted by the model's calls (the watched optimizers' steps)."""
         if _is_compiling():
             return torch._dynamo.disable(self._unwatched_step)(opt, args, kwargs)  # type: ignore[no-any-return]
+        self._steps_seen += 1
         if self._opts:  # (every step of a watched one comes here first: no generator, ~0.2 us)
             if self._dist is not None:
                 return  # (under torch.distributed a step is judged at a watched optimizer's, which every rank runs)
@@ -2046,51 +2048,59 @@ class Hunt:
             self._round = set()
 
     def _wrap_scaler(self, scaler: Any) -> None:
-        orig = scaler.step
-        hunt = weakref.ref(self)
+        """Join ``scaler``'s one wrapper of ours (`_ScalerStep`), put on it by the first hunt."""
+        wrapper = scaler.__dict__.get("step")
+        if not isinstance(wrapper, _ScalerStep):
+            wrapper = _ScalerStep(scaler)
+            scaler.step = wrapper
+        wrapper.hunts.append(weakref.ref(self))
 
-        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            h = hunt()
-            before = h._steps_applied if h is not None else 0
-            if h is not None:
-                h._outside.off()
-            scale = None  # the scale this iteration's gradients were multiplied by
-            if h is not None and getattr(scaler, "_scale", None) is not None:
-                scale = scaler._scale.detach().clone()
-                h._history.scales.append((h.step, scale))  # read only for a report
-            if h is not None and not h._closed and h.skipped and h.skipped[-1] == h.step and all(
-                    p.grad is None for g in optimizer.param_groups for p in g["params"]):
-                # on_find="skip" dropped this round's gradients at another optimizer's step: there is
-                # nothing to apply, and the scaler would fail on an optimizer without gradients ("No
-                # inf checks were recorded for this optimizer"); the round still counts
-                i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
-                if i is not None:
-                    h._count_step(i)
-                return None
-            try:
-                out = orig(optimizer, *args, **kwargs)
-                if h is not None and not h._closed and h._steps_applied == before:
-                    # the scaler skipped the step: its scaled gradients overflowed, as expected. The
-                    # iteration ends here (its forward is checked) and counts as a step, as the user's
-                    # loop (and Lightning's and the Trainer's step counters) count it. At a scale
-                    # of 1 or below the gradients were not magnified: non-finite ones are no overflow
-                    # of the scale (a NaN made in backward would have the scaler skip every step,
-                    # its scale falling to 0) and are judged as without a scaler (one read, on a
-                    # skipped step only: the scaler has just read its own inf checks)
-                    h._skipped_steps += 1
-                    if scale is None or float(scale) > 1.0:
-                        h._drop_backward()
-                    h._end_step(advance=False, collective=True)
-                    i = next((k for k, o in enumerate(h._opts) if o is optimizer), None)
-                    if i is not None and not h._closed:
-                        h._count_step(i)
-            except NonFiniteError:
-                _scaler_ready(scaler, optimizer)
-                raise
-            return out
+    def _scaled_step(self, scaler: Any, orig: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """``scaler.step(optimizer)`` of an optimizer this hunt watches (see `_ScalerStep`)."""
+        before = self._steps_applied
+        self._outside.off()
+        scale = None  # the scale this iteration's gradients were multiplied by
+        if getattr(scaler, "_scale", None) is not None:
+            scale = scaler._scale.detach().clone()
+            self._history.scales.append((self.step, scale))  # read only for a report
+        if not self._closed and self.skipped and self.skipped[-1] == self.step and all(
+                p.grad is None for g in optimizer.param_groups for p in g["params"]):
+            # on_find="skip" dropped this round's gradients at another optimizer's step: there is
+            # nothing to apply, and the scaler would fail on an optimizer without gradients ("No
+            # inf checks were recorded for this optimizer"); the round still counts
+            i = next((k for k, o in enumerate(self._opts) if o is optimizer), None)
+            if i is not None:
+                self._count_step(i)
+            return None
+        try:
+            out = orig(optimizer, *args, **kwargs)
+            if not self._closed and self._steps_applied == before:
+                # the scaler skipped the step: its scaled gradients overflowed, as expected. The
+                # iteration ends here (its forward is checked) and counts as a step, as the user's
+                # loop (and Lightning's and the Trainer's step counters) count it. At a scale
+                # of 1 or below the gradients were not magnified: non-finite ones are no overflow
+                # of the scale (a NaN made in backward would have the scaler skip every step,
+                # its scale falling to 0) and are judged as without a scaler (one read, on a
+                # skipped step only: the scaler has just read its own inf checks)
+                self._skipped_steps += 1
+                if scale is None or float(scale) > 1.0:
+                    self._drop_backward()
+                self._end_step(advance=False, collective=True)
+                i = next((k for k, o in enumerate(self._opts) if o is optimizer), None)
+                if i is not None and not self._closed:
+                    self._count_step(i)
+        except NonFiniteError:
+            _scaler_ready(scaler, optimizer)
+            raise
+        return out
 
-        step.__nanhunt__ = True  # type: ignore[attr-defined]
-        scaler.step = step
+    def _unwrap_scaler(self) -> None:
+        """Leave the scaler's wrapper; the last hunt to leave takes it off."""
+        wrapper = self._scaler.__dict__.get("step")
+        if isinstance(wrapper, _ScalerStep):
+            wrapper.hunts = [r for r in wrapper.hunts if (h := r()) is not None and h is not self]
+            if not wrapper.hunts:
+                wrapper.remove()
 
     def _drop_backward(self) -> None:
         """The scaler skipped this step: its non-finite scaled gradients are expected."""
@@ -2538,8 +2548,8 @@ class Hunt:
         self._user_exc = None  # (its traceback holds the user's frames)
         self._log.release()
         self._stack.clear()
-        if self._scaler is not None and getattr(self._scaler.__dict__.get("step"), "__nanhunt__", False):
-            del self._scaler.step
+        if self._scaler is not None:
+            self._unwrap_scaler()
         self._scaler = None
         self._root = None
         self._opts = []
@@ -2686,6 +2696,50 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
             break
         opt = inner
     return opt
+
+
+class _ScalerStep:
+    """The one wrapper of a GradScaler's ``step()``, however many hunts watch the scaler (a GAN's
+    generator and discriminator, each with its optimizer, through one scaler): ``step(optimizer)``
+    goes through the hunts that watch ``optimizer`` (a hunt that watches none: every step is its
+    own); the others' steps pass through untouched. Taken off when the last hunt leaves, the
+    scaler as it was (a ``step`` of its own that it had put back)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.own = scaler.__dict__.get("step", _NO)  # an instance attribute it was put over
+        self.orig = scaler.step
+        self.hunts: list[weakref.ref[Hunt]] = []
+
+    def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        step = self.orig
+        others: list[tuple[Hunt, int]] = []  # the hunts that do not watch ``optimizer``
+        for r in reversed(self.hunts):
+            h = r()
+            if h is None or h._closed:
+                continue
+            h._outside.off()  # (the scaler's own torch calls are no loop code of any hunt's)
+            if not h._opts or any(o is optimizer for o in h._opts):
+                step = partial(h._scaled_step, self.scaler, step)
+            else:
+                others.append((h, h._steps_seen))
+        out = step(optimizer, *args, **kwargs)
+        skipped = [h for h, seen in others if h._steps_seen == seen and not h._closed]
+        if skipped and getattr(self.scaler, "_scale", None) is not None and float(self.scaler._scale) > 1.0:
+            # the scaler skipped that step: the backward that made its gradients overflowed, as
+            # intended, also where it went through another hunt's model (the generator's loss
+            # through the discriminator): not theirs to judge. Their own step goes on.
+            for h in skipped:
+                h._drop_backward()
+        return out
+
+    def remove(self) -> None:
+        d = self.scaler.__dict__
+        if d.get("step") is self:
+            if self.own is _NO:
+                del d["step"]
+            else:
+                d["step"] = self.own
 
 
 def _scaler_ready(scaler: Any, optimizer: Any) -> None:
