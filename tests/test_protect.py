@@ -662,9 +662,9 @@ def _amp_gan(seed: int = 0) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer
 
 
 def _amp_gan_round(G: nn.Module, D: nn.Module, opt_g: Any, opt_d: Any, scaler: Any, g_first: bool,
-                   nan: bool = False) -> bool:
-    """One round of the usual AMP GAN loop (``nan``: a corrupt real batch); True if the scaler
-    applied it."""
+                   nan: bool = False, g_weight: float = 1.0) -> bool:
+    """One round of the usual AMP GAN loop (``nan``: a corrupt real batch; ``g_weight``: of the
+    generator's loss); True if the scaler applied it."""
     bce = F.binary_cross_entropy_with_logits
     real, z = torch.randn(16, 8), torch.randn(16, 4)
     if nan:
@@ -681,7 +681,7 @@ def _amp_gan_round(G: nn.Module, D: nn.Module, opt_g: Any, opt_d: Any, scaler: A
 
     def g_step() -> None:
         with torch.autocast("cpu", dtype=torch.float16):
-            loss_g = bce(D(fake), torch.ones(16, 1))  # through the discriminator: its gradients too
+            loss_g = g_weight * bce(D(fake), torch.ones(16, 1))  # through the discriminator: its gradients too
         opt_g.zero_grad()
         scaler.scale(loss_g).backward()
         scaler.step(opt_g)
@@ -723,17 +723,49 @@ def test_two_hunts_share_one_gradscaler_and_close_in_either_order(g_first: bool,
     assert "step" not in scaler.__dict__ and scaler.step == step
 
 
-def test_a_hunt_lets_another_optimizers_gradscaler_step_pass() -> None:
+@pytest.mark.parametrize("g_weight", [1.0, 30.0])
+def test_a_hunt_lets_another_optimizers_gradscaler_step_pass(g_weight: float) -> None:
     """The discriminator watched with the GradScaler; the generator's optimizer steps through the
     same scaler, unwatched. Each ``scaler.step(opt_g)`` that did not step a watched optimizer was
     taken for a skip of the hunt's own step (ending it there), also once the scaler applied the
-    steps: every round counted a skip. Now only the rounds the scaler skipped count; the
-    generator's overflows through the discriminator are still the scaler's business."""
+    steps: every round counted a skip. Now only the discriminator's steps the scaler skipped
+    count; the scaled gradients the generator's loss left in the discriminator (a weighted
+    adversarial loss overflows them while the generator's fit: its step is applied) are still
+    the scaler's business, never judged (they were, at close)."""
     G, D, opt_g, opt_d, scaler = _amp_gan()
+    stepped = []
+    opt_d.register_step_post_hook(lambda *a: stepped.append(1))
     with nanhunt.watch(D, opt_d, scaler=scaler) as hunt:
-        applied = [_amp_gan_round(G, D, opt_g, opt_d, scaler, g_first=False) for _ in range(40)]
+        applied = [_amp_gan_round(G, D, opt_g, opt_d, scaler, False, g_weight=g_weight) for _ in range(40)]
     assert not all(applied) and any(applied), "test set-up: the scaler calibrates, then applies steps"
     assert hunt.findings == [] and hunt.step == 40
+    assert hunt.report.meta["skipped_steps"] == 40 - len(stepped)
+
+
+def test_a_gradscaler_given_without_an_optimizer_still_takes_its_calibration_overflows() -> None:
+    """``watch(model, scaler=scaler)`` with no optimizer: each ``scaler.step`` was taken for a
+    skip (no watched optimizer ever stepped), also once the scaler applied the steps; the step
+    ended there with no root call left to end the next one (the step stayed 0), and the gradients
+    of the skipped steps were still judged (the model's, after the loss's backward): calibration
+    overflows were findings. Now the steps the scaler skipped are no findings, counted once, and
+    the steps are the model's calls, as without the scaler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    applied = []
+    with nanhunt.watch(model, scaler=scaler) as hunt:
+        for x, y in _batches(30, (), (16,), 4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            applied.append(scaler.get_scale() >= scale)
+            opt.zero_grad()
+    assert not all(applied) and any(applied), "test set-up: the scaler calibrates, then applies steps"
+    assert hunt.findings == [] and hunt.step == 29
     assert hunt.report.meta["skipped_steps"] == applied.count(False)
 
 

@@ -2056,8 +2056,9 @@ class Hunt:
         wrapper.hunts.append(weakref.ref(self))
 
     def _scaled_step(self, scaler: Any, orig: Callable[..., Any], optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        """``scaler.step(optimizer)`` of an optimizer this hunt watches (see `_ScalerStep`)."""
-        before = self._steps_applied
+        """``scaler.step(optimizer)`` of an optimizer this hunt watches, or of any when it watches
+        none (see `_ScalerStep`)."""
+        before = self._steps_applied if self._opts else self._steps_seen
         self._outside.off()
         scale = None  # the scale this iteration's gradients were multiplied by
         if getattr(scaler, "_scale", None) is not None:
@@ -2074,7 +2075,7 @@ class Hunt:
             return None
         try:
             out = orig(optimizer, *args, **kwargs)
-            if not self._closed and self._steps_applied == before:
+            if not self._closed and (self._steps_applied if self._opts else self._steps_seen) == before:
                 # the scaler skipped the step: its scaled gradients overflowed, as expected. The
                 # iteration ends here (its forward is checked) and counts as a step, as the user's
                 # loop (and Lightning's and the Trainer's step counters) count it. At a scale
@@ -2085,7 +2086,10 @@ class Hunt:
                 self._skipped_steps += 1
                 if scale is None or float(scale) > 1.0:
                     self._drop_backward()
+                calls = self._log.root_calls
                 self._end_step(advance=False, collective=True)
+                if not self._opts:  # no optimizer watched: the model's next call still ends the step
+                    self._log.root_calls = max(self._log.root_calls, calls)
                 i = next((k for k, o in enumerate(self._opts) if o is optimizer), None)
                 if i is not None and not self._closed:
                     self._count_step(i)
@@ -2108,6 +2112,7 @@ class Hunt:
         log.keep([i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)])
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
         log.backward = False  # its gradients are the scaler's business: not judged at this step's end either
+        log.seeds.clear()  # (nor, with no optimizer watched, the model's gradients its backward() left)
         if self._dist is not None:
             self._dist.forget()  # the local gradients' probes of that step go too
 
@@ -2713,7 +2718,7 @@ class _ScalerStep:
 
     def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         step = self.orig
-        others: list[tuple[Hunt, int]] = []  # the hunts that do not watch ``optimizer``
+        others: list[Hunt] = []  # the hunts that do not watch ``optimizer``
         for r in reversed(self.hunts):
             h = r()
             if h is None or h._closed:
@@ -2722,14 +2727,15 @@ class _ScalerStep:
             if not h._opts or any(o is optimizer for o in h._opts):
                 step = partial(h._scaled_step, self.scaler, step)
             else:
-                others.append((h, h._steps_seen))
+                others.append(h)
         out = step(optimizer, *args, **kwargs)
-        skipped = [h for h, seen in others if h._steps_seen == seen and not h._closed]
-        if skipped and getattr(self.scaler, "_scale", None) is not None and float(self.scaler._scale) > 1.0:
-            # the scaler skipped that step: the backward that made its gradients overflowed, as
-            # intended, also where it went through another hunt's model (the generator's loss
-            # through the discriminator): not theirs to judge. Their own step goes on.
-            for h in skipped:
+        others = [h for h in others if not h._closed and h._log.backward]
+        if others and getattr(self.scaler, "_scale", None) is not None and float(self.scaler._scale) > 1.0:
+            # that step's backward was scaled: where it went through another hunt's model (the
+            # generator's loss through the discriminator), the gradients it left there are the
+            # scaler's business too (checked when that model's optimizer steps through it; else
+            # zeroed unused): not judged. That hunt's step goes on. (One read, only then.)
+            for h in others:
                 h._drop_backward()
         return out
 
