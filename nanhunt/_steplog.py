@@ -562,6 +562,8 @@ class StepView:
     bad_grads_step: int  # the last step that was given non-finite gradients, else -1
     bundle: str | None  # where to save the failing call (only for the hunt's first finding)
     breakpoint: bool = False  # on_find="breakpoint": stop in a replay of the first finding's op
+    grad_hooks: bool = False  # every module's gradients judged as backward made them (no backward replay needed)
+    sharded: bool = False  # FSDP2 shards the model: nothing is replayed (`replay` is False)
     scratch: tuple[torch.Tensor, ...] = ()  # nanhunt's own buffers a compiled graph writes into
     step_lines: dict[int, str | None] = field(default_factory=dict)  # per optimizer: the user's line of its last step()
     bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began

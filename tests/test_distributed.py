@@ -111,6 +111,47 @@ def test_fsdp2_two_ranks_names_module_and_rank_without_gathering(tmp_path):
     assert res[0]["findings"] == res[1]["findings"]
 
 
+def _fsdp2_backward(rank: int, world: int, grad_hooks: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = zoo.distnet(0)
+    fully_shard(model.proj)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    torch.manual_seed(100 + rank)
+    with pytest.raises(nanhunt.NonFiniteError) as info, nanhunt.watch(model, optimizer=opt, grad_hooks=grad_hooks,
+                                                                      dist_timeout=30) as hunt:
+        for step in range(3):
+            x = torch.randn(4, 4)
+            if rank == 1 and step == 2:
+                x[1, 2:] = x[1, :2]  # equal halves on rank 1 only: sqrt at 0 in `dist`'s backward
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return _raised(info.value, hunt)
+
+
+@pytest.mark.parametrize("grad_hooks", [False, True])
+def test_fsdp2_a_nan_born_in_one_ranks_backward_is_not_blamed_on_a_weight_gradient(tmp_path, grad_hooks):
+    """Under FSDP2 nothing is replayed, so no module's gradient is judged without grad_hooks: the NaN
+    made by `dist`'s backward on rank 1 was `proj`'s weight gradient "born here", its hint saying
+    every module's gradients were finite. Its origin is unknown and the hint says to pass
+    grad_hooks=True, which names `dist`'s backward on rank 1."""
+    res = ranks.run(_fsdp2_backward, 2, str(tmp_path), grad_hooks, limit=60)
+    for r in res:
+        assert r is not None and r["raised_at"] == 2, r
+        first = r["first"]
+        assert (first["rank"], first["step"]) == (1, 2), first
+        if grad_hooks:
+            assert (first["phase"], first["module"], first["cause"]) == ("backward", "dist", "created"), first
+        else:
+            assert (first["phase"], first["module"], first["tensor"], first["cause"]) == (
+                "grad", "proj", "weight.grad", "unknown"), first
+            assert "FSDP2" in first["hint"] and "grad_hooks=True" in first["hint"], first["hint"]
+            assert "were finite" not in first["hint"], first["hint"]
+    assert res[0]["findings"] == res[1]["findings"]
+
+
 # ---------------------------------------------------------------------------- float16 reduction overflow
 def _sum_then_average(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations
     """A user's DDP comm hook that sums first and divides after (as many hand-rolled ones do)."""

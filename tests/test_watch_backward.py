@@ -62,6 +62,27 @@ def test_sqrt_at_zero_backward_is_found_and_the_step_is_not_applied() -> None:
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+def test_without_a_backward_replay_a_gradient_is_not_said_born_in_the_weight_gradient() -> None:
+    """replay=False (and FSDP2, where nothing is replayed): the sqrt-at-0 NaN made in `dist`'s backward
+    was reported as the `proj` weight gradient's own, "born here", its hint saying every module's
+    gradients were finite: none had been judged. Its origin is unknown, and grad_hooks=True names it."""
+    m = zoo.distnet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, replay=False):
+        m(_batches(bad_at=0)[0]).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.cause) == ("grad", "proj", "weight.grad", "unknown"), f
+    assert "were finite" not in f.hint and "grad_hooks=True" in f.hint and "replay=False" in f.hint, f.hint
+    m = zoo.distnet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, replay=False, grad_hooks=True):
+        m(_batches(bad_at=0)[0]).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause) == ("backward", "dist", "created"), f
+
+
 def test_training_resumes_after_the_error() -> None:
     xs = _batches(bad_at=1)
     m = zoo.distnet()

@@ -1334,6 +1334,10 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 cause, hint = "unknown", _hints.unseen_forward_hint()
             else:  # no call of the model, no loss code: they ran where no hook runs (a compiled train step)
                 cause, hint = "unknown", _hints.unseen_step_hint()
+        elif cause == "created" and not ctx.view.replay and not ctx.view.grad_hooks:
+            # no backward replay (replay=False; FSDP2) and no per-module gradient hooks: no module's
+            # gradient was judged, so "made in this gradient" would be a guess
+            cause, hint = "unknown", _hints.unjudged_backward_hint(ctx.view.sharded)
         hooks = _nodes.tensor_hooks(p) if cause == "created" else []
         backwards = len(ctx.log.seeds)  # (the backward() calls the loop made in the step, where recorded)
         if cause == "created" and not hooks:

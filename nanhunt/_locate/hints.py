@@ -750,6 +750,17 @@ def untraced_forward_hint() -> str:
             "to see the first step too.")
 
 
+def unjudged_backward_hint(sharded: bool) -> str:
+    """Non-finite gradients of a step whose forward was finite, with no backward replay and no
+    per-module gradient hooks: which module's backward made the value was not judged."""
+    why = ("under FSDP2 nothing is replayed (a replay would all-gather parameters on one rank alone)" if sharded
+           else "replay=False")
+    return (f"The forward was finite, and {why}, so no module's gradient was judged: the NaN/Inf was made in "
+            "the backward, in some module's gradient (the gradient of sqrt or log at 0, a division by a "
+            "tiny value) or in this one. Pass grad_hooks=True to have every module's gradients judged as "
+            "the backward makes them: the finding then names the module whose backward made it.")
+
+
 def unread_window_hint(since: int, step: int, every: int) -> str:
     """The steps an optimizer state read every ``every`` steps may have gone non-finite at."""
     how = (f"only on a hit here (optimizer_every={every})" if every <= 0 else

@@ -2450,7 +2450,8 @@ class Hunt:
         ignored = frozenset(m for m in names if id(m) in self._ignored)
         return StepView(
             log=log, step=step, root=self._root, names=names, ignored=ignored,
-            mode=self.mode, replay=self.replay, rank=self.rank, optimizers=tuple(self._opts),
+            mode=self.mode, replay=self.replay, grad_hooks=self._grad_hooks,
+            sharded=self._dist is not None and self._dist.sharded, rank=self.rank, optimizers=tuple(self._opts),
             after_step={i: dict(zip(map(id, ps), vs)) for i, (ps, vs) in self._after_step.copy().items()},
             steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
