@@ -492,6 +492,49 @@ def test_nanhunt_run_under_torchrun_one_merged_report_and_exit_3_on_every_rank(t
     assert set(codes.values()) <= {"3", "-15"}, p.stderr[-3000:]
 
 
+_OWN_ERROR = """
+import torch
+from torch import nn
+rank = torch.distributed.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(4):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    if rank == 1 and step == 2:
+        raise RuntimeError("the loader broke")
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def _run_own_error(rank: int, world: int, script: str) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from nanhunt._cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["run", "--dist-timeout", "10", script])
+    return {"code": code, "stderr": err.getvalue()}
+
+
+def test_nanhunt_run_a_rank_whose_script_raised_is_named_as_left_by_an_error(tmp_path):
+    """Under `nanhunt run`, rank 1's script raised its own error mid-run: rank 0 was told "rank 1
+    closed its hunt after 2 optimizer steps ... the ranks ran different numbers of optimizer steps
+    (... pass distributed=False)", sending the user to uneven data instead of rank 1's traceback:
+    the hunts were closed as if the script had ended. They now close as left by an error."""
+    script = tmp_path / "train.py"
+    script.write_text(_OWN_ERROR)
+    res = ranks.run(_run_own_error, 2, str(tmp_path), str(script), limit=60)
+    assert res[1] is not None and res[1]["code"] == 1 and "the loader broke" in res[1]["stderr"], res[1]
+    assert res[0] is not None and res[0]["code"] == 1, res[0]
+    said = res[0]["stderr"]
+    assert "rank 1 left its hunt by an error after 2 optimizer steps" in said and "see that rank's own error" in said, said
+    assert "different numbers of optimizer steps" not in said, said
+
+
 def test_dist_timeout_is_validated():
     with pytest.raises(ValueError, match="dist_timeout"):
         nanhunt.watch(zoo.mlp(), dist_timeout=0)

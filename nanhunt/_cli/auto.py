@@ -298,11 +298,11 @@ class AutoWatch:
         self._aside.update(tree)
 
     @staticmethod
-    def _close_quietly(hunt: Hunt) -> None:
+    def _close_quietly(hunt: Hunt, leaving: bool = False) -> None:
         if isinstance(hunt.on_find, _OnFind):
             hunt.on_find.mode = "record"
         try:
-            hunt.close()
+            hunt.close(raise_pending=not leaving)  # (leaving: the other ranks are told it left by an error)
         except NonFiniteError:
             pass
 
@@ -518,10 +518,12 @@ class AutoWatch:
     def _all(self) -> list[Hunt]:
         return [h for _, h in self.hunts] + self.script_hunts
 
-    def close(self) -> None:
+    def close(self, *, leaving: bool = False) -> None:
         """Close every hunt (a pending finding is recorded, never raised), remove every hook.
 
-        A hunt the script opened and left open gets its last sync here (recorded, never raised)."""
+        A hunt the script opened and left open gets its last sync here (recorded, never raised).
+        ``leaving``: the script was left by an error: under torch.distributed the ranks still
+        training name this one as left by an error, not as one that ran fewer optimizer steps."""
         if self._closed:
             return
         self._closed = True
@@ -539,7 +541,7 @@ class AutoWatch:
                 torch.amp.GradScaler.step = self._orig_scaler_step  # type: ignore[method-assign]
                 self._orig_scaler_step = None
             for _, hunt in self.hunts:
-                self._close_quietly(hunt)
+                self._close_quietly(hunt, leaving)
             for hunt in self.script_hunts:  # still open when the script ended: its last sync, never raising
                 if not hunt.closed:
                     hunt.close(raise_pending=False)

@@ -411,7 +411,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         code = 1
     finally:
         try:
-            auto.close()
+            auto.close(leaving=code != EXIT_CLEAN)  # (the script raised or exited non-zero)
         finally:
             spawned.close()
             sys.argv = saved_argv
@@ -508,10 +508,13 @@ def _watched_process(fn: Any, options: dict[str, Any], folder: str, i: int, *arg
     from .auto import AutoWatch
 
     auto = AutoWatch(**options)
+    leaving = True
     try:
-        return fn(i, *args)
+        out = fn(i, *args)
+        leaving = False
+        return out
     finally:
-        auto.close()
+        auto.close(leaving=leaving)
         found = [f.to_dict() for f in auto.findings()]
         if found:
             with open(os.path.join(folder, f"{i}.json"), "w", encoding="utf-8") as fh:
