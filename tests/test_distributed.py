@@ -104,6 +104,8 @@ def test_fsdp2_two_ranks_names_module_and_rank_without_gathering(tmp_path):
         assert (first["rank"], first["phase"], first["module"], first["module_type"]) == (1, "forward", "0", "Linear")
         # no replay under FSDP2 (it would all-gather on one rank alone): module-level, cause unknown
         assert first["reproducible"] is None and first["cause"] == "unknown" and first["step"] == 2
+        # (its hint was empty: it says what is not known under FSDP2, and how to have the op)
+        assert "FSDP2" in first["hint"] and "mode='ops'" in first["hint"], first["hint"]
         assert {f["rank"] for f in r["findings"]} == {1}, r["findings"]
         # the culprit's gradient, judged on its own shard (rows 8-15 of 16), indexed in the whole tensor
         grad = next(f for f in r["findings"] if f["phase"] == "grad")

@@ -75,6 +75,21 @@ def test_log_of_zero_in_a_training_loop_is_found_at_its_step() -> None:
     assert isinstance(ei.value, FloatingPointError)
 
 
+def test_log_of_zero_without_a_replay_says_what_is_not_known_and_how_to_have_it() -> None:
+    """replay=False (and FSDP2, where nothing is replayed): the finding is module-level, cause
+    "unknown", and its hint was empty: it now says what is not known and how to have it."""
+    m = _lognet()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, replay=False):
+        for x in _lognet_batches():
+            m(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.index) == ("forward", "log", 2, "unknown", None), f
+    assert "replay=False" in f.hint and "Leave replay on" in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- attention / softmax
 class Block(nn.Module):
     def __init__(self) -> None:

@@ -403,6 +403,8 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         # element, the hint the one on the path to the finding's element (the value the user can look up)
         f = dataclasses.replace(f, reference={**ref, "value": facts["reached"]})
     hint = f.hint or _start_hint(ctx, f) or _hints.hint(f, facts)
+    if not hint and f.phase == "forward" and f.cause == "unknown" and not ctx.view.replay:
+        hint = _hints.unreplayed_forward_hint(ctx.view.sharded, f.op)
     if f.phase == "forward" and f.cause == "created" and "learning rate" not in hint:
         hint += _hints.grown_hint(_grown(ctx))  # (whatever op it was born in: the values were huge)
     f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank)

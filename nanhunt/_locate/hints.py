@@ -750,6 +750,18 @@ def untraced_forward_hint() -> str:
             "to see the first step too.")
 
 
+def unreplayed_forward_hint(sharded: bool, op: str | None) -> str:
+    """A forward finding with no replay to localise it: only its module and output are known."""
+    if sharded:
+        return ("Under FSDP2 nothing is replayed (a replay would all-gather parameters on one rank alone), so only "
+                "the module is known, not the element, the op or whether its input was already non-finite (the "
+                "data): this module's forward made the value or was given it."
+                + ("" if op else " Pass mode='ops' to have every op judged as it runs (slower): the finding then "
+                   "names the op that made it."))
+    return ("replay=False: only the module is known, not the element, the op or whether its input was already "
+            "non-finite: this module's forward made the value or was given it. Leave replay on to have them.")
+
+
 def unjudged_backward_hint(sharded: bool) -> str:
     """Non-finite gradients of a step whose forward was finite, with no backward replay and no
     per-module gradient hooks: which module's backward made the value was not judged."""
