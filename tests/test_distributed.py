@@ -563,6 +563,23 @@ def test_merge_puts_every_ranks_findings_in_one_order_and_keeps_a_reduced_gradie
                    (2, "grad", "weight.grad")]
 
 
+def test_merge_puts_the_rank_that_knows_the_cause_first():
+    """FSDP2: a weight loaded NaN in rank 1's shard is all-gathered into every rank's forward. Rank 1
+    says cause "parameter" (loaded that way: run nanhunt audit); rank 0 can only say "unknown" and
+    was first, on every rank, for being rank 0. A rank's own findings keep their order."""
+    from nanhunt._record.dist import merge
+
+    def f(rank: int, cause: str, module: str = "0", phase: str = "forward") -> dict[str, Any]:
+        return {**_f(rank, phase, step=0), "cause": cause, "module": module}
+
+    got = [(g.rank, g.phase, g.module, g.cause) for g in merge([
+        [f(0, "unknown"), f(0, "input", "3"), f(0, "input", "0", "grad")],
+        [f(1, "parameter"), f(1, "input", "3"), f(1, "input", "0", "grad")],
+    ])]
+    assert got == [(1, "forward", "0", "parameter"), (1, "forward", "3", "input"), (0, "forward", "0", "unknown"),
+                   (0, "forward", "3", "input"), (0, "grad", "0", "input"), (1, "grad", "0", "input")]
+
+
 def test_judge_drops_gradients_received_through_the_reduction_and_names_an_overflow_in_it():
     from nanhunt._record.dist import judge
 

@@ -363,12 +363,16 @@ def _plain_type(f: Finding) -> Finding:
 def merge(everyone: list[list[dict[str, Any]] | None]) -> list[Finding]:
     """Every rank's findings in one order, the same on every rank: by step, phase (parameters and
     state from the last step, then forward, backward, accumulated gradients), then those a replay
-    reproduced before the others, then rank. (A value a collective in the forward brought from
+    reproduced before the others, then the ranks whose first finding of that step and phase knows
+    its cause, then rank. (A value a collective in the forward brought from
     another rank, a tensor-parallel all_reduce, is reproduced only on the rank that made it: a
-    replay on one rank alone cannot run the collective.) A finding seen by several ranks (the same
-    reduced gradient under DDP) is kept once, from the lowest rank."""
+    replay on one rank alone cannot run the collective. Under FSDP2 a weight non-finite in one
+    rank's shard is all-gathered into every rank's forward: only the rank holding it can say
+    `"parameter"`.) A finding seen by several ranks (the same reduced gradient under DDP) is kept
+    once, from the lowest rank."""
     seen: set[str] = set()
     rows = []
+    unknown: dict[tuple[int, int, str], bool] = {}  # (rank, step, phase) -> its first finding there has no cause
     for r, fs in enumerate(everyone):
         for i, d in enumerate(fs or ()):
             key = json.dumps({k: v for k, v in d.items() if k != "rank"} if d.get("tensor", "").endswith(REDUCED)
@@ -377,7 +381,8 @@ def merge(everyone: list[list[dict[str, Any]] | None]) -> list[Finding]:
                 continue
             seen.add(key)
             f = Finding.from_dict(d)
-            rows.append((f.step, _PHASE_ORDER.get(f.phase, 5), not f.reproducible, f.rank if f.rank is not None else r,
-                         r, i, f))
-    rows.sort(key=lambda x: x[:6])
-    return [x[6] for x in rows]
+            vague = unknown.setdefault((r, f.step, f.phase), f.cause == "unknown")  # (a rank's own order is kept)
+            rows.append((f.step, _PHASE_ORDER.get(f.phase, 5), not f.reproducible, vague,
+                         f.rank if f.rank is not None else r, r, i, f))
+    rows.sort(key=lambda x: x[:7])
+    return [x[7] for x in rows]
