@@ -889,3 +889,30 @@ def test_a_var_with_a_correction_not_below_its_count_is_told_as_such(correction:
     f = train_step(nn.Sequential(nn.Linear(4, 4), _BiasedVar(correction)), torch.randn(3, 4))
     assert (f.module, f.op) == ("1", "aten.var.correction") and math.isinf(f.value), f
     assert f"correction={correction} over 4 elements" in f.hint and "overflow" not in f.hint, f.hint
+
+
+class _DenseGCN(nn.Module):
+    """A GCN layer over a dense adjacency: D^-1/2 A D^-1/2 @ (x W), the degree normalisation by hand."""
+
+    def __init__(self, adj: torch.Tensor) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("adj", adj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dinv = self.adj.sum(1).pow(-0.5)  # @gcn-dinv
+        return (dinv[:, None] * self.adj * dinv[None, :]) @ self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_degree_normalisation_of_an_isolated_node_is_told_as_0_to_a_negative_power(mode: str) -> None:
+    # node 3 has no edge: its degree is 0, 0 ** -0.5 = inf, and inf * 0 (its row and column of A) is
+    # nan. The hint was pow's generic "a power overflows, or a negative base has a fractional exponent":
+    # neither happened
+    adj = torch.zeros(4, 4)
+    adj[0, 1] = adj[1, 0] = adj[1, 2] = adj[2, 1] = 1.0
+    f = train_step(_DenseGCN(adj), torch.randn(4, 4), mode=mode)
+    assert (f.module, f.op, f.cause) == ("", "aten.pow.Tensor_Scalar", "created") and math.isnan(f.value), f
+    assert same_source(f.source, line("gcn-dinv")) and chain_ops(f.chain)[1] == "aten.mul.Tensor", f
+    assert f.hint.startswith("A negative power of 0") and "isolated node" in f.hint, f.hint
+    assert "overflow" not in f.hint and "negative base" not in f.hint, f.hint

@@ -290,6 +290,11 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
         mask = not x.requires_grad and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
         out["log_mask" if mask else "log_zero"] = True
+    if name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel():
+        e = args[1]  # (0 to a negative power: 1/0, a GCN's deg.pow(-0.5) of an isolated node)
+        e = float(e.reshape(-1)[flat if e.numel() > 1 else 0]) if isinstance(e, torch.Tensor) and e.numel() in (1, code.numel()) else e
+        if isinstance(e, (int, float)) and e < 0 and float(args[0].reshape(-1)[flat]) == 0:
+            out["pow_zero"] = float(e)
     if (name in ("sqrt", "sqrt_", "rsqrt", "rsqrt_") and args and isinstance(args[0], torch.Tensor)
             and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
         out["negative"] = float(args[0].reshape(-1)[flat])  # (rsqrt's nan is no 0's: its hint speaks of 0 only)
@@ -361,6 +366,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "when the values' mean is large against their spread: compute it as ((x - mean) ** 2).mean(-1) "
                 "(x.var(-1, unbiased=False), F.layer_norm) or clamp it (var.clamp_min(0) + eps); any other input: "
                 "keep it non-negative (clamp_min(0), F.softplus).")
+    if "pow_zero" in fx:
+        return (f"A negative power of 0: {op} raised 0 to {fx['pow_zero']:g}, which is 1/0 = inf (and inf * 0 = nan in the "
+                "arithmetic after it): a degree normalisation deg.pow(-0.5) of a graph node with no edge (an isolated "
+                "node in a GCN's D^-1/2 A D^-1/2), or a count or norm that is 0. Add self-loops (deg + 1), zero the "
+                "infinities as PyG's gcn_norm does (dinv.masked_fill(dinv == float('inf'), 0)), or clamp the base "
+                "(clamp_min(eps)).")
     if "reached" in fx:
         if fx["dtype"] in ("float32", "float64") or abs(fx["reached"]) > _F32_MAX:
             # no wider dtype to move to, or float32 overflows too (bfloat16 has its range): the
