@@ -1599,3 +1599,25 @@ def test_a_gradient_hook_registered_in_the_loss_code_is_named_with_its_line(mode
     assert f.source == line("unit-hook"), f.source
     assert "_unit_grad" in f.hint and "register_hook" in f.hint, f.hint
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # raise: the step was not applied
+
+
+def normalised_advantages(returns: torch.Tensor) -> torch.Tensor:
+    return (returns - returns.mean()) / returns.std()  # @adv-norm
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_advantages_normalised_by_a_std_of_0_are_told_so(mode: str) -> None:
+    """A policy gradient whose advantages are normalised by their std: a batch of episodes that all
+    got the same return has a std of 0, and (A - A.mean()) / A.std() is 0/0. The hint was the
+    generic 0/0 one (a zero vector divided by its norm, F.normalize's eps), no word of the std."""
+    policy = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        logp = torch.distributions.Categorical(logits=logits).log_prob(y)
+        returns = torch.randn(6) if step == 0 else torch.ones(6)  # every episode got the same return
+        return -(logp * normalised_advantages(returns)).mean()
+
+    f = run_steps(policy, loss_fn, steps=2, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.step) == ("forward", "<outside>", "aten.div.Tensor", "created", 1), f
+    assert same_source(f.source, line("adv-norm")) and math.isnan(f.value), f
+    assert f.hint.startswith("A division by a standard deviation of 0") and "x.std() + 1e-8" in f.hint, f.hint

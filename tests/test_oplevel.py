@@ -916,3 +916,32 @@ def test_a_degree_normalisation_of_an_isolated_node_is_told_as_0_to_a_negative_p
     assert same_source(f.source, line("gcn-dinv")) and chain_ops(f.chain)[1] == "aten.mul.Tensor", f
     assert f.hint.startswith("A negative power of 0") and "isolated node" in f.hint, f.hint
     assert "overflow" not in f.hint and "negative base" not in f.hint, f.hint
+
+
+class _EpsFromX0(nn.Module):
+    """A diffusion model that predicts x0 and turns it into the noise the loss compares with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 4)
+        self.register_buffer("alpha_bar", torch.linspace(1.0, 0.01, 10))  # alpha_bar[0] == 1: no noise at t = 0
+
+    def forward(self, xt: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ab = self.alpha_bar[t][:, None]
+        return (xt - ab.sqrt() * self.net(xt)) / (1 - ab).sqrt()  # @eps-from-x0
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_division_by_a_noise_schedules_sqrt_at_0_is_told_so(mode: str) -> None:
+    # t sampled from [0, T) instead of [1, T): at t = 0, 1 - alpha_bar is 0 and the division by its sqrt
+    # is x/0. The hint was the generic "a count that is 0, a learned temperature ... clamp(min=1)"
+    model = _EpsFromX0()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt, mode=mode):
+        model(torch.randn(3, 4), torch.tensor([4, 0, 7])).pow(2).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.cause, f.index[0]) == ("", "aten.div.Tensor", "created", 1), f
+    assert same_source(f.source, line("eps-from-x0")), f
+    assert f.hint.startswith("A division by a square root of 0") and "alpha_bar" in f.hint, f.hint
+    assert "clamp(min=1)" not in f.hint, f.hint

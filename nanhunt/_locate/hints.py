@@ -150,6 +150,15 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
         num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
         if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
             out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
+        den = next((i for i in first.ins if i.pos == 1), None) if out.get("div_zero") else None
+        for _ in range(4):  # the op that made the denominator, through views (x / s[:, None])
+            if den is None or den.prod is None:
+                break
+            made = rec.recs[den.prod[0]]
+            if not made.moves:
+                out["den_op"] = _op_key(made.op)
+                break
+            den = next((i for i in made.ins if i.pos == 0), None)
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -472,6 +481,16 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
                     "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
                     "eps float16 can hold (1e-4), or compute the normalisation in float32.")
+        if fx.get("den_op") in ("std", "var", "std_mean", "var_mean"):
+            return ("A division by a standard deviation of 0: (x - x.mean()) / x.std() over values that are all equal "
+                    "is 0/0 = nan (an RL batch's advantages or returns that are constant, a constant feature or "
+                    "channel); add an eps to the denominator, (x - x.mean()) / (x.std() + 1e-8), or skip the "
+                    "normalisation for such a batch.")
+        if fx.get("den_op") == "sqrt":
+            return ("A division by a square root of 0: the denominator is sqrt(0) there (a noise schedule's "
+                    "sqrt(1 - alpha_bar) at alpha_bar = 1, its first step t = 0, or 1 / sqrt(alpha) where a "
+                    "zero-terminal-SNR schedule's alpha is 0; a std or norm of constant values); keep what goes into "
+                    "the sqrt away from 0 (clamp_min(eps), t from 1, betas clipped below 1) or add an eps after it.")
         if fx.get("count_zero"):
             return ("A division by a count of 0: a sum over nothing divided by the number of its elements is 0/0 = "
                     "nan (a loss summed over its targets and divided by their count, as transformers' "
