@@ -1621,3 +1621,19 @@ def test_advantages_normalised_by_a_std_of_0_are_told_so(mode: str) -> None:
     assert (f.phase, f.module, f.op, f.cause, f.step) == ("forward", "<outside>", "aten.div.Tensor", "created", 1), f
     assert same_source(f.source, line("adv-norm")) and math.isnan(f.value), f
     assert f.hint.startswith("A division by a standard deviation of 0") and "x.std() + 1e-8" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: str) -> None:
+    """A detection loss that takes log(w_pred / w_anchor) of a width the head predicts without a
+    constraint: once it goes below 0, the log is nan. The hint was the op's generic "log of 0 gives
+    -inf and log of a negative number gives nan", with neither the value nor a remedy."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        w_pred = out[:, 0] - 10.0  # a width gone negative
+        return (torch.log(w_pred / 2.0) - 0.3).abs().mean()  # @log-width
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause) == ("forward", "<outside>", "aten.log.default", "created"), f
+    assert same_source(f.source, line("log-width")) and math.isnan(f.value), f
+    assert f.hint.startswith("Log of a negative number, -") and "F.softplus" in f.hint, f.hint

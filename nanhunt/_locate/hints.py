@@ -299,6 +299,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
         # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
         mask = not x.requires_grad and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
         out["log_mask" if mask else "log_zero"] = True
+    if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
+            and float(args[0].reshape(-1)[flat]) < 0):
+        out["log_negative"] = float(args[0].reshape(-1)[flat])
     if name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel():
         e = args[1]  # (0 to a negative power: 1/0, a GCN's deg.pow(-0.5) of an isolated node)
         e = float(e.reshape(-1)[flat if e.numel() > 1 else 0]) if isinstance(e, torch.Tensor) and e.numel() in (1, code.numel()) else e
@@ -473,6 +476,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
                 "softplus: Normal(loc, scale).log_prob takes log(scale)). Keep it positive (clamp_min(eps); "
                 "F.softplus(x) + eps for a scale) or compute it in log space (F.log_softmax, F.logsigmoid).")
+    if "log_negative" in fx:
+        return (f"Log of a negative number, {fx['log_negative']:.3g}, gives nan: {op}'s input went below 0 (a box's "
+                "width or height, a scale or a ratio predicted without a constraint, a difference that crossed 0). "
+                "Make it positive by construction (predict its log, or exp / F.softplus(x) + eps of the raw output) "
+                "or clamp it (clamp_min(eps)) before the log.")
     if fx.get("ctc"):
         return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
                 "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
