@@ -1637,3 +1637,26 @@ def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: s
     assert (f.phase, f.module, f.op, f.cause) == ("forward", "<outside>", "aten.log.default", "created"), f
     assert same_source(f.source, line("log-width")) and math.isnan(f.value), f
     assert f.hint.startswith("Log of a negative number, -") and "F.softplus" in f.hint, f.hint
+
+
+def iou_loss(boxes: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """1 - IoU of (x1, y1, x2, y2) boxes, by hand."""
+    wh = (torch.min(boxes[:, 2:], target[:, 2:]) - torch.max(boxes[:, :2], target[:, :2])).clamp(min=0)
+    inter = wh[:, 0] * wh[:, 1]
+    area = (boxes[:, 2:] - boxes[:, :2]).prod(1) + (target[:, 2:] - target[:, :2]).prod(1)
+    return (1 - inter / (area - inter)).mean()  # @iou
+
+
+def test_an_iou_of_zero_area_boxes_names_it_in_its_hint() -> None:
+    """A predicted box and a point annotation, both of area 0: the union is 0 and the IoU 0/0."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        corner = out[:, :2]
+        target = torch.tensor([[0.0, 0.0, 1.0, 1.0]]).repeat(6, 1)
+        target[3] = torch.cat([corner[3].detach(), corner[3].detach()])  # a point annotation on the predicted corner
+        return iou_loss(torch.cat([corner, corner], 1), target)
+
+    f = run_steps(model(), loss_fn)
+    assert (f.module, f.op, f.cause, f.index) == ("<outside>", "aten.div.Tensor", "created", (3,)), f
+    assert same_source(f.source, line("iou")) and math.isnan(f.value), f
+    assert "IoU of zero-area boxes" in f.hint, f.hint

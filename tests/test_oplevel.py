@@ -894,13 +894,17 @@ def test_a_var_with_a_correction_not_below_its_count_is_told_as_such(correction:
 class _DenseGCN(nn.Module):
     """A GCN layer over a dense adjacency: D^-1/2 A D^-1/2 @ (x W), the degree normalisation by hand."""
 
-    def __init__(self, adj: torch.Tensor) -> None:
+    def __init__(self, adj: torch.Tensor, how: str = "pow") -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
         self.register_buffer("adj", adj)
+        self.how = how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dinv = self.adj.sum(1).pow(-0.5)  # @gcn-dinv
+        if self.how == "sqrt":
+            dinv = 1 / self.adj.sum(1).sqrt()  # @gcn-sqrt
+        else:
+            dinv = self.adj.sum(1).pow(-0.5)  # @gcn-dinv
         return (dinv[:, None] * self.adj * dinv[None, :]) @ self.lin(x)
 
 
@@ -945,3 +949,13 @@ def test_a_division_by_a_noise_schedules_sqrt_at_0_is_told_so(mode: str) -> None
     assert same_source(f.source, line("eps-from-x0")), f
     assert f.hint.startswith("A division by a square root of 0") and "alpha_bar" in f.hint, f.hint
     assert "clamp(min=1)" not in f.hint, f.hint
+
+
+def test_a_division_by_the_sqrt_of_an_isolated_nodes_degree_names_the_degree() -> None:
+    # 1 / deg.sqrt() of a node with no edge (aten.reciprocal): the hint was reciprocal's bare "1/0 gives inf."
+    adj = torch.zeros(4, 4)
+    adj[0, 1] = adj[1, 0] = adj[1, 2] = adj[2, 1] = 1.0
+    f = train_step(_DenseGCN(adj, "sqrt"), torch.randn(4, 4))
+    assert (f.module, f.op, f.cause) == ("", "aten.reciprocal.default", "created") and math.isnan(f.value), f
+    assert same_source(f.source, line("gcn-sqrt")), f
+    assert "1 / sqrt(deg) of a node with no edge" in f.hint and "self-loops" in f.hint, f.hint

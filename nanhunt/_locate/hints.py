@@ -150,7 +150,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
         num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
         if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
             out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
-        den = next((i for i in first.ins if i.pos == 1), None) if out.get("div_zero") else None
+        pos = 0 if _op_key(first.op) == "reciprocal" else 1  # (1 / x is reciprocal(x))
+        den = next((i for i in first.ins if i.pos == pos), None) if out.get("div_zero") else None
         for _ in range(4):  # the op that made the denominator, through views (x / s[:, None])
             if den is None or den.prod is None:
                 break
@@ -302,6 +303,9 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and float(args[0].reshape(-1)[flat]) < 0):
         out["log_negative"] = float(args[0].reshape(-1)[flat])
+    if (name in ("reciprocal", "reciprocal_") and args and isinstance(args[0], torch.Tensor)
+            and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) == 0):
+        out["div_zero"] = True
     if name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel():
         e = args[1]  # (0 to a negative power: 1/0, a GCN's deg.pow(-0.5) of an isolated node)
         e = float(e.reshape(-1)[flat if e.numel() > 1 else 0]) if isinstance(e, torch.Tensor) and e.numel() in (1, code.numel()) else e
@@ -497,8 +501,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         if fx.get("den_op") == "sqrt":
             return ("A division by a square root of 0: the denominator is sqrt(0) there (a noise schedule's "
                     "sqrt(1 - alpha_bar) at alpha_bar = 1, its first step t = 0, or 1 / sqrt(alpha) where a "
-                    "zero-terminal-SNR schedule's alpha is 0; a std or norm of constant values); keep what goes into "
-                    "the sqrt away from 0 (clamp_min(eps), t from 1, betas clipped below 1) or add an eps after it.")
+                    "zero-terminal-SNR schedule's alpha is 0; a GCN's 1 / sqrt(deg) of a node with no edge; a std "
+                    "or norm of constant values); keep what goes into the sqrt away from 0 (clamp_min(eps), t from 1, "
+                    "betas clipped below 1, self-loops) or add an eps after it.")
         if fx.get("count_zero"):
             return ("A division by a count of 0: a sum over nothing divided by the number of its elements is 0/0 = "
                     "nan (a loss summed over its targets and divided by their count, as transformers' "
@@ -507,8 +512,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
-                    "all-padding sequence's pooled embedding), or a sum over nothing by a count of 0; keep a positive "
-                    "eps (F.normalize's default 1e-12, or clamp_min(eps) on the denominator) or skip such rows.")
+                    "all-padding sequence's pooled embedding), an IoU of zero-area boxes (intersection / union = 0/0) "
+                    "or a sum over nothing by a count of 0; keep a positive eps (F.normalize's default 1e-12, or "
+                    "clamp_min(eps) on the denominator) or skip such rows.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count "
                 "that is 0, or by a learned temperature or scale that reached 0); "
                 "guard the denominator, e.g. clamp(min=1) or + eps.")
