@@ -1660,3 +1660,40 @@ def test_an_iou_of_zero_area_boxes_names_it_in_its_hint() -> None:
     assert (f.module, f.op, f.cause, f.index) == ("<outside>", "aten.div.Tensor", "created", (3,)), f
     assert same_source(f.source, line("iou")) and math.isnan(f.value), f
     assert "IoU of zero-area boxes" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("op", [torch.atan, torch.tanh, torch.sigmoid])
+def test_an_inf_a_saturating_function_makes_finite_again_is_no_finding(mode: str, op: Any) -> None:
+    """A detection metric's aspect-ratio angle atan(w / h) of a box of height 0: w / 0 is inf and
+    atan(inf) = pi/2, finite, as meant; every value the code hands on is finite and the gradients
+    are untouched. The run was stopped with a forward finding at the division."""
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
+        for step in range(2):
+            out = m(torch.randn(6, 4))
+            loss = out.pow(2).mean()
+            with torch.no_grad():
+                h = torch.tensor([1.0, 0.0, 1.0, 1.0, 2.0, 1.0])  # a box of height 0 in the batch
+                angle = op(out[:, 0].abs() / h).mean()
+            assert math.isfinite(angle.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [], hunt.findings
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_inf_atan_hides_in_forward_is_found_where_its_gradient_is_nan(mode: str) -> None:
+    """CIoU's atan(w / h) of a box of height 0, differentiated: the forward is finite (atan(inf) =
+    pi/2), the gradient of the division by 0 is nan: found there, at its line."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        w, h = out[:, 0].abs() + 0.1, out[:, 1].abs() * (y != 0)  # a box of height 0 where y is 0
+        return (torch.atan(w / h) - 0.7).pow(2).mean()  # @ciou-atan
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "DivBackward0", "created"), f
+    assert same_source(f.source, line("ciou-atan")), f
