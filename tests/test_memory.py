@@ -71,6 +71,39 @@ def test_a_non_finite_validation_batch_is_kept_and_localised() -> None:
     assert f.op == "aten.exp.default" and f.reproducible is True
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_eval_mode_validation_loop_keeps_no_call_of_its_earlier_batches(mode: str) -> None:
+    """Each eval-mode no_grad batch is judged on its own; the calls of the step's earlier batches
+    (kept only to number a later finding's `call`) were all kept, and copied, until the next
+    step(): 600 Calls alive after 150 batches of a 2-module model, growing with the loop. Now
+    they are counted once past a few, and the finding's `call` is the same."""
+    from nanhunt._steplog import Call
+
+    model = zoo.expnet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    alive = -1
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        _train_step(model, opt)
+        model.eval()
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for i in range(300):
+                x = torch.randn(8, 4)
+                if i == 200:
+                    x[2] = 1000.0
+                model(x)
+                if i == 150:
+                    gc.collect()
+                    alive = sum(type(o) is Call for o in gc.get_objects())
+        model.train()
+        _train_step(model, opt)
+    assert 0 <= alive <= 50, f"{alive} calls of earlier validation batches kept"
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.op) == ("forward", "1", 1, "aten.exp.default"), hunt.findings
+    if mode == "full":  # (sentinel numbers a submodule's calls within the replayed batch's log only)
+        assert f.call == 200
+
+
 def test_grad_enabled_calls_are_kept_for_a_backward_replay() -> None:
     """Calls with gradients enabled stay until the step ends: a gradient that goes bad in backward
     is still localised by replaying its micro-batch (gradient accumulation)."""

@@ -185,6 +185,7 @@ def _fwd0(i: int) -> Fwd:
 # after a BatchNorm): until then, and for every other output, the probe is taken at once.
 _LAZY_CAP = 256  # outputs held at most (<= 16 MiB)
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
+_FOLD = 8  # a step's earlier logs kept as calls at most (see _Counted)
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
 
 
@@ -193,17 +194,22 @@ class _Counted:
     round ended one and the step went on in a new log), counted per (evaluation pass?, module id)
     only when a hit needs the numbers (`StepLog.number_calls`): with an optimizer every step ends
     its log as step() begins and then starts counting anew, and counting its ~100 calls at each
-    step cost ~0.5 us a call."""
+    step cost ~0.5 us a call. Past `_FOLD` logs (a validation loop of thousands of batches between
+    two steps, each its own log) they are counted once into ``folded``: the earlier logs' calls
+    (and their modules) are not kept, nor copied again at each log, until the step ends."""
 
-    __slots__ = ("parts",)
+    __slots__ = ("parts", "folded")
 
     def __init__(self, prior: _Counted | None = None, log: StepLog | None = None) -> None:
         self.parts: list[tuple[list[Call], list[bool]]] = list(prior.parts) if prior is not None else []
+        self.folded: dict[tuple[bool, int], int] | None = prior.folded if prior is not None else None
         if log is not None:
             self.parts.append((list(log.calls), [not t.grad_enabled and not t.training for t in log.tops]))
+            if len(self.parts) > _FOLD:
+                self.folded, self.parts = self.counts(), []  # (a new dict: ``prior`` keeps its own counts)
 
     def counts(self) -> dict[tuple[bool, int], int]:
-        out: dict[tuple[bool, int], int] = {}
+        out: dict[tuple[bool, int], int] = dict(self.folded) if self.folded else {}
         for calls, evaluation in self.parts:
             for c in calls:
                 k = (0 <= c.top < len(evaluation) and evaluation[c.top], id(c.module))
