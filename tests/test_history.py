@@ -32,6 +32,28 @@ def test_history_is_bounded_and_has_every_stat():
     json.dumps(hunt.report.to_dict(), allow_nan=False)  # plain, JSON-ready data
 
 
+def test_a_validation_loop_does_not_push_the_training_steps_out_of_the_history():
+    """A validation loop (eval mode, no_grad) at a sampled step: each batch was its own sample of
+    that step, and `history` of them left the report a row of copies of one step, no training
+    step in it. Evaluation passes are no steps: the history keeps the training steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, optimizer=opt, history=4, stats_every=1) as hunt:
+        for step in range(10):
+            model.train()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (5, 9):
+                model.eval()
+                with torch.no_grad():
+                    for _ in range(6):
+                        model(torch.randn(4, 8))
+    assert hunt.findings == []
+    assert hunt.report.history["steps"] == [6, 7, 8, 9]
+
+
 def test_fp16_activation_near_its_max_is_an_early_warning_not_a_finding():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()

@@ -2173,7 +2173,11 @@ class Hunt:
             # optimizers of a round): its calls keep counting from here; `_count_step` starts anew
             # when the round's last optimizer has stepped
             self._calls_before = _Counted(prior, log)
-        self._history.add(step, list(log.stats_rows), log.stats)
+        if advance or not self._opts or log.backward or any(t.grad_enabled for t in log.tops):
+            # (with an optimizer an evaluation pass is no step: each batch of a validation loop at
+            # a sampled step was a sample of that step, and 32 of them pushed every training step
+            # out of the ring)
+            self._history.add(step, list(log.stats_rows), log.stats)
         self._set_stats_on()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
         found: list[Finding] = []
