@@ -403,24 +403,6 @@ print("scale", scaler.get_scale())
 """
 
 
-def test_run_of_a_gradscaler_script_reports_no_calibration_overflow_but_a_real_nan(tmp_path, cli):
-    # `nanhunt run` cannot be told the scaler: the inf gradients of its scale calibration (steps
-    # the scaler skips, as intended) were each a finding, the first at "step 0", exit status 3
-    script = tmp_path / "amp.py"
-    script.write_text(GRADSCALER)
-    step = torch.amp.GradScaler.step
-    rc, out, err = cli("run", str(script), "-1")
-    assert rc == 0 and "First" not in err, err
-    assert float(out.split()[-1]) < 2.0 ** 40  # the scaler did skip steps
-    rc, out, err = cli("run", "--on-find", "record", str(script), "4")
-    assert rc == 3, err
-    first = next(line for line in err.splitlines() if line.startswith("First"))
-    assert first.startswith("First NaN: forward of `0` (Linear) at step 4"), err
-    assert "All findings" not in err or "backward" not in err.split("All findings")[1], err
-    assert torch.amp.GradScaler.step is step
-
-
-
 GAN_GRADSCALER = """
 import sys, torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
@@ -449,12 +431,15 @@ print("scale", scaler.get_scale())
 """
 
 
-def test_run_of_a_gan_with_one_gradscaler_for_both_models_reports_no_calibration_overflow(tmp_path, cli):
-    # only the hunt of the first optimizer stepped took the scaler: the generator's calibration
-    # overflows were findings (a backward of `<outside>` at step 0, exit status 3), and the
-    # discriminator's hunt took the generator's step for a skip of its own
-    script = tmp_path / "gan.py"
-    script.write_text(GAN_GRADSCALER)
+@pytest.mark.parametrize("script_text", [GRADSCALER, GAN_GRADSCALER], ids=["one model", "gan, one scaler"])
+def test_run_of_a_gradscaler_script_reports_no_calibration_overflow_but_a_real_nan(tmp_path, cli, script_text):
+    # `nanhunt run` cannot be told the scaler: the inf gradients of its scale calibration (steps
+    # the scaler skips, as intended) were each a finding, the first at "step 0", exit status 3.
+    # A GAN's generator and discriminator through one scaler: only the hunt of the first optimizer
+    # stepped took it (the generator's overflows were findings), and the discriminator's hunt took
+    # the generator's step for a skip of its own
+    script = tmp_path / "amp.py"
+    script.write_text(script_text)
     step = torch.amp.GradScaler.step
     rc, out, err = cli("run", str(script), "-1")
     assert rc == 0 and "First" not in err, err
@@ -465,6 +450,7 @@ def test_run_of_a_gan_with_one_gradscaler_for_both_models_reports_no_calibration
     assert first.startswith("First NaN: forward of `0` (Linear) at step 4"), err
     assert "All findings" not in err or "backward" not in err.split("All findings")[1], err
     assert torch.amp.GradScaler.step is step
+
 
 LAYERNORM_OVERFLOW = '''
 import torch
