@@ -719,6 +719,7 @@ def test_a_temperature_at_0_is_told_as_the_division_not_as_a_masked_row(mode: st
     assert (f.module, f.op, f.cause) == ("", "aten.div.Tensor", "created") and math.isnan(f.value), f
     assert same_source(f.source, line("temperature")), f.source
     assert f.hint.startswith("A division by 0") and "temperature" in f.hint and "masked" not in f.hint, f.hint
+    assert "clamp_min(eps) for anything else" in f.hint, f.hint  # (clamp(min=1) is a count's guard, no temperature's)
 
 
 @pytest.mark.parametrize("norm", [nn.LayerNorm(4), nn.GroupNorm(2, 4)])
@@ -903,6 +904,8 @@ class _DenseGCN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.how == "sqrt":
             dinv = 1 / self.adj.sum(1).sqrt()  # @gcn-sqrt
+        elif self.how == "rsqrt":
+            dinv = self.adj.sum(1).rsqrt()  # @gcn-rsqrt
         else:
             dinv = self.adj.sum(1).pow(-0.5)  # @gcn-dinv
         return (dinv[:, None] * self.adj * dinv[None, :]) @ self.lin(x)
@@ -959,3 +962,13 @@ def test_a_division_by_the_sqrt_of_an_isolated_nodes_degree_names_the_degree() -
     assert (f.module, f.op, f.cause) == ("", "aten.reciprocal.default", "created") and math.isnan(f.value), f
     assert same_source(f.source, line("gcn-sqrt")), f
     assert "1 / sqrt(deg) of a node with no edge" in f.hint and "self-loops" in f.hint, f.hint
+
+
+def test_an_rsqrt_of_an_isolated_nodes_degree_names_the_degree() -> None:
+    # deg.rsqrt() of a node with no edge: the hint named only a zero vector or a zero variance
+    adj = torch.zeros(4, 4)
+    adj[0, 1] = adj[1, 0] = adj[1, 2] = adj[2, 1] = 1.0
+    f = train_step(_DenseGCN(adj, "rsqrt"), torch.randn(4, 4))
+    assert (f.module, f.op, f.cause) == ("", "aten.rsqrt.default", "created"), f
+    assert same_source(f.source, line("gcn-rsqrt")), f
+    assert "deg.rsqrt() of a node with no edge" in f.hint and "self-loops" in f.hint, f.hint

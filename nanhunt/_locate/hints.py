@@ -25,7 +25,8 @@ DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a
 _OPS = {
     "log": "log of 0 gives -inf and log of a negative number gives nan",
     "sqrt": "sqrt of a negative number gives nan",
-    "rsqrt": "rsqrt of 0 gives inf (a normalisation of a zero vector or a zero variance)",
+    "rsqrt": ("rsqrt of 0 gives inf (a normalisation of a zero vector or a zero variance, a GCN's deg.rsqrt() of "
+              "a node with no edge: add self-loops or an eps)"),
     "div": "x/0 gives inf and 0/0 gives nan",
     "reciprocal": "1/0 gives inf",
     "exp": "exp overflows past the dtype's largest value",
@@ -517,7 +518,7 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "clamp_min(eps) on the denominator) or skip such rows.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count "
                 "that is 0, or by a learned temperature or scale that reached 0); "
-                "guard the denominator, e.g. clamp(min=1) or + eps.")
+                "guard the denominator: clamp(min=1) for a count, + eps or clamp_min(eps) for anything else.")
     return ""
 
 
