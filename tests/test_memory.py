@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +46,23 @@ def test_a_no_grad_validation_loop_keeps_no_batch(mode: str) -> None:
     assert hunt.findings == []
 
 
+def _validation_loop(model: torch.nn.Module, after: Any = None) -> torch.Tensor:
+    """300 no_grad batches; the 201st has a row of 1000 (the model's exp overflows there): that batch.
+    ``after(i)`` runs after batch ``i``."""
+    torch.manual_seed(3)
+    bad = torch.empty(0)
+    with torch.no_grad():
+        for i in range(300):
+            x = torch.randn(8, 4)
+            if i == 200:
+                x[2] = 1000.0
+                bad = x.clone()
+            model(x)
+            if after is not None:
+                after(i)
+    return bad
+
+
 def test_a_non_finite_validation_batch_is_kept_and_localised() -> None:
     """The batch whose forward overflowed is the one kept: its finding is as exact as ever."""
     model = zoo.expnet()
@@ -53,14 +71,7 @@ def test_a_non_finite_validation_batch_is_kept_and_localised() -> None:
     with nanhunt.watch(model, opt, on_find="record") as hunt:
         _train_step(model, opt)
         ref.load_state_dict(model.state_dict())
-        torch.manual_seed(3)
-        with torch.no_grad():
-            for i in range(300):
-                x = torch.randn(8, 4)
-                if i == 200:
-                    x[2] = 1000.0
-                    bad = x.clone()
-                model(x)
+        bad = _validation_loop(model)
         _train_step(model, opt)
     with torch.no_grad():  # computed after the watch: inside it, this exp would be the program's first inf
         expected = torch.exp(ref[0](bad))
@@ -85,16 +96,14 @@ def test_an_eval_mode_validation_loop_keeps_no_call_of_its_earlier_batches(mode:
     with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
         _train_step(model, opt)
         model.eval()
-        torch.manual_seed(3)
-        with torch.no_grad():
-            for i in range(300):
-                x = torch.randn(8, 4)
-                if i == 200:
-                    x[2] = 1000.0
-                model(x)
-                if i == 150:
-                    gc.collect()
-                    alive = sum(type(o) is Call for o in gc.get_objects())
+
+        def count(i: int) -> None:
+            nonlocal alive
+            if i == 150:
+                gc.collect()
+                alive = sum(type(o) is Call for o in gc.get_objects())
+
+        _validation_loop(model, count)
         model.train()
         _train_step(model, opt)
     assert 0 <= alive <= 50, f"{alive} calls of earlier validation batches kept"

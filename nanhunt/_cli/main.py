@@ -16,9 +16,13 @@ finding). Every error is one line on stderr.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import importlib.util
+import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 import traceback
@@ -39,6 +43,8 @@ EXIT_FOUND = 3
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line, naming the command and where its help is."""
 
+    run: argparse.ArgumentParser  # (the top parser's: its `run` subcommand)
+
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
@@ -53,15 +59,14 @@ def _at_least_1(value: str) -> int:
     return n
 
 
-_RUN_VALUED = ("--report", "--on-find", "--bundle", "--mode", "--history", "--dist-timeout")
-
-
-def _run_module(argv: list[str]) -> tuple[tuple[str, list[str]] | None, list[str]]:
+def _run_module(run: argparse.ArgumentParser, argv: list[str]) -> tuple[tuple[str, list[str]] | None, list[str]]:
     """``run``'s ``-m MODULE args...`` (as ``python -m``: everything after the module is its own),
     taken out of ``argv`` before argparse, which would read the module's options as nanhunt's:
-    ((module, its args), nanhunt's own argv), or (None, argv) when the run names a script."""
+    ((module, its args), nanhunt's own argv), or (None, argv) when the run names a script. ``run``:
+    the subcommand's parser (which of its options take a value)."""
     if not argv or argv[0] != "run":
         return None, argv
+    valued = {s for a in run._actions if a.option_strings and a.nargs != 0 for s in a.option_strings}
     i = 1
     while i < len(argv):
         a = argv[i]
@@ -69,7 +74,7 @@ def _run_module(argv: list[str]) -> tuple[tuple[str, list[str]] | None, list[str
             return (argv[i + 1] if i + 1 < len(argv) else "", argv[i + 2:]), argv[:i]
         if a.startswith("-m") and not a.startswith("--"):  # (-mpackage.train, as python takes it)
             return (a[2:], argv[i + 1:]), argv[:i]
-        if a in _RUN_VALUED:
+        if a in valued:
             i += 2
         elif a.startswith("-"):
             i += 1
@@ -81,7 +86,7 @@ def _run_module(argv: list[str]) -> tuple[tuple[str, list[str]] | None, list[str
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, argv = _run_module(argv)
+    module, argv = _run_module(parser.run, argv)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, a usage error: a status, not an exception
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _Parser:
     p = _Parser(prog="nanhunt", description="Find the first NaN/Inf in a PyTorch run.",
                 epilog="Exit status: 0 clean, 1 the script's own failure, 2 usage error, 3 a NaN/Inf was found; "
                        "`run` passes on the script's own sys.exit status, saying on stderr that it is the "
@@ -164,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_replay)
 
     audit.add_parser(sub)
+    p.run = r  # (`run -m` reads which of its options take a value)
     return p
 
 
@@ -460,9 +466,6 @@ class _Spawned:
     in the script: the spawn raises in the script), and leaves its findings in a folder for `report`."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        import functools
-        import importlib
-
         spawn: Any = importlib.import_module("torch.multiprocessing.spawn")  # (the module, not the function)
         if options["on_find"] == "breakpoint":  # (no terminal in there: --pdb's stop is a raise)
             options = {**options, "on_find": "raise"}
@@ -481,9 +484,6 @@ class _Spawned:
 
     def report(self, own: Any) -> Any:
         """``own`` with every spawned process' findings (in the order `_dist.merge` gives them)."""
-        import json
-        import shutil
-
         from .._record import dist as _dist
         from .._report import Report
 
@@ -503,8 +503,6 @@ class _Spawned:
 
 def _watched_process(fn: Any, options: dict[str, Any], folder: str, i: int, *args: Any) -> Any:
     """Process ``i`` of a spawn under `nanhunt run` (see `_Spawned`): ``fn(i, *args)`` watched."""
-    import json
-
     from .auto import AutoWatch
 
     auto = AutoWatch(**options)

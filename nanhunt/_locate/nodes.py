@@ -43,7 +43,7 @@ from .oplevel import (
 )
 from .replay import faithful
 
-__all__ = ["Blame", "Born", "creator", "blame_nodes", "graph_nodes", "hook_line", "hook_names", "tensor_hooks",
+__all__ = ["Blame", "Born", "creator", "blame_nodes", "checked_hook", "graph_nodes", "hook_line", "hook_names", "tensor_hooks",
            "used_outside"]
 
 
@@ -259,6 +259,18 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
                 facts, got.nth, call, got.fn.name())
 
 
+def checked_hook(user: Any, made: list[Any], *where: Any) -> Any:
+    """``user``, a gradient hook of the user's, as a replay runs it: the first hook that turns a finite
+    gradient non-finite goes into ``made`` as (``user``, ``*where``, the gradient it returned)."""
+    def hook(g: torch.Tensor) -> Any:
+        out = user(g)
+        got = g if out is None else out
+        if not made and isinstance(got, torch.Tensor) and is_bad(got) and not is_bad(g):
+            made.append((user, *where, got))
+        return out
+    return hook
+
+
 @contextlib.contextmanager
 def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], stack: list[nn.Module],
                    root: nn.Module, done: list[tuple[nn.Module, Any, Any]]) -> Iterator[None]:
@@ -274,15 +286,7 @@ def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], st
             return orig(t, fn)  # (another thread's; torch's own: a module's full backward hook)
         owner = stack[-1] if stack else root
         where = (f"{caller.f_code.co_filename}:{caller.f_lineno}", owner, sum(1 for m, _, _ in done if m is owner))
-        user = fn
-
-        def checked(g: torch.Tensor) -> Any:
-            out = user(g)
-            got = g if out is None else out
-            if not made and isinstance(got, torch.Tensor) and is_bad(got) and not is_bad(g):
-                made.append((user, *where, got))
-            return out
-        return orig(t, checked)
+        return orig(t, checked_hook(fn, made, *where))
 
     orig = torch.Tensor.register_hook
     torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]

@@ -33,7 +33,7 @@ from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, te
 from . import hints as _hints
 from .differential import _FROM_ZERO, REDUCED
 from .graph import _source, node_of_frame
-from .nodes import blame_nodes, hook_names, named
+from .nodes import blame_nodes, checked_hook, hook_names, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
 from .replay import faithful, given_objects
 
@@ -101,9 +101,9 @@ class _Replay:
         self.rerun: list[torch.Tensor] = []
         self.outs: list[list[torch.Tensor]] = []
         self.node_rec: dict[Any, int] = {}
-        # gradient hooks the recorded code registered (``z.register_hook(fn)``): (record, fn, the
-        # gradient it returned) for the first that turned a finite gradient non-finite (`_checked_hook`)
-        self.hook_made: list[tuple[int, Any, torch.Tensor]] = []
+        # gradient hooks the recorded code registered (``z.register_hook(fn)``): (fn, record, the
+        # gradient it returned) for the first that turned a finite gradient non-finite (`nodes.checked_hook`)
+        self.hook_made: list[tuple[Any, int, torch.Tensor]] = []
 
     def ext(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -143,7 +143,7 @@ class _Replay:
             kwargs = tree_map(self.ext, r.kwargs)
             func = r.func
             if self.grad and func is _REGISTER_HOOK and len(args) > 1 and callable(args[1]):
-                args = (args[0], self._checked_hook(i, args[1]), *args[2:])
+                args = (args[0], checked_hook(args[1], self.hook_made, i), *args[2:])
             if self.wide:
                 args, kwargs = tree_map(_wide_dtype, (args, kwargs))
                 if getattr(func, "__name__", "") in _NARROWING and args and isinstance(args[0], torch.Tensor):
@@ -185,16 +185,6 @@ class _Replay:
                         continue
                     self.node_rec[fn] = i
                     todo.extend(n for n, _ in fn.next_functions)
-
-    def _checked_hook(self, i: int, fn: Any) -> Any:
-        """``fn`` as its replay runs it, noting whether it turned a finite gradient non-finite."""
-        def hook(g: torch.Tensor) -> Any:
-            out = fn(g)
-            got = g if out is None else out
-            if not self.hook_made and isinstance(got, torch.Tensor) and is_bad(got) and not is_bad(g):
-                self.hook_made.append((i, fn, got))
-            return out
-        return hook
 
     def _top(self, top: Top, outs: list[tuple[torch.Tensor, Path]]) -> None:
         """A watched top-level call that took a value the recorded code made (``h = self.enc(x)``,
@@ -416,7 +406,7 @@ def _backward_origin(recs: list[OutRec], seeds: list[tuple[Any, Any, str | None]
         return None
     got = blame_nodes(list(rep.node_rec), run)
     if got is None and rep.hook_made:  # no node made it: a gradient hook the code registered did
-        ri, fn, grad = rep.hook_made[0]
+        fn, ri, grad = rep.hook_made[0]
         return Born("", recs[ri].src, "register_hook", ri, grad, 0,  # (no op: the user's hook)
                     facts={"tensor_hook": hook_names([fn]), "registered": True})
     if got is None:
