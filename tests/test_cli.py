@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -670,6 +671,51 @@ def test_run_watches_the_processes_of_torch_multiprocessing_spawn(tmp_path, cli)
     assert sys.modules["torch.multiprocessing.spawn"].start_processes.__module__ == "torch.multiprocessing.spawn"
     rc, out, err = cli("run", str(script), "99")
     assert rc == 0 and "finished" in out, err
+
+
+PROCESS = """
+import sys
+import torch
+import multiprocessing
+from torch import nn
+
+
+def train(gate):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=8, num_workers=1)
+    for step, x in enumerate(loader):
+        loss = torch.log(net(x).abs() * (0.0 if step == gate else 1.0)).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    p = multiprocessing.get_context(sys.argv[1]).Process(target=train, args=(int(sys.argv[2]),))
+    p.start()
+    assert p._target is train  # (the script's own object keeps its own target)
+    p.join()
+    print("child exit", p.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_run_watches_a_multiprocessing_process_the_script_starts(tmp_path, cli, method):
+    # a multiprocessing.Process of the script's own function trained unwatched (spawn: exit 0, "no
+    # NaN/Inf"), or (fork) under the inherited watch whose finding never reached the run: "no NaN/Inf
+    # found; exit status 1 is the script's own"
+    script = tmp_path / "process.py"
+    script.write_text(PROCESS)
+    start = multiprocessing.process.BaseProcess.start
+    rc, out, err = cli("run", str(script), method, "2")
+    assert rc == 3, err
+    assert "First -Inf: forward of `<outside>` (train) at step 2" in err and "aten.log.default" in err
+    assert "no NaN/Inf found" not in err
+    assert multiprocessing.process.BaseProcess.start is start  # put back
+    rc, out, err = cli("run", str(script), method, "99")  # a clean child (and its DataLoader worker)
+    assert rc == 0 and "child exit 0" in out, err
 
 
 # ---------------------------------------------------------------- several models: order of occurrence

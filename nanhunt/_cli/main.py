@@ -19,6 +19,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import runpy
@@ -397,7 +398,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     options = {"on_find": "breakpoint" if ns.pdb else ns.on_find, "mode": ns.mode, "history": ns.history,
                "dist_timeout": ns.dist_timeout}
     auto = AutoWatch(**options, **extra)
-    spawned = _Spawned(options)
+    spawned = _Spawned(options, auto)
     try:
         # (an absolute path, as `python script.py` gives ``__file__`` since 3.9: a script that
         # changes directory and reads a file beside itself still finds it)
@@ -460,35 +461,64 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 
 class _Spawned:
-    """The processes of ``torch.multiprocessing.spawn``/``start_processes`` (a script's own
-    multi-process training without torchrun) are watched as the script is: while `nanhunt run` runs
-    it, each one's function runs under an `AutoWatch` of its own (a finding raises there as it would
-    in the script: the spawn raises in the script), and leaves its findings in a folder for `report`."""
+    """The processes a script starts to train in (a script's own multi-process training without
+    torchrun) are watched as the script is: ``torch.multiprocessing.spawn``/``start_processes``, and
+    a ``multiprocessing.Process`` (of any start method) whose target is the script's own function.
+    While `nanhunt run` runs the script, each one's function runs under an `AutoWatch` of its own (a
+    forked one goes on with the watch it inherited; a finding raises there as it would in the
+    script), and leaves its findings in a folder for `report`. A library's processes (a
+    DataLoader's workers, a Pool's, torch's own wrapper of a spawned function) are left alone."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], auto: Any) -> None:
+        from multiprocessing import process
+
         spawn: Any = importlib.import_module("torch.multiprocessing.spawn")  # (the module, not the function)
         if options["on_find"] == "breakpoint":  # (no terminal in there: --pdb's stop is a raise)
             options = {**options, "on_find": "raise"}
-        self.folder = tempfile.mkdtemp(prefix="nanhunt-spawned-")
+        self.folder = folder = tempfile.mkdtemp(prefix="nanhunt-spawned-")
         self.module, self.original = spawn, spawn.start_processes
-        original = spawn.start_processes
+        self.process, self.start = process.BaseProcess, process.BaseProcess.start
+        original, start, count = spawn.start_processes, process.BaseProcess.start, itertools.count()
+        global _RUNNING
+        _RUNNING = auto
 
         @functools.wraps(original)
         def start_processes(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(functools.partial(_watched_process, fn, options, self.folder), *args, **kwargs)
+            return original(functools.partial(_watched_process, fn, options, folder), *args, **kwargs)
+
+        @functools.wraps(start)
+        def start_process(proc: Any) -> None:
+            target = getattr(proc, "_target", None)
+            if not _scripts_own(target):
+                return start(proc)
+            # the child gets the wrapped target (pickled, or copied by the fork), the script's own
+            # object keeps its own
+            proc._target = functools.partial(_watched_target, target, options, folder, next(count))
+            try:
+                return start(proc)
+            finally:
+                proc._target = target
 
         spawn.start_processes = start_processes  # (what torch.multiprocessing.spawn calls)
+        self.process.start = start_process  # type: ignore[method-assign, assignment]
 
     def close(self) -> None:
+        global _RUNNING
+        _RUNNING = None
         self.module.start_processes = self.original
+        self.process.start = self.start  # type: ignore[method-assign]
 
     def report(self, own: Any) -> Any:
-        """``own`` with every spawned process' findings (in the order `_dist.merge` gives them)."""
+        """``own`` with every started process' findings (in the order `_dist.merge` gives them)."""
         from .._record import dist as _dist
         from .._report import Report
 
+        def order(name: str) -> tuple[str, int]:
+            kind, _, i = name.partition(".")[0].partition("-")
+            return kind, int(i)
+
         try:
-            names = sorted(os.listdir(self.folder), key=lambda n: int(n.partition(".")[0]))
+            names = sorted(os.listdir(self.folder), key=order)
             theirs = []
             for name in names:
                 with open(os.path.join(self.folder, name), encoding="utf-8") as fh:
@@ -501,21 +531,48 @@ class _Spawned:
         return Report(found, history=own.history, warnings=own.warnings, meta=own.meta)
 
 
+_RUNNING: Any = None  # the script's AutoWatch while `nanhunt run` runs it (a forked process inherits it)
+_LIBRARIES = ("torch", "multiprocessing", "concurrent", "nanhunt", "accelerate", "lightning", "pytorch_lightning")
+
+
+def _scripts_own(target: Any) -> bool:
+    """Is a process' target the script's own function (not a library's worker loop)?"""
+    while isinstance(target, functools.partial):
+        target = target.func
+    if target is None:
+        return False
+    mod = getattr(target, "__module__", None) or ""
+    return mod.partition(".")[0] not in _LIBRARIES
+
+
 def _watched_process(fn: Any, options: dict[str, Any], folder: str, i: int, *args: Any) -> Any:
     """Process ``i`` of a spawn under `nanhunt run` (see `_Spawned`): ``fn(i, *args)`` watched."""
+    return _watched(os.path.join(folder, f"spawn-{i}.json"), options, functools.partial(fn, i, *args))
+
+
+def _watched_target(target: Any, options: dict[str, Any], folder: str, n: int, *args: Any, **kwargs: Any) -> Any:
+    """The ``n``-th ``multiprocessing.Process`` the script started (see `_Spawned`): its target watched."""
+    return _watched(os.path.join(folder, f"process-{n}.json"), options, functools.partial(target, *args, **kwargs))
+
+
+def _watched(path: str, options: dict[str, Any], run: Any) -> Any:
+    """``run()`` in a started process, watched; its findings left at ``path`` for the script's run."""
     from .auto import AutoWatch
 
-    auto = AutoWatch(**options)
+    inherited = _RUNNING  # (forked: the script's watch, with its patches, goes on in here)
+    auto = inherited if inherited is not None else AutoWatch(**options)
+    before = len(auto.findings())
     leaving = True
     try:
-        out = fn(i, *args)
+        out = run()
         leaving = False
         return out
     finally:
-        auto.close(leaving=leaving)
-        found = [f.to_dict() for f in auto.findings()]
+        if inherited is None:
+            auto.close(leaving=leaving)
+        found = [f.to_dict() for f in auto.findings()[before:]]
         if found:
-            with open(os.path.join(folder, f"{i}.json"), "w", encoding="utf-8") as fh:
+            with open(path, "w", encoding="utf-8") as fh:
                 json.dump(found, fh)
 
 
