@@ -280,26 +280,38 @@ def clamped_log_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Ten
     return -_ClampedLog.apply(p).sum(-1).mean()  # @custom-fn
 
 
-def test_custom_autograd_function_in_loss_code_is_its_own_backward_node() -> None:
+_clamped_log = _ClampedLog.apply  # bound at import, before any watch (``grad_reverse = GradReverse.apply``)
+
+
+def prebound_clamped_log_loss(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+    p = out.softmax(-1) * (y[:, None] == torch.arange(3)).float()
+    return -_clamped_log(p).sum(-1).mean()  # @prebound-fn
+
+
+@pytest.mark.parametrize("loss, at", [(clamped_log_loss, "custom-fn"), (prebound_clamped_log_loss, "prebound-fn")])
+def test_custom_autograd_function_in_loss_code_is_its_own_backward_node(loss: Any, at: str) -> None:
     # the Function's forward is finite (clamped); only its own backward makes inf: replaying the
-    # ops of its forward would give finite gradients, so the loss code's Function is replayed as itself
+    # ops of its forward would give finite gradients, so the loss code's Function is replayed as itself.
+    # Bound before the watch (`_clamped_log = _ClampedLog.apply`), it was not seen at all: the finding
+    # was the gradient arriving at the model's output, cause "input", with no op
     out = model()(torch.randn(6, 4))
     y = torch.randint(0, 3, (6,))
-    assert math.isfinite(clamped_log_loss(out, y, 0).item())
-    assert referee_backward(clamped_log_loss(out, y, 0)) == "_ClampedLogBackward"
+    assert math.isfinite(loss(out, y, 0).item())
+    assert referee_backward(loss(out, y, 0)) == "_ClampedLogBackward"
 
     apply = torch.autograd.Function.__dict__["apply"]
-    f = run_steps(model(), clamped_log_loss)
+    f = run_steps(model(), loss)
     # op and line: the division of its backward that made the inf (where a user fixes it), first in
     # the chain; then its node, at the line that applied it; the gradient named by that node
     assert (f.module, f.phase, f.op, f.cause) == ("<outside>", "backward", "aten.div.Tensor", "created")
     assert f.tensor == "_ClampedLogBackward.grad_input[0]"
     assert same_source(f.source, line("clamped-log-backward"))
     assert [c.split(" @ ")[0] for c in f.chain][:2] == ["aten.div.Tensor", "_ClampedLogBackward"]
-    assert f.chain[0] == f"{f.op} @ {f.source}" and same_source(f.chain[1].split(" @ ")[1], line("custom-fn"))
+    assert f.chain[0] == f"{f.op} @ {f.source}" and same_source(f.chain[1].split(" @ ")[1], line(at))
     assert "division by 0" in (f.hint or "")
     assert f.value is not None and math.isinf(f.value)
     assert torch.autograd.Function.__dict__["apply"] is apply  # nothing of the recorder left on torch
+    assert "apply" not in torch.autograd.function._SingleLevelFunction.__dict__
 
 
 def test_check_carries_op_source_chain_and_the_row() -> None:

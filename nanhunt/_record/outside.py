@@ -193,7 +193,8 @@ def _from_user_line(frame: Any) -> Any:
 
 class _Apply:
     """``cls.apply`` as one recorded outside call: a custom ``autograd.Function`` applied in loss
-    code is replayed as itself (its own backward node), not as the ops of its forward."""
+    code is replayed as itself (its own backward node), not as the ops of its forward. Called with
+    the arguments torch's ``Function.apply`` hands its base (defaults bound), it runs the base's."""
 
     __slots__ = ("cls", "__name__")
 
@@ -202,19 +203,23 @@ class _Apply:
         self.__name__ = f"{cls.__name__}.apply"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _ORIG_APPLY.__func__(self.cls, *args, **kwargs)
+        return _BASE_APPLY.__get__(None, self.cls)(*args, **kwargs)
 
 
-_FUNCTION = torch.autograd.Function
-_ORIG_APPLY: Any = _FUNCTION.__dict__["apply"]  # the classmethod
+# ``Function.apply`` (Python) ends in ``super().apply(...)``, looked up on the class below it,
+# then torch._C._FunctionBase's. The recorder's route goes on that class, below the name user code
+# binds: ``grad_reverse = GradReverse.apply`` at import time (bound to torch's Function.apply
+# before any watch) is routed as a call of ``GradReverse.apply`` is
+_BELOW: type = torch.autograd.function._SingleLevelFunction
+_BASE_APPLY: Any = torch._C._FunctionBase.__dict__["apply"]  # (a classmethod descriptor)
 
 
 def _recorded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """``Function.apply`` while the outside recorder is on the stack (set by `_Switch` only then;
-    other threads, with no mode of theirs, go straight through)."""
+    """``Function.apply``'s base while the outside recorder is on the stack (set by `_Switch` only
+    then; other threads, with no mode of theirs, go straight through)."""
     if _SWITCH.on is not None and torch._C._is_torch_function_mode_enabled():
         return torch.overrides.handle_torch_function(_Apply(cls), (), *args, **kwargs)
-    return _ORIG_APPLY.__func__(cls, *args, **kwargs)
+    return _BASE_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 _RECORDED_APPLY: Any = classmethod(_recorded_apply)
@@ -225,12 +230,12 @@ def _route_apply(on: bool) -> None:
     of it is left once the mode is off the stack, nor inside any watched call); see the fast-path
     modules too (`_FastPath`)."""
     if on:
-        if _FUNCTION.__dict__.get("apply") is _ORIG_APPLY:
-            _FUNCTION.apply = _RECORDED_APPLY  # type: ignore[method-assign, assignment]
+        if "apply" not in _BELOW.__dict__:
+            _BELOW.apply = _RECORDED_APPLY  # type: ignore[attr-defined]
         _FAST.on()
     else:
-        if _FUNCTION.__dict__.get("apply") is _RECORDED_APPLY:
-            _FUNCTION.apply = _ORIG_APPLY  # type: ignore[method-assign]
+        if _BELOW.__dict__.get("apply") is _RECORDED_APPLY:
+            del _BELOW.apply  # type: ignore[attr-defined]
         _FAST.off()
 
 
