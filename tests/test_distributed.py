@@ -446,6 +446,34 @@ def test_a_rank_that_never_opened_a_hunt_is_named_and_the_remedy_said(tmp_path):
     assert "open the hunt on every rank, or pass distributed=False" in res[0]["message"], res[0]["message"]
 
 
+def _one_step_more_under_ddp(rank: int, world: int) -> dict[str, Any]:
+    ddp = nn.parallel.DistributedDataParallel(zoo.mlp(0))
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    try:
+        with nanhunt.watch(ddp, optimizer=opt, dist_timeout=3) as hunt:
+            for step in range(3):
+                ddp(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                if rank == 1 and step == 0:
+                    opt.step()  # (one step() too many: rank 0 is in DDP's all-reduce of its next backward)
+                opt.zero_grad()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "message": str(e), "step": hunt.step}
+    return {"ranks": None}
+
+
+def test_a_rank_waiting_in_ddps_all_reduce_is_named_as_running_not_as_dead(tmp_path):
+    """Rank 1 called step() once more than rank 0: its agreement waited for rank 0, which waited in
+    DDP's all-reduce for rank 1. After dist_timeout rank 1 said rank 0 "died or stopped answering"
+    (it was alive and well): a collective that ran to its time limit broke no connection, so the
+    rank is named as running elsewhere, and the likely cause said."""
+    res = ranks.run(_one_step_more_under_ddp, 2, str(tmp_path), limit=40, wait_for=(1,))
+    assert res[1] is not None and res[1]["ranks"] == [0] and res[1]["step"] == 1, res[1]
+    assert "rank 0 did not answer within dist_timeout=3 s (agree): still running" in res[1]["message"], res[1]
+    assert "optimizer.step() different numbers of times" in res[1]["message"], res[1]["message"]
+    assert "died" not in res[1]["message"], res[1]["message"]
+
+
 # ---------------------------------------------------------------------------- nanhunt run under torchrun
 _SCRIPT = """
 import os, torch, torch.distributed as dist

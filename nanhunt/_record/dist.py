@@ -15,7 +15,10 @@
   shards): there nothing is agreed, each rank judges its own calls. `close()` agrees nothing.
 - **A silent rank.** A rank that died or stopped answering makes the agreement fail (at once, or at
   the group's timeout); the ranks that are still there then name the absent ones through the
-  rendezvous store and raise `SilentRankError`, all within ``dist_timeout``. A rank whose hunt
+  rendezvous store and raise `SilentRankError`, all within ``dist_timeout``: as dead when the
+  collective failed at once (a connection broke), as still running elsewhere when it ran to its time
+  limit (a hang, or a collective of the user's that this rank skipped: under DDP, one more or one
+  fewer ``step()`` on some rank leaves it in DDP's all-reduce while the others agree). A rank whose hunt
   closed (fewer optimizer steps than the others, or its block left by an error) posts that to the
   store as it closes: it is named as such, at once, not as dead.
 - **Before and after reduction** (`Distributed`): a tensor hook on each parameter
@@ -126,11 +129,14 @@ class Group:
     def _grace(self) -> float:
         return min(10.0, max(0.5, 0.1 * self.timeout))
 
+    def _limit(self) -> float:  # the collective's own time limit
+        return max(self.timeout - self._grace(), 0.5)
+
     def _group(self) -> Any:
         if self._pg is None:
             d = _dist()
             self._name = f"g{next(_made)}"
-            limit = timedelta(seconds=max(self.timeout - self._grace(), 0.5))
+            limit = timedelta(seconds=self._limit())
             self._pg = self._run("connect", lambda: d.new_group(backend="gloo", timeout=limit))
         return self._pg
 
@@ -180,12 +186,20 @@ class Group:
             return fn()
         except Exception as e:
             self.broken = True
+            waited = time.monotonic() - t0
             silent, closed, note = self._silent(t0)
             me = rank()
             if silent:
                 who = ", ".join(str(r) for r in silent)
+                # a rank that dies breaks its connections: an agreement fails at once; one that ran to its
+                # time limit broke none: the silent ranks still run, somewhere else than here (not so when
+                # connecting: that waits in the store for a rank that may have died before it ever came)
+                how = ("still running (no connection to it broke) but not in nanhunt's agreement: it hangs, or it "
+                       "waits in a collective of your program's that this rank is not in (under DDP: the ranks "
+                       "called optimizer.step() different numbers of times; every rank must call it equally often)"
+                       if what != "connect" and waited >= 0.9 * self._limit() else "died or stopped answering")
                 msg = (f"nanhunt (rank {me}): rank{'s' if len(silent) > 1 else ''} {who} did not answer within "
-                       f"dist_timeout={self.timeout:g} s ({what}): died or stopped answering{note}. Cause: {e}")
+                       f"dist_timeout={self.timeout:g} s ({what}): {how}{note}. Cause: {e}")
                 if closed:
                     msg = f"nanhunt (rank {me}): {_left(closed, silent, self.agreed, what)}. Cause: {e}"
                 if what == "connect":  # (the first agreement: a rank that never opened a hunt never joins it)
