@@ -446,6 +446,45 @@ def test_a_rank_that_never_opened_a_hunt_is_named_and_the_remedy_said(tmp_path):
     assert "open the hunt on every rank, or pass distributed=False" in res[0]["message"], res[0]["message"]
 
 
+def _own_finding_when_the_other_rank_falls_silent(rank: int, world: int, when: str) -> dict[str, Any]:
+    model = zoo.lognet(0)  # (ReLU zeros: log(0) = -inf on both ranks)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    if rank == 1 and when == "gather":
+        own, calls = model.log.forward, [0]
+
+        def dies_in_its_replay(x: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(1)
+            return own(x)
+        model.log.forward = dies_in_its_replay
+    try:
+        with nanhunt.watch(model, optimizer=opt, dist_timeout=3) as hunt:
+            loss = model(torch.randn(8, 4)).sum()
+            if rank == 1 and when == "agree":
+                raise ValueError("the loop's own check of the loss")
+            loss.backward()
+            opt.step()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "notes": getattr(e, "__notes__", []),
+                "findings": [f.to_dict() for f in hunt.findings]}
+    except ValueError:
+        time.sleep(1)
+    return {"ranks": None}
+
+
+@pytest.mark.parametrize("when", ["agree", "gather"])
+def test_a_ranks_own_finding_is_kept_when_another_rank_falls_silent(tmp_path, when):
+    """Both ranks made -inf; rank 1 left (its loop raised on the loss before step()) or died in its
+    analysis of the step. Rank 0 raised SilentRankError with nothing recorded: its own finding was
+    lost (report "no NaN/Inf found"). It is now judged on this rank alone, kept, and noted."""
+    res = ranks.run(_own_finding_when_the_other_rank_falls_silent, 2, str(tmp_path), when, limit=40, wait_for=(0,))
+    assert res[0] is not None and res[0]["ranks"] == [1], res[0]
+    first = res[0]["findings"][0]
+    assert (first["rank"], first["module"], first["op"], first["value"]) == (0, "log", "aten.log.default", "-inf"), first
+    assert any("this rank's own first finding" in n for n in res[0]["notes"]), res[0]["notes"]
+
+
 def _one_step_more_under_ddp(rank: int, world: int) -> dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(zoo.mlp(0))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)

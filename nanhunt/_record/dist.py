@@ -18,7 +18,8 @@
   rendezvous store and raise `SilentRankError`, all within ``dist_timeout``: as dead when the
   collective failed at once (a connection broke), as still running elsewhere when it ran to its time
   limit (a hang, or a collective of the user's that this rank skipped: under DDP, one more or one
-  fewer ``step()`` on some rank leaves it in DDP's all-reduce while the others agree). A rank whose hunt
+  fewer ``step()`` on some rank leaves it in DDP's all-reduce while the others agree); what this
+  rank found in that step is judged on its own and kept (`Hunt._end_step`). A rank whose hunt
   closed (fewer optimizer steps than the others, or its block left by an error) posts that to the
   store as it closes: it is named as such, at once, not as dead.
 - **Before and after reduction** (`Distributed`): a tensor hook on each parameter
@@ -64,6 +65,7 @@ class SilentRankError(RuntimeError):
     def __init__(self, message: str, ranks: tuple[int, ...]) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.bad = False  # this rank saw something non-finite in the step it could not agree on
 
 
 def _dist() -> Any:
@@ -280,7 +282,11 @@ class Distributed:
                      if pre else torch.zeros((), dtype=torch.bool, device=parts[0].device))
         local = [bool(x) for x in torch.stack([p.to(parts[0].device) for p in parts]).tolist()]  # the one sync
         values = [int(local[0]), int(local[1]), int(has_grads and not pre)]
-        agreed = self.group.all_max(values)
+        try:
+            agreed = self.group.all_max(values)
+        except SilentRankError as e:
+            e.bad = local[0]  # (this rank still judges its own step: `Hunt._end_step`)
+            raise
         return local[0], [*agreed, int(local[1])]
 
     def forget(self) -> None:

@@ -2183,12 +2183,18 @@ class Hunt:
         found: list[Finding] = []
         evaluation = False
         d = self._dist if collective else None
+        silent: _dist.SilentRankError | None = None  # a rank fell silent: this rank's own findings stay, then it raises
         try:
             if d is not None:  # one small all_reduce on nanhunt's own group, folded into the step's sync
                 flag = log.bad_flag()
                 cuda = flag is not None and flag.is_cuda
                 with span("nanhunt::sync", cuda):
-                    bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
+                    try:
+                        bad, agreed = d.agree(flag, any(isinstance(v, Grads) for _, v in log.vectors))
+                    except _dist.SilentRankError as e:
+                        if not e.bad:
+                            raise
+                        silent, bad, agreed, d = e, True, [1, 0, 1, 0], None  # judged as this rank's alone
                 if not agreed[0]:
                     return
             else:
@@ -2231,7 +2237,10 @@ class Hunt:
             in_evaluation = log.found_in_evaluation  # (the findings are all in evaluation passes' calls)
             if d is not None:
                 mine = _dist.judge(found, agreed)
-                everyone = d.group.gather(([f.to_dict() for f in mine], in_evaluation or not mine))
+                try:
+                    everyone = d.group.gather(([f.to_dict() for f in mine], in_evaluation or not mine))
+                except _dist.SilentRankError as e:  # (a rank died in its analysis: what it found is gone with it)
+                    silent, everyone = e, [([f.to_dict() for f in mine], in_evaluation or not mine)]
                 found = _dist.merge([got[0] if got else None for got in everyone])
                 in_evaluation = bool(found) and all(got is None or got[1] for got in everyone)  # the same on every rank
                 if failed is not None:
@@ -2249,7 +2258,12 @@ class Hunt:
         view = None
         if found:
             with span("nanhunt::finding", cuda):
-                self._handle(found, raise_ok, evaluation, made=made)
+                self._handle(found, raise_ok and silent is None, evaluation, made=made)
+        if silent is not None:
+            if found:
+                silent.add_note(f"nanhunt (rank {self.rank}): this rank's own first finding (in hunt.findings "
+                                f"and its report): {found[0].summary()}")
+            raise silent
 
     def _handle(self, found: list[Finding], raise_ok: bool, evaluation: bool = False, foreign: bool = False,
                 made: dict[int, int] | None = None) -> None:
