@@ -485,6 +485,32 @@ def test_a_ranks_own_finding_is_kept_when_another_rank_falls_silent(tmp_path, wh
     assert any("this rank's own first finding" in n for n in res[0]["notes"]), res[0]["notes"]
 
 
+def _slower_than_the_wait(rank: int, world: int) -> dict[str, Any]:
+    model = zoo.mlp(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    try:
+        with nanhunt.watch(model, optimizer=opt, dist_timeout=2) as hunt:  # (the collective waits 1.5 s)
+            for step in range(2):
+                if rank == 1 and step == 1:
+                    time.sleep(1.75)
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    except nanhunt.SilentRankError as e:
+        return {"ranks": list(e.ranks), "message": str(e), "step": hunt.step}
+    return {"ranks": None}
+
+
+def test_a_rank_that_came_after_the_wait_is_told_as_slow_with_the_remedy(tmp_path):
+    """Rank 1 came to step 1's agreement 1.75 s late (dist_timeout=2: the collective waits 1.5 s).
+    Rank 0 raised "the agreement between ranks failed" naming nobody, and no remedy: it now says
+    that every rank came, too late for the wait, and that such a rank needs a larger dist_timeout."""
+    res = ranks.run(_slower_than_the_wait, 2, str(tmp_path), limit=40)
+    assert res[0] is not None and res[0]["ranks"] == [] and res[0]["step"] == 1, res[0]
+    assert "every rank came to nanhunt's agreement (agree), but not within the 1.5 s" in res[0]["message"], res[0]
+    assert "needs a larger dist_timeout" in res[0]["message"], res[0]["message"]
+
+
 def _one_step_more_under_ddp(rank: int, world: int) -> dict[str, Any]:
     ddp = nn.parallel.DistributedDataParallel(zoo.mlp(0))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)

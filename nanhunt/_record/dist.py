@@ -207,6 +207,11 @@ class Group:
                 if what == "connect":  # (the first agreement: a rank that never opened a hunt never joins it)
                     msg += (". If that rank runs without nanhunt (watch() on some ranks only), open the hunt on "
                             "every rank, or pass distributed=False to judge each rank on its own")
+            elif what != "connect" and waited >= 0.9 * self._limit():  # (they came, after this rank's wait)
+                msg = (f"nanhunt (rank {me}): every rank came to nanhunt's agreement ({what}), but not within the "
+                       f"{self._limit():g} s this rank waits for them (dist_timeout={self.timeout:g} s, less the time "
+                       "kept for naming a silent rank): a rank that is that much slower at one step (an evaluation, a "
+                       f"checkpoint or a data stall on that rank alone) needs a larger dist_timeout{note}. Cause: {e}")
             else:
                 msg = f"nanhunt (rank {me}): the agreement between ranks failed ({what}){note}: {e}"
             raise SilentRankError(msg, tuple(silent)) from e
