@@ -1245,3 +1245,40 @@ def test_an_on_find_callback_that_steps_the_optimizer_gets_a_clear_error() -> No
         opt.step()  # the next, finite step is taken as usual
     assert seen == [0] and {f.step for f in hunt.findings} == {0}
     assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+class _RaisesOnOddBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if x.shape[0] == 3:
+            raise ValueError("a batch of 3")
+        return y
+
+
+@pytest.mark.parametrize("other", ["a second hunt", "a global forward hook of the user's"])
+def test_the_users_exception_in_a_forward_reaches_them_with_another_global_hook_after_ours(other: str) -> None:
+    """After an exception in a forward, torch runs the always-called global forward hooks while it
+    iterates its live dict of them; the root call's hook turned the outside-code recorder on, which
+    adds global hooks of its own: with another global hook after ours (a second hunt of the model,
+    any hook of the user's) the user got "RuntimeError: OrderedDict mutated during iteration" in
+    place of their own exception."""
+    model = _RaisesOnOddBatch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hunt = nanhunt.watch(model, opt)
+    more = (nanhunt.watch(model, opt) if other == "a second hunt"
+            else torch.nn.modules.module.register_module_forward_hook(lambda *a: None))
+    try:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with pytest.raises(ValueError, match="a batch of 3"):
+                model(torch.randn(3, 4))
+    finally:
+        (more.close if other == "a second hunt" else more.remove)()  # type: ignore[union-attr]
+        hunt.close()
+    assert hunt.findings == [] and all("forward" not in m.__dict__ for m in model.modules())

@@ -1196,9 +1196,17 @@ class Hunt:
             return
         if self._evbuf and self._inner == _get_ident():  # (what the lean path noted comes first)
             self._flush()
+        if output is _NO:  # the always-call path after an exception: (module, args, result)
+            # torch runs it while iterating its live dict of global forward hooks: the recorder's
+            # own global hooks (`Outside.on`) must not go in now (another hunt's or the user's hook
+            # after ours: "OrderedDict mutated during iteration" in place of the user's exception)
+            self._outside.held = True
+            try:
+                self._post(module, args, {}, kwargs)
+            finally:
+                self._outside.held = False
+            return
         try:
-            if output is _NO:  # the always-call path after an exception: (module, args, result)
-                output, kwargs = kwargs, {}
             if _get_ident() != self._owner:
                 if not (REPLAYING and get_ident() in REPLAYING):
                     self._foreign_post(module, kwargs, output)

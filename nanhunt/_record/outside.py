@@ -489,6 +489,7 @@ class Outside(TorchFunctionMode):
         self.stale = False  # passes everything through (see _Switch.off, close)
         self.closed = False
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
+        self.held = False  # torch runs the hooks after an exception in a forward: not on meanwhile (Hunt._post)
         _SWITCH.sweep()
 
     def busy(self) -> bool:
@@ -497,6 +498,8 @@ class Outside(TorchFunctionMode):
 
     def on(self) -> None:
         """A root call returned: code from here on is outside every watched call."""
+        if self.held:
+            return
         self.fresh = True
         _SWITCH.turn_on(self)
 
