@@ -17,11 +17,12 @@ import contextlib
 import itertools
 import warnings
 from collections.abc import Callable, Iterator
-from threading import get_ident
+from threading import Lock, get_ident
 from typing import Any
 
 import torch
 from torch.nn.modules import module as _module_mod
+from torch.optim import optimizer as _optim_mod
 
 # True inside torch.func transforms (vmap, grad, jacrev: per-sample gradients), read from the
 # dispatch keys. (`torch._C._functorch.maybe_current_level()` makes the thread's functorch state on
@@ -29,7 +30,7 @@ from torch.nn.modules import module as _module_mod
 # backward: +0.2 M instructions, 2 %, on each backward of the benchmark MLP, for the life of the thread.)
 in_transform: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
-__all__ = ["GlobalHooks", "ReplayHooks", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened",
+__all__ = ["GlobalHooks", "ReplayHooks", "MODULE_REGISTRATION", "OPTIMIZER_STEP", "REPLAYING", "replaying", "replaying_here", "on_hunt_opened", "hunt_opened",
            "own_global_hooks", "tick", "in_transform"]
 
 tick: Callable[[], int] = itertools.count(1).__next__  # the process's event clock (thread-safe: one C call)
@@ -122,6 +123,56 @@ class GlobalHooks:
         if got is not None and len(self._handles) == 2:
             _module_mod._global_forward_pre_hooks[self._handles[0].id] = got[0]
             _module_mod._global_forward_hooks[self._handles[1].id] = got[1]
+
+
+class Shared:
+    """One hook in one of torch's process-wide tables that torch iterates live while it calls each
+    hook (the module registration hooks as a child is set, the optimizer pre-hooks as ``step()``
+    begins), shared by every hunt: a hunt opened or closed meanwhile (from another hunt's
+    ``on_find``, or on another thread) made that call raise "OrderedDict mutated during
+    iteration". Hunts come and go in a tuple of ours, read as the hook runs; torch's table changes
+    only when the first comes and the last goes."""
+
+    def __init__(self, register: Callable[[Callable[..., None]], Any]) -> None:
+        self._register = register
+        self._fns: tuple[Callable[..., None], ...] = ()
+        self._handle: Any = None
+        self._lock = Lock()
+
+    def _call(self, *args: Any) -> None:
+        for fn in self._fns:  # (a hook never replaces what torch passes on: None)
+            fn(*args)
+
+    def add(self, fn: Callable[..., None]) -> SharedHandle:
+        with self._lock:
+            self._fns = (*self._fns, fn)
+            if self._handle is None:
+                self._handle = self._register(self._call)
+        return SharedHandle(self, fn)
+
+    def discard(self, fn: Callable[..., None]) -> None:
+        with self._lock:
+            self._fns = tuple(f for f in self._fns if f is not fn)
+            if not self._fns and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+
+
+class SharedHandle:
+    """What `Shared.add` returns: ``remove()`` as a torch handle's."""
+
+    def __init__(self, shared: Shared, fn: Callable[..., None]) -> None:
+        self._shared: Shared | None = shared
+        self._fn = fn
+
+    def remove(self) -> None:
+        if self._shared is not None:
+            self._shared.discard(self._fn)
+            self._shared = None
+
+
+MODULE_REGISTRATION = Shared(_module_mod.register_module_module_registration_hook)
+OPTIMIZER_STEP = Shared(_optim_mod.register_optimizer_step_pre_hook)
 
 
 class ReplayHooks(GlobalHooks):

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_mod
 
 import nanhunt
 from nanhunt import Report
@@ -97,6 +98,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_mod
 
 import nanhunt
 
@@ -202,6 +204,44 @@ def test_an_on_find_that_opens_a_hunt_on_the_stepping_optimizer_does_not_break_i
         for h in opened:
             h.close()
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("then", ["opens a hunt", "closes another hunt", "closes one on another thread"])
+def test_an_on_find_that_opens_or_closes_a_hunt_at_an_unwatched_optimizers_step_does_not_break_it(then: str) -> None:
+    """A hunt not given the optimizer judges its step from torch's global optimizer pre-hook, which
+    torch iterates live: a hunt opened or closed from its on_find (or on another thread meanwhile)
+    added or removed a hook of that dict, and the user's opt.step() raised 'OrderedDict mutated
+    during iteration'. Now the step goes on; nothing is left behind."""
+    import threading
+
+    model, other, third = zoo.lognet(), zoo.mlp(), zoo.mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opened: list[nanhunt.Hunt] = []
+
+    def on_find(f: nanhunt.Finding) -> None:
+        if then == "opens a hunt":
+            opened.append(nanhunt.watch(third, on_find="record"))
+        elif then == "closes another hunt":
+            second.close()
+        else:
+            t = threading.Thread(target=second.close)
+            t.start()
+            t.join()
+
+    first = nanhunt.watch(model, on_find=on_find)  # the optimizer not given: judged as its step() begins
+    second = nanhunt.watch(other, on_find="record")
+    before = zoo.snapshot(model)
+    try:
+        x = torch.rand(4, 4)
+        x[0] = -100.0  # ReLU zeros the row: log(0)
+        model(x).sum().backward()
+        opt.step()
+    finally:
+        for h in (first, second, *opened):
+            h.close()
+    assert [f.module for f in first.findings][:1] == ["log"]
+    assert not zoo.same_state(zoo.snapshot(model), before), "the step was taken (on_find, not raise)"
+    assert not optimizer_mod._global_optimizer_pre_hooks
 
 
 class _Normalize(nn.Module):

@@ -47,12 +47,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
-from torch.optim import optimizer as _optim_mod
 
 from .._files import warn_unwritten
 from .._finding import Finding, NonFiniteError
-from .._hooks import REPLAYING, GlobalHooks, hunt_opened, in_transform, replaying
+from .._hooks import MODULE_REGISTRATION, OPTIMIZER_STEP, REPLAYING, GlobalHooks, hunt_opened, in_transform, replaying
 from .._hooks import tick as _tick
 from .._locate import locate
 from .._locate.damage import bad_state, damage
@@ -384,7 +382,7 @@ class Hunt:
     def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any) -> None:
         """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails)."""
         o = self.options
-        self._handles.append(_module_mod.register_module_module_registration_hook(self._on_register))
+        self._handles.append(MODULE_REGISTRATION.add(self._on_register))
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
             self._catch_compiled_root()
         if self._per_module:
@@ -400,7 +398,7 @@ class Hunt:
             self.add_optimizer(opt)
         # an optimizer nobody gave to watch() may still step the model's weights (with none given; or
         # besides the one given: AdamW for the biases and norms next to the watched one for the matrices)
-        self._handles.append(_optim_mod.register_optimizer_step_pre_hook(self._unwatched_step))
+        self._handles.append(OPTIMIZER_STEP.add(self._unwatched_step))
         if scaler is not None:
             self._wrap_scaler(scaler)
         _logger.debug("watching %s (mode %s, %d optimizer(s))", type(model).__name__, o.mode, len(self._opts))
