@@ -767,6 +767,44 @@ def test_a_nan_in_the_tensors_given_to_functional_call_is_their_finding_not_a_ha
     assert all(bool(p.isfinite().all()) for p in model.parameters())  # the module's own, untouched
 
 
+class _MAML(nn.Module):
+    """One inner step inside the forward: the query batch runs on adapted weights (functional_call
+    of a child), whose gradient is an L2 distance's: sqrt at 0 (a support pair fitted exactly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+        params = dict(self.net.named_parameters())
+        inner = torch.sqrt(((functional_call(self.net, params, (xs,)) - ys) ** 2).sum(1)).mean()
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        fast = {k: v - 0.1 * g for (k, v), g in zip(params.items(), grads)}
+        return functional_call(self.net, fast, (xq,))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_child_run_on_non_finite_adapted_weights_inside_the_forward_names_them(mode: str) -> None:
+    # the cause was judged on the child's own (finite) parameters after the call: "created" from
+    # finite inputs, with the 0/0 hint, for a Linear fed NaN weights by the inner step
+    torch.manual_seed(0)
+    model = _MAML()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        for step in range(2):
+            xs, xq = torch.randn(3, 4), torch.randn(3, 4)
+            with torch.no_grad():
+                ys = model.net(xs) + 0.1
+                if step == 1:
+                    ys[1] = model.net(xs)[1]
+            model(xs, ys, xq).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "net.0", 1, "parameter"), f
+    assert "'net.0.weight', given to torch.func.functional_call" in f.hint, f.hint
+
+
 class _Amplified(torch.Tensor):
     """A subclass whose linear is 1e30 times larger (a scaled tensor type): its semantics matter."""
 

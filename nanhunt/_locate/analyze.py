@@ -1281,6 +1281,11 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
         bad.sort(key=lambda k: not (k.startswith(prefix) and "." not in k[len(prefix):]))  # the module's own first, else a tied one
         if bad:
             return _hints.given_hint(bad[0])
+    if where is not None:  # a child run through functional_call inside the forward (adapted weights)
+        r = ctx._replays.get((where[1], False)) or ctx._replays.get((where[1], True))
+        rc = r.calls[where[2]] if r is not None and where[2] < len(r.calls) else None
+        if rc is not None and rc.given:
+            return _hints.given_hint(f"{f.module}.{rc.params_bad[0]}" if f.module else rc.params_bad[0])
     try:
         module = root.get_submodule(f.module)
     except AttributeError:

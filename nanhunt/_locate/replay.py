@@ -79,6 +79,7 @@ class ReplayCall:
     _in_bad: list[bool] | None = None
     _in_nan: list[bool] | None = None
     _params_bad: list[str] | None = None
+    given: bool = False  # ran on tensors given to torch.func.functional_call in place of its parameters
     before: dict[int, torch.Tensor | None] = field(default_factory=dict)  # buffers: their value before the call
 
     @property
@@ -498,8 +499,10 @@ def _replay_top(
         c = ReplayCall(module, name, len(calls), len(stack), parent)
         if before:
             c.before = before
-        if top.reparam:
-            _ = c.params_bad  # judged now: functional_call's tensors are the module's only during the call
+        if top.reparam or any(type(t) is not nn.Parameter for t in module._parameters.values() if t is not None):
+            # judged now: functional_call's tensors are the module's only during the call (also a
+            # child's, run on adapted weights inside the forward: a meta-learning inner step)
+            c.given = bool(c.params_bad)
         ins = list(tensors((args, {})))
         c.in_versions = {p: version(t) for p, t in ins}
         if c.ordinal in keep_given:  # it writes an input in place (see replay_top): keep it as it comes in
