@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ._finding import Finding
 
 __all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS",
-           "VERDICT_WORDS", "reference_text", "remedy", "damage_text", "recovery_rows"]
+           "VERDICT_WORDS", "reference_text", "remedy", "damage_text", "recovery_rows", "one_line", "visible"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -101,11 +101,25 @@ def element_text(f: Finding) -> str:
 # named "a\nFirst NaN: ..." would fake a line): escaped in every sentence made here
 _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
 _CONTROL.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})
+_CONTROL_TEXT = {c: v for c, v in _CONTROL.items() if c not in (0x09, 0x0A)}  # a text's own lines and tabs kept
+
+
+def one_line(s: str) -> str:
+    """``s`` (a name, or a sentence holding names: a hint, a warning, a damage list) with control
+    characters, newlines included, and bidi overrides escaped: it stays on its own line."""
+    return s.translate(_CONTROL)
+
+
+def visible(s: str) -> str:
+    """``s`` (a whole rendered text) with control characters but tab and newline escaped: what a
+    terminal or a page shows as it is, never a terminal command (an escape sequence in a name)."""
+    return s.translate(_CONTROL_TEXT)
 
 
 def _names_safe(f: Finding) -> Finding:
-    """``f`` with its names (module, class, tensor, file path, chain) safe to put in one line."""
-    names = (f.module, f.module_type, f.tensor, f.source or "", *f.chain)
+    """``f`` with its names (module, class, tensor, file path, chain) and its hint (which names
+    them) safe to put in one line."""
+    names = (f.module, f.module_type, f.tensor, f.source or "", f.hint, *f.chain)
     if all(n.isprintable() and n.translate(_CONTROL) == n for n in names):
         return f
     import dataclasses
@@ -113,7 +127,7 @@ def _names_safe(f: Finding) -> Finding:
     return dataclasses.replace(
         f, module=f.module.translate(_CONTROL), module_type=f.module_type.translate(_CONTROL),
         tensor=f.tensor.translate(_CONTROL), source=f.source.translate(_CONTROL) if f.source else f.source,
-        chain=tuple(c.translate(_CONTROL) for c in f.chain))
+        hint=f.hint.translate(_CONTROL), chain=tuple(c.translate(_CONTROL) for c in f.chain))
 
 
 def headline(f: Finding, first: bool = True) -> str:

@@ -13,7 +13,7 @@ import pytest
 
 from nanhunt import Finding, Report
 from nanhunt._report.render import heatmap_svg, html, text
-from nanhunt._words import headline
+from nanhunt._words import headline, paragraph
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 REGEN = os.environ.get("NANHUNT_REGEN_GOLDEN") == "1"
@@ -254,3 +254,42 @@ def test_control_characters_in_names_never_reach_the_message_raw() -> None:
         assert not any(line.startswith("First NaN: forward of `decoy`") for line in said.splitlines()), said
         assert "\\x1b[2J\\x0aFirst NaN: forward of `decoy`\\u202e" in said, said
     assert ei.value.finding.module.startswith("a\x1b[2J\n")  # the data itself is unchanged
+
+
+def test_a_name_that_is_a_terminal_command_is_shown_escaped_in_every_part_of_every_format(tmp_path) -> None:
+    """A module name from user data (a ModuleDict key) holding a newline, an escape sequence and a
+    bidi override, here the module with the loaded NaN weight: the hint naming it, the damage list,
+    the list of all findings, the early warnings and the heatmap's labels wrote it raw (a fake
+    "First NaN:" line in the terminal and the .txt, `ESC]0;...BEL` setting the terminal's title
+    under `nanhunt show`/`nanhunt run` on a terminal, raw control characters in the .html; the
+    NonFiniteError's message, one paragraph, held the hint's newline)."""
+    import torch
+    from torch import nn
+
+    import nanhunt
+
+    bad = "x\x1b]0;owned\x07\x1b[2J\nFirst NaN: fake\u202e"
+    torch.manual_seed(0)
+    model = nn.ModuleDict({bad: nn.Linear(4, 4), "head": nn.Linear(4, 1)})
+    with torch.no_grad():
+        model[bad].weight[0, 0] = float("nan")  # a poisoned checkpoint's weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hunt = nanhunt.watch(model, opt, on_find="record")
+    for _ in range(2):
+        opt.zero_grad()
+        model["head"](model[bad](torch.ones(2, 4))).sum().backward()
+        opt.step()
+    hunt.close()
+    report = hunt.report
+    report.warnings.append({"step": 1, "module": bad, "message": f"`{bad}` output abs-max grows"})
+    assert report.first is not None and report.first.module == bad and bad in report.first.hint
+    assert len(report.findings) > 1 and report.damage_known
+    rich = pytest.importorskip("rich.console")
+    buf = io.StringIO()
+    rich.Console(file=buf, width=200, color_system="truecolor", force_terminal=True).print(report)
+    shown = {"text": str(report), "rich": re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue()), "html": report.to_html(),
+             "message": paragraph(report.first)}
+    for fmt, said in shown.items():
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f\u202e]", said), (fmt, said)
+        assert not any(line.lstrip().startswith("First NaN: fake") for line in said.splitlines()), (fmt, said)
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\x0aFirst NaN: fake\\u202e" in said, fmt

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._words import fmt as _fmt
 from .._words import num as _num
+from .._words import one_line
 
 __all__ = ["heatmap_svg", "tree_order"]
 
@@ -111,7 +112,7 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None, va
     hi = math.log10(max(finite)) if finite else 1.0
 
     cw = max(_MIN_CELL_W, min(_MAX_CELL_W, _PLOT_W // max(1, n_cols)))
-    names = [modules[r] or "<model>" for r in order]
+    names = [one_line(modules[r] or "<model>") for r in order]  # a name's control characters shown escaped
     label_w = int(min(380, 16 + _CHAR_W * max(len(n) for n in names)))
     top = 40
     plot_w = n_cols * cw

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._words import details, element_text, headline, recovery_rows
+from .._words import details, element_text, headline, one_line, recovery_rows, visible
 from .heatmap import heatmap_svg
 from .sources import road_location
 
@@ -43,7 +43,7 @@ def _warning_line(w: Any) -> str:
         where.append(f"step {w['step']}")
     if w.get("module"):
         where.append(f"`{w['module']}`")
-    return (f"[{', '.join(where)}] " if where else "") + msg
+    return one_line((f"[{', '.join(where)}] " if where else "") + msg)  # names the user's module
 
 
 def _road(chain: tuple[str, ...], sources: dict[str, str]) -> list[tuple[str, str | None]]:
@@ -52,13 +52,13 @@ def _road(chain: tuple[str, ...], sources: dict[str, str]) -> list[tuple[str, st
     last = None
     for c in chain:
         loc = road_location(c)
-        out.append((c, sources.get(loc) if loc and loc != last else None))
+        out.append((one_line(c), sources.get(loc) if loc and loc != last else None))
         last = loc
     return out
 
 
 def _recovery(report: Report) -> list[tuple[str, str]]:
-    rows = recovery_rows(report.damage, report.skipped, report.bad_samples)
+    rows = [(k, one_line(v)) for k, v in recovery_rows(report.damage, report.skipped, report.bad_samples)]
     return rows if report.damage_known else rows[1:]  # damage not measured: say nothing of it
 
 
@@ -83,7 +83,7 @@ def text(report: Report) -> str:
                     lines.append(f"         {line}")
         if f.hint:
             lines.append("")
-            lines.append(f"  why: {f.hint}")
+            lines.append(f"  why: {one_line(f.hint)}")
         recovery = _recovery(report)
         if recovery:
             lines.append("")
@@ -96,8 +96,8 @@ def text(report: Report) -> str:
         lines.append("")
         lines.append(f"All findings ({len(report.findings)}, in order):")
         for g in report.findings:
-            lines.append(f"  step {g.step:>5}  {g.phase:<9}  {g.module or '<model>'}  {g.tensor}  ({g.cause})")
-    return "\n".join(lines)
+            lines.append(f"  step {g.step:>5}  {g.phase:<9}  {one_line(g.module or '<model>')}  {one_line(g.tensor)}  ({g.cause})")
+    return visible("\n".join(lines))  # a name's escape sequence is no terminal command, in a .txt file too
 
 
 # ------------------------------------------------------------------ rich
@@ -119,7 +119,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         t.add_column(style="cyan", no_wrap=True)
         t.add_column()
         for k, v in details(f, report.sources):
-            t.add_row(k, Text(v))  # Text: a source line like `x[mask]` is not rich markup
+            t.add_row(k, Text(visible(v)))  # Text: a source line like `x[mask]` is not rich markup
         yield t
         if len(f.chain) > 1:
             road = Text("road to the value (oldest first):", style="bold")
@@ -127,10 +127,10 @@ def rich_renderables(report: Report) -> Iterator[Any]:
                 road.append(f"\n  {i + 1}. ")
                 road.append(c, style="magenta" if i == 0 else "")
                 if line:
-                    road.append(f"\n       {line}", style="dim")
+                    road.append(f"\n       {visible(line)}", style="dim")
             yield road
         if f.hint:
-            yield Text.assemble(("why: ", "bold"), f.hint)
+            yield Text.assemble(("why: ", "bold"), one_line(f.hint))
         for k, v in _recovery(report):
             yield Text.assemble((f"{k}: ", "bold"), (v, "green" if v.startswith("contained") else "red"))
     if report.warnings:
@@ -142,7 +142,7 @@ def rich_renderables(report: Report) -> Iterator[Any]:
         for col in ("step", "phase", "module", "tensor", "cause"):
             t.add_column(col, justify="right" if col == "step" else "left")
         for g in report.findings:
-            t.add_row(*(Text(str(c)) for c in (g.step, g.phase, g.module or "<model>", g.tensor, g.cause)))
+            t.add_row(*(Text(one_line(str(c))) for c in (g.step, g.phase, g.module or "<model>", g.tensor, g.cause)))
         yield t
 
 
@@ -164,12 +164,15 @@ ol.chain li{margin:2px 0}.src{color:#5f6b7a;padding-left:1.5em;white-space:pre-w
 
 def html(report: Report) -> str:
     """A self-contained HTML page: inline CSS and SVG only, nothing fetched."""
-    e = _html.escape
+
+    def e(s: str) -> str:  # markup escaped, and control characters and bidi overrides shown escaped
+        return _html.escape(visible(s))
+
     f = report.first
     parts = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>nanhunt report{': ' + e(f.module or '<model>') if f else ''}</title>",
+        f"<title>nanhunt report{': ' + e(one_line(f.module or '<model>')) if f else ''}</title>",
         f"<style>{_CSS}</style></head><body>",
         "<h1>nanhunt report</h1>",
     ]
@@ -191,7 +194,7 @@ def html(report: Report) -> str:
                          for c, line in _road(f.chain, report.sources))
             parts.append("</ol>")
         if f.hint:
-            parts.append(f"<p class='hint'><b>Why:</b> {e(f.hint)}</p>")
+            parts.append(f"<p class='hint'><b>Why:</b> {e(one_line(f.hint))}</p>")
         recovery = _recovery(report)
         if recovery:
             parts.append("<table class='kv' id='recovery'>")
@@ -217,8 +220,8 @@ def html(report: Report) -> str:
         parts.append("<tr><th>step</th><th>phase</th><th>module</th><th>tensor</th><th>cause</th><th>op</th></tr>")
         for g in report.findings:
             parts.append(
-                f"<tr><td>{e(str(g.step))}</td><td>{e(g.phase)}</td><td class='mono'>{e(g.module or '<model>')}</td>"
-                f"<td class='mono'>{e(element_text(g))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
+                f"<tr><td>{e(str(g.step))}</td><td>{e(g.phase)}</td><td class='mono'>{e(one_line(g.module or '<model>'))}</td>"
+                f"<td class='mono'>{e(one_line(element_text(g)))}</td><td>{e(g.cause)}</td><td class='mono'>{e(g.op or '')}</td></tr>"
             )
         parts.append("</table>")
     parts.append("</body></html>")
@@ -239,16 +242,10 @@ def print_report(report: Report, stream: Any = None) -> None:
     print(printable(str(report), getattr(stream, "encoding", None)), file=stream)
 
 
-# control characters (C0 but tab and newline, DEL, C1) shown escaped: a report's strings are data,
-# never terminal commands
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (0x09, 0x0A)}
-_CONTROL.update({c: f"\\u{c:04x}" for c in [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]})  # bidi overrides
-
-
 def printable(s: str, encoding: str | None = None) -> str:
     """``s`` safe to print: control characters escaped, and what ``encoding`` cannot hold (a lone
     surrogate in a module name) backslash-escaped instead of raising."""
-    s = s.translate(_CONTROL)
+    s = visible(s)  # a report's strings are data, never terminal commands
     enc = encoding or "utf-8"
     try:
         return s.encode(enc, "backslashreplace").decode(enc)
