@@ -23,6 +23,7 @@ a renderer or a rebuild.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -374,13 +375,19 @@ def need(d: Any, key: str, tp: Any, where: str, default: Any = dataclasses.MISSI
     return check_type(d[key], tp, f"{where}.{key}")
 
 
+@functools.cache
+def _annotations(cls: Any) -> tuple[tuple[dataclasses.Field[Any], ...], dict[str, Any]]:
+    """The dataclass ``cls``'s fields and their types, worked out once (`typing.get_type_hints`
+    evaluates every annotation anew: the most of reading a report of thousands of findings)."""
+    return dataclasses.fields(cls), typing.get_type_hints(cls)
+
+
 def checked_fields(cls: Any, d: Any, where: str, build: Callable[[dict[str, Any]], Any]) -> Any:
     """``build(d)`` for the dataclass ``cls`` (e.g. ``Finding.from_dict``), after checking every field
     of ``d`` against its annotation, and every field of the result again."""
     if not isinstance(d, dict):
         raise FileFormatError(f"{where} must be an object, got {_got(d)}")
-    hints = typing.get_type_hints(cls)
-    fields = dataclasses.fields(cls)
+    fields, hints = _annotations(cls)
     for f in fields:
         if f.name in d:
             check_type(d[f.name], hints[f.name], f"{where}.{f.name}")
