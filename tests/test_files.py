@@ -491,3 +491,27 @@ def test_a_report_of_many_findings_is_read_without_evaluating_annotations_per_fi
     loaded = Report.load(path)
     assert [f.step for f in loaded.findings] == list(range(200))
     assert len(calls) <= 2, len(calls)
+
+
+def test_two_open_hunts_never_write_one_report(tmp_path, monkeypatch) -> None:
+    """A GAN's generator and discriminator watched with the same report=: the discriminator's clean
+    hunt, closed last, wrote "no NaN found" over the generator's finding, without a word. The second
+    watch() is refused; the path is free again once the first hunt is closed, also through a link."""
+    monkeypatch.chdir(tmp_path)
+    gen, disc = zoo.expnet(), zoo.mlp()
+    hunt = nanhunt.watch(gen, report="r.json", on_find="record")
+    (tmp_path / "latest.json").symlink_to("r.json")
+    for same in ("r.json", str(tmp_path / "r.json"), "latest.json"):
+        with pytest.raises(ValueError, match="another open hunt"):
+            nanhunt.watch(disc, report=same)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in disc.modules())  # nothing stays behind
+    x = torch.randn(8, 4)
+    x[3] = 1000.0
+    gen(x)
+    hunt.close()
+    assert Report.load(tmp_path / "r.json").first is not None
+    with nanhunt.watch(disc, report="latest.json"):  # the first hunt is closed: free
+        disc(torch.randn(2, 4))
+    (tmp_path / "null.json").symlink_to(os.devnull)
+    with nanhunt.watch(gen, report="null.json", on_find="record"), nanhunt.watch(disc, report="null.json"):
+        pass  # a device is written in place by each: shared freely

@@ -185,6 +185,7 @@ _LAZY_CAP = 256  # outputs held at most (<= 16 MiB)
 _MAX_ENTRIES = 200_000  # a step that never ends (eval loops): sync anyway past this
 _FOLD = 8  # a step's earlier logs kept as calls at most (see _Counted)
 _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then at most this often, and on close
+_REPORT_WRITERS: dict[str, weakref.ReferenceType[Hunt]] = {}  # report file (links followed) -> the open hunt writing it
 
 
 class _Counted:
@@ -233,6 +234,8 @@ class Hunt:
         opts = _optimizers(optimizer)
         o = options if options is not None else Options.make()
         self.options = o
+        if o.report is not None:
+            _report_free(o.report)  # (before any hook)
         self._report_path = o.report
         self._report_at: float | None = None  # when `report=` was last written while running
         self._bundle_path = o.bundle
@@ -377,6 +380,8 @@ class Hunt:
             self._report_path = None  # nothing was watched: no report
             self._release()  # nothing stays behind of a watch that failed to start
             raise
+        if self._report_path is not None:
+            _REPORT_WRITERS[os.path.realpath(self._report_path)] = weakref.ref(self)
         hunt_opened(self)
 
     def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any) -> None:
@@ -2606,6 +2611,27 @@ class Hunt:
         self._compiled = None
         if self._report_path is not None:
             self._write_report()
+            key = os.path.realpath(self._report_path)
+            if _report_writer(key) is self:
+                del _REPORT_WRITERS[key]
+
+
+def _report_writer(key: str) -> Hunt | None:
+    ref = _REPORT_WRITERS.get(key)
+    return ref() if ref is not None else None
+
+
+def _report_free(path: str) -> None:
+    """A ValueError when an open hunt writes ``path`` already: the two would replace each other's
+    report, the last to write winning (a clean hunt's close wrote "no NaN found" over the other's
+    finding). A device (``/dev/null``) is written in place by each, never replaced: shared freely."""
+    other = _report_writer(os.path.realpath(path))
+    if other is None or other.closed or (os.path.exists(path) and not os.path.isfile(path)):
+        return
+    watched = type(other._root).__name__ if other._root is not None else "a model"
+    raise ValueError(f"report {path!r} is written by another open hunt already (watching {watched}): two hunts "
+                     "writing one file would overwrite each other's findings, the last to write winning; give "
+                     "each hunt its own report path, or close() the other hunt first")
 
 
 def _add_stats(log: StepLog, name: str, t: torch.Tensor, key: tuple[int, int], handed_on: bool = False,
