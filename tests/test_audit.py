@@ -192,6 +192,22 @@ def test_audit_of_a_checkpoint_folder_names_the_files_to_audit(tmp_path: Any, ca
     assert line == f"nanhunt: {folder} is a folder, not a checkpoint file; audit the files in it (model.safetensors, optimizer.pt)"
 
 
+def test_a_file_name_from_a_folder_is_printed_escaped_never_as_a_terminal_command(tmp_path: Any, capsys: Any) -> None:
+    """A downloaded checkpoint folder's file name holding an escape sequence and a newline went raw
+    to the terminal: in the list of files to audit, and as the path on each line of the listing."""
+    folder = tmp_path / "checkpoint-500"
+    folder.mkdir()
+    name = "x\x1b]0;owned\x07\nnanhunt: fake.pt"
+    torch.save({"w": torch.tensor([float("nan")])}, folder / name)
+    assert main(["audit", str(folder)]) == 2
+    assert main(["audit", str(folder / name)]) == 3
+    out, err = capsys.readouterr()
+    for said in (out, err):
+        assert "\x1b" not in said and "\x07" not in said and "\nnanhunt: fake" not in said, said
+        assert "x\\x1b]0;owned\\x07\\x0ananhunt: fake.pt" in said, said
+    assert len(err.splitlines()) == 1
+
+
 def test_a_tensor_nested_however_deep_is_judged_file_object_and_cli(tmp_path: Any, capsys: Any) -> None:
     """A checkpoint nested 300 levels deep (a trainer's state chain, a list of per-epoch dicts) with
     an inf at the bottom was reported clean: the walk stopped silently at depth 64."""

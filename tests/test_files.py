@@ -277,6 +277,18 @@ def test_replay_of_a_bundle_with_wrong_fields_is_one_clear_line(tmp_path, cli, c
     assert field in err, err
 
 
+def test_replay_prints_a_bundles_names_escaped(tmp_path, cli) -> None:
+    """A bundle is someone else's file: its module name went raw to the terminal in replay's first line."""
+    d = copy.deepcopy(_good_bundle(tmp_path))
+    d["finding"]["module"] = "lin\x1b]0;owned\x07\nReproduced: fake"
+    path = tmp_path / "b.pt"
+    torch.save(d, path)
+    rc, out, err = cli("replay", str(path))
+    assert rc in (0, 3), err
+    assert "\x1b" not in out and "\x07" not in out and "\nReproduced: fake" not in out, out
+    assert "lin\\x1b]0;owned\\x07\\x0aReproduced: fake" in out.splitlines()[0], out
+
+
 def test_nanhunt_run_checks_its_report_path_the_same_way(tmp_path, cli, monkeypatch) -> None:
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")

@@ -30,16 +30,18 @@ def add_parser(sub: Any) -> None:
 
 def cmd(ns: argparse.Namespace) -> int:
     from .._locate.audit import AuditRefused, audit
+    from .._words import one_line
 
     try:
         found = audit(ns.checkpoint, ignore=ns.ignore)
     except (OSError, AuditRefused) as e:
-        print(f"nanhunt: {e}", file=sys.stderr)
+        print(f"nanhunt: {one_line(str(e))}", file=sys.stderr)  # (a file name from a folder's listing is data)
         return EXIT_USAGE
+    path = one_line(ns.checkpoint)
     if not found:
-        print(f"{ns.checkpoint}: no NaN/Inf")
+        print(f"{path}: no NaN/Inf")
         return 0
-    print(f"{ns.checkpoint}: {len(found)} tensor{'s' if len(found) != 1 else ''} with NaN/Inf")
+    print(f"{path}: {len(found)} tensor{'s' if len(found) != 1 else ''} with NaN/Inf")
     for f in found:
         counts = ", ".join(f"{f.counts.get(k, 0)} {k}" for k in ("nan", "+inf", "-inf"))
         idx = "[" + ", ".join(map(str, f.index)) + "]" if f.index is not None else ""

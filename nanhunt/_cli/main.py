@@ -31,6 +31,7 @@ import zipfile
 from typing import Any, NoReturn
 
 from .._report import print_report
+from .._words import one_line
 from . import audit
 
 __all__ = ["main"]
@@ -195,11 +196,11 @@ class _Version(argparse.Action):
 
 
 def _err(msg: str) -> None:
-    print(f"nanhunt: {msg}", file=sys.stderr)
+    print(f"nanhunt: {one_line(msg)}", file=sys.stderr)  # (a file name from a folder's listing is data)
 
 
 def _usage(parser: argparse.ArgumentParser, msg: str) -> int:
-    print(f"{parser.prog}: error: {msg} (see '{parser.prog} --help')", file=sys.stderr)
+    print(f"{parser.prog}: error: {one_line(msg)} (see '{parser.prog} --help')", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -273,7 +274,7 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     except BundleError as e:
         _err(_one_line(e))
         return EXIT_USAGE
-    print(result.summary())
+    print(one_line(result.summary()))  # the bundle's names are data (someone else's file)
     exp = result.expected
     if exp is not None:
         print(f"saved finding: {exp.summary()}")
