@@ -14,7 +14,7 @@ from typing import Any
 
 from .._words import fmt as _fmt
 from .._words import num as _num
-from .._words import one_line
+from .._words import one_line, visible
 
 __all__ = ["heatmap_svg", "tree_order"]
 
@@ -119,7 +119,10 @@ def heatmap_svg(history: dict[str, Any], mark: tuple[str, int] | None = None, va
     legend_w = 640
     width = int(max(label_w + plot_w + 16, label_w + legend_w))
     height = top + len(order) * _CELL_H + 86
-    e = _html.escape
+
+    def e(s: str) -> str:  # markup escaped, and control characters and bidi overrides shown escaped
+        return _html.escape(visible(s))
+
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         f'role="img" aria-label="per-module abs-max heatmap" font-size="{_FONT}">'
