@@ -327,9 +327,9 @@ def test_a_tensor_held_under_many_keys_is_one_finding_and_deep_key_paths_are_cut
 def test_a_zip_bomb_is_refused_before_anything_is_loaded(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
     import zipfile
 
-    from nanhunt._locate import audit as audit_mod
+    from nanhunt._locate import checkpoint
 
-    monkeypatch.setattr(audit_mod, "_MAX_FREE", 1 << 20)  # the same rule as at 256 MiB, on a small file
+    monkeypatch.setattr(checkpoint, "MAX_FREE", 1 << 20)  # the same rule as at 256 MiB, on a small file
     ok = tmp_path / "ok.pt"
     torch.save({"w": torch.zeros(1 << 19)}, ok)  # 2 MB stored uncompressed, as torch.save does
     assert nanhunt.audit(ok) == []

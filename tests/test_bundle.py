@@ -296,3 +296,25 @@ def test_a_bundle_input_viewing_a_tiny_storage_as_gigabytes_is_refused(tmp_path)
     assert os.path.getsize(path) < 64 * 1024
     with pytest.raises(BundleError, match=r"bundle\.args\[0\] is a view of 8589934592 elements \(32 GiB\)"):
         replay(path)
+
+
+def test_a_zip_bomb_bundle_is_refused_before_anything_is_loaded(tmp_path, monkeypatch, capsys):
+    """A 1 MB bundle whose input record deflates to 1 GiB of zeros was loaded whole by `nanhunt
+    replay` (audit refused the same file): refused by the same rule now, before torch.load."""
+    import zipfile
+
+    from nanhunt._locate import checkpoint
+
+    monkeypatch.setattr(checkpoint, "MAX_FREE", 1 << 20, raising=False)  # the rule at 256 MiB, on a small file
+    honest = save_bundle(tmp_path / "ok.pt", nn.Linear(4, 3), (torch.zeros(1 << 18, 4),))  # 4 MB, uncompressed
+    load(honest)
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(honest) as src, zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    with pytest.raises(BundleError, match=r"inflate to [\d,]+ bytes from a [\d,]+-byte file .*nothing was loaded"):
+        load(bomb)
+    capsys.readouterr()
+    assert main(["replay", str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "nothing was loaded" in err, err

@@ -10,12 +10,11 @@ import fnmatch
 import io
 import os
 import re
-import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._files import check_readable, glob_patterns
-from .checkpoint import Keys, all_bad, finding, key_path, refused_global, safe_load, unreadable, walk
+from .checkpoint import Keys, all_bad, finding, key_path, refused_global, safe_load, unreadable, walk, zip_bomb
 
 __all__ = ["audit", "AuditRefused"]
 
@@ -71,21 +70,6 @@ def audit(path_or_object: Any, ignore: Iterable[str] | str = ()) -> list[Any]:
 
 
 _CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-_MAX_RATIO, _MAX_FREE = 64, 1 << 28  # torch.save stores its records uncompressed: a ratio of about 1
-
-
-def _unzipped_size(path: str) -> None:
-    """Refuse a zip archive whose records inflate far past the file's own size (a zip bomb: 1 MB
-    that loads as 1 GiB of zeros): torch.load would materialise every byte of them."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            total = sum(i.file_size for i in z.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return  # not a zip (a legacy pickle checkpoint): the loader says what it is
-    size = os.path.getsize(path)
-    if total > max(_MAX_RATIO * size, _MAX_FREE):
-        raise AuditRefused(f"{path}: refused: its records inflate to {total:,} bytes from a {size:,}-byte file "
-                           f"(a torch checkpoint stores them uncompressed); nothing was loaded")
 
 
 def _same_values(t: Any) -> Any:
@@ -125,7 +109,9 @@ def _load(path: str) -> Any:
         except Exception as e:  # SafetensorError (a bad or lying header), OSError, ...
             said = " ".join(str(e).split()) or type(e).__name__
             raise AuditRefused(f"{path}: not a .safetensors file safetensors can read: {said}") from None
-    _unzipped_size(path)
+    bomb = zip_bomb(path)
+    if bomb is not None:
+        raise AuditRefused(f"{path}: refused: {bomb}")
     try:
         return safe_load(path)
     except Exception as e:  # any failure of the safe loader: refused or unreadable, nothing in it was run

@@ -33,7 +33,7 @@ from .._files import FileFormatError, atomic_write, check_depth, check_type, che
 from .._finding import Finding
 from .._profile import span
 from .._tensors import element, format_path, tensors
-from .checkpoint import refused_global, safe_load, unreadable
+from .checkpoint import refused_global, safe_load, unreadable, zip_bomb
 from .replay import as_it_is, faithful
 
 __all__ = ["save", "save_from_top", "load", "replay", "ReplayResult", "BundleError", "FORMAT"]
@@ -262,6 +262,9 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise BundleError(f"{p}: no such bundle file")
     if why is not None:
         raise BundleError(f"{p} {why}" + (", not a nanhunt bundle file" if why.startswith("is ") else ""))
+    bomb = zip_bomb(p)
+    if bomb is not None:
+        raise BundleError(f"{p} was refused: {bomb}")
     try:
         data = safe_load(p)
     except FileNotFoundError:

@@ -36,7 +36,7 @@ from .._tensors import (
 )
 
 __all__ = ["Keys", "Entry", "TensorKey", "walk", "key_path", "first_bad", "all_bad", "finding", "refused_global", "unreadable",
-           "judgeable", "safe_load", "SPARSE"]
+           "judgeable", "safe_load", "SPARSE", "zip_bomb"]
 
 Keys = tuple[Any, ...]
 # (key path, tensor, inside the "state" of something shaped like an optimizer's state_dict)
@@ -160,6 +160,25 @@ def _children(o: Any, chain: Chain, optim: bool) -> Iterator[tuple[Chain, Any, b
         return (((chain, i), v, optim) for i, v in zip(itertools.count(), o))
     fields = _fields(o)
     return iter([((chain, Attr(k)), v, optim) for k, v in fields]) if fields else None
+
+
+MAX_RATIO, MAX_FREE = 64, 1 << 28  # torch.save stores its records uncompressed: a ratio of about 1
+
+
+def zip_bomb(path: str) -> str | None:
+    """Why ``path`` must not be loaded, when it is a zip archive whose records inflate far past the
+    file's own size (a zip bomb: 1 MB that loads as 1 GiB of zeros; torch.load would materialise
+    every byte of them); else None (also for what is no zip: the loader says what it is)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            total = sum(i.file_size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    size = os.path.getsize(path)
+    if total <= max(MAX_RATIO * size, MAX_FREE):
+        return None
+    return (f"its records inflate to {total:,} bytes from a {size:,}-byte file (torch.save stores them "
+            "uncompressed); nothing was loaded")
 
 
 def safe_load(path: str) -> Any:
