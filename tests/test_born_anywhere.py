@@ -1698,6 +1698,28 @@ def test_an_inf_a_saturating_function_makes_finite_again_is_no_finding(mode: str
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gumbel_noise_of_a_uniform_draw_of_0_that_a_softmax_takes_is_no_finding(mode: str) -> None:
+    """Gumbel-softmax by hand, -log(-log(u)) with u = 0 (torch.rand's [0, 1) holds 0): a noise of -inf
+    gives that class probability 0 in the softmax, as meant; outputs and gradients are finite, as
+    they are unwatched. The run was stopped with a forward finding at the log."""
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
+        for step in range(2):
+            logits = m(torch.randn(6, 4))
+            u = torch.rand(logits.shape)
+            u[2, 1] = 0.0 if step == 1 else u[2, 1]
+            y = ((logits - torch.log(-torch.log(u))) / 0.5).softmax(-1)
+            loss = (y * torch.arange(float(y.shape[-1]))).sum(-1).mean()
+            loss.backward()
+            assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [], hunt.findings
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_inf_atan_hides_in_forward_is_found_where_its_gradient_is_nan(mode: str) -> None:
     """CIoU's atan(w / h) of a box of height 0, differentiated: the forward is finite (atan(inf) =
     pi/2), the gradient of the division by 0 is nan: found there, at its line."""

@@ -537,11 +537,12 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
 # calls that drop elements (select, overwrite, replace them): a finite output of one from a
 # non-finite input left the non-finite elements out; and elementwise functions that saturate at
 # +-inf, whose finite value there is their limit (a metric's atan(w / h) of a box of height 0:
-# pi/2). (Arithmetic that makes finite values of an inf, max_norm / inf = 0 in clip_grad_norm_,
-# changed the finite ones: not dropped.)
+# pi/2; a softmax's 0 for a -inf, hand-made Gumbel noise -log(-log(u)) at u = 0). (Arithmetic
+# that makes finite values of an inf, max_norm / inf = 0 in clip_grad_norm_, changed the finite
+# ones: not dropped.)
 _DROPPING = frozenset({"where", "masked_fill", "masked_fill_", "nan_to_num", "nan_to_num_", "__getitem__",
                        "__setitem__", "masked_select", "index_select", "nansum", "nanmean",
-                       "atan", "arctan", "tanh", "sigmoid"})
+                       "atan", "arctan", "tanh", "sigmoid", "softmax"})
 
 
 def _dropped_later(log: StepLog, ri: int, t: torch.Tensor, most: int = 64) -> bool:
