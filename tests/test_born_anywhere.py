@@ -1720,6 +1720,23 @@ def test_gumbel_noise_of_a_uniform_draw_of_0_that_a_softmax_takes_is_no_finding(
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_of_0_a_softmax_hides_in_forward_is_found_at_its_gradient_with_the_remedy(mode: str) -> None:
+    """softmax(log(h)) with one h exactly 0: the softmax gives that position 0, finite, but the
+    gradient of log there is 0 * 1/0 = nan. Found at LogBackward0 and its line; the hint only said
+    "The gradient of log at 0 is infinite." with no remedy."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        h = (out.abs() + 0.1) * torch.tensor([1.0, 0.0, 1.0])  # a rate that reached exactly 0
+        p = torch.log(h).softmax(-1)  # @log-softmax
+        return (p * torch.arange(3.0)).sum(-1).mean()
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "LogBackward0", "created"), f
+    assert same_source(f.source, line("log-softmax")) and f.index == (0, 1), f
+    assert "clamp_min(eps)" in f.hint and "log space" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_inf_atan_hides_in_forward_is_found_where_its_gradient_is_nan(mode: str) -> None:
     """CIoU's atan(w / h) of a box of height 0, differentiated: the forward is finite (atan(inf) =
     pi/2), the gradient of the division by 0 is nan: found there, at its line."""

@@ -75,11 +75,16 @@ _BACKWARD = {
     "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x))): a distance "
                      "sqrt(((a - b) ** 2).sum(-1)) of two equal points is one. Take sqrt(x + eps), or "
                      "torch.linalg.vector_norm(a - b, dim=-1), whose gradient at 0 is 0",
-    "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite",
+    "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite (-1/(2 x^1.5)): a variance or squared norm that "
+                      "reached 0; take rsqrt(x + eps)",
     "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1 (take (x + eps) ** p), "
                     "and overflows for a large x when p > 1",
-    "LogBackward0": "the gradient of log at 0 is infinite",
-    "DivBackward0": "the gradient of a division by (nearly) 0 overflows",
+    "LogBackward0": "the gradient of log at 0 is infinite (1/x): its input reached 0 (a probability that "
+                    "underflowed, a ReLU output), also where the forward's -inf looked harmless (a softmax "
+                    "or exp made it 0). Keep it positive (clamp_min(eps), x + eps) or compute it in log space "
+                    "(F.log_softmax, F.logsigmoid)",
+    "DivBackward0": "the gradient of a division by (nearly) 0 overflows (-x/d^2 in d, 1/d in x): guard the "
+                    "denominator (+ eps or clamp_min(eps); clamp(min=1) for a count)",
     "NormBackward1": "the gradient of a norm at the zero vector is 0/0",
     "LinalgVectorNormBackward0": "the gradient of a norm at the zero vector is 0/0",
     "WhereBackward0": "the untaken branch of torch.where still gets a gradient: inf * 0 = nan there",
