@@ -1483,6 +1483,27 @@ def test_label_smoothing_over_a_minus_inf_mask_is_told_as_the_mask_meeting_a_sum
     assert "label smoothing" in f.hint and "harmless unless" not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_soft_target_on_a_minus_inf_masked_class_names_the_target(mode: str) -> None:
+    # distillation: the student's vocabulary masked with -inf in the loss code, the teacher's soft
+    # targets still on the masked classes: F.kl_div's p * (log p - log q) is inf there. The hint
+    # spoke of -inf * 0, inf - inf and label smoothing, not of a target on a masked class
+    torch.manual_seed(0)
+    m = nn.Linear(4, 5)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mask = torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            x, p = torch.randn(8, 4), torch.randn(8, 5).softmax(-1)
+            logq = F.log_softmax(m(x).masked_fill(mask & (step == 1), float("-inf")), -1)  # (a restricted batch)
+            F.kl_div(logq, p, reduction="batchmean").backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.module, f.step, f.op) == ("<outside>", 1, "aten.masked_fill.Scalar") and f.value == math.inf, str(f)
+    assert "kl_div" in f.hint and "mask the target" in f.hint and "finfo(dtype).min" in f.hint, f.hint
+
+
 class _PaddedAttention(nn.Module):
     def __init__(self) -> None:
         super().__init__()

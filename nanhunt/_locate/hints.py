@@ -462,7 +462,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("mask_written") and f.value is not None and not math.isfinite(f.value):
         return (f"A -inf mask written by {op} reached arithmetic that made {f.value} of it (-inf * 0: p * log p at a "
                 "masked position, whose probability is 0; inf - inf; a sum or mean over masked positions, as "
-                "label smoothing takes over every class). Mask with a "
+                "label smoothing takes over every class; a target with probability on a masked position, in "
+                "F.kl_div or a soft-label cross entropy: mask the target too, to 0). Mask with a "
                 "large finite value (torch.finfo(dtype).min) instead of -inf, or keep masked positions out of the "
                 "computation (torch.special.xlogy(p, p) for p * log p).")
     if fx.get("mask_fed"):
