@@ -1128,3 +1128,48 @@ def test_a_normal_log_prob_whose_scale_reached_0_is_told_as_a_log_of_exactly_0(m
     want = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if text.endswith("# @normal-log-prob"))
     assert f.source is not None and f.source.endswith(f"test_watch_forward.py:{want}"), str(f)
     assert "exactly 0" in f.hint and "scale" in f.hint and "softplus" in f.hint, f.hint
+
+
+class _RidgeHead(nn.Module):
+    """A closed-form ridge head (meta-learning): W = (Z^T Z + lam I)^-1 Z^T Y on the support set."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.ReLU())
+        self.lam = nn.Parameter(torch.tensor(0.5))
+        self.how = how
+
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+        zs, zq = self.enc(xs), self.enc(xq)
+        gram = zs.T @ zs + F.relu(self.lam) * torch.eye(4)
+        if self.how == "inv_ex":
+            return zq @ torch.linalg.inv_ex(gram)[0] @ zs.T @ ys  # @ridge
+        return zq @ torch.linalg.solve_ex(gram, zs.T @ ys)[0]  # @ridge
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["inv_ex", "solve_ex"])
+def test_an_inverse_of_a_singular_gram_matrix_is_told_as_singular(how: str, mode: str) -> None:
+    # 3 support points in 4 dimensions, one feature a dead ReLU's 0 and the ridge term relu'd to 0:
+    # the Gram matrix is singular and inv_ex / solve_ex return inf/nan (inv and solve would raise).
+    # The op and line were right, the hint the generic "0/0, inf - inf or inf * 0 — e.g. a softmax
+    # over a fully masked row"
+    torch.manual_seed(0)
+    model = _RidgeHead(how)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    model.lam.fill_(-1.0)
+                    model.enc[2].bias[0] = -100.0
+            model(torch.randn(3, 8), torch.randn(3, 2), torch.randn(5, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.step) == ("forward", "", "created", 1), str(f)
+    assert f.op in ("aten.linalg_inv_ex.default", "aten._linalg_solve_ex.default"), str(f)
+    want = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if text.endswith("# @ridge") and how in text)
+    assert f.source is not None and f.source.endswith(f"test_watch_forward.py:{want}"), str(f)
+    assert "singular matrix" in f.hint and "lstsq" in f.hint and "masked row" not in f.hint, f.hint

@@ -22,6 +22,11 @@ DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
                 "torch.where(cond, f(torch.where(cond, x, safe_x)), other)")
 
+_SINGULAR = ("a singular matrix (torch.linalg.inv_ex and solve_ex return inf/nan with info > 0 where inv and solve "
+             "raise): a Gram or covariance matrix X^T X loses rank with fewer rows than columns or a feature that "
+             "is all 0 (a dead ReLU), and a ridge term lam * I stops it only while lam > 0; keep lam positive "
+             "(F.softplus(raw) + eps), check info, or use torch.linalg.lstsq / pinv")
+
 _OPS = {
     "log": "log of 0 gives -inf and log of a negative number gives nan",
     "sqrt": "sqrt of a negative number gives nan",
@@ -66,6 +71,8 @@ _OPS = {
     "xlogy": "the x * log(y) of xlogy(x, y) is ±inf where y is 0 and x is not: a Beta log_prob at a value of exactly 0 or 1 "
              "((a - 1) * log(value), (b - 1) * log(1 - value)), a Bernoulli or Binomial at a probability of exactly 0 or 1; "
              "clamp the value into (eps, 1 - eps)",
+    "linalg_inv_ex": "the inverse of " + _SINGULAR,
+    "_linalg_solve_ex": "a linear solve with " + _SINGULAR,
     "softplus": "softplus computes log1p(exp(beta * x)) / beta below its threshold and x above it: exp overflows once "
                 "beta * x passes 88.7 (float32), so a threshold above that lets it overflow; keep the threshold at "
                 "the default 20",
