@@ -139,6 +139,41 @@ def test_run_record_lets_the_script_finish_and_still_exits_3(fault_script, cli):
     assert "forward of `head` (LogHead) at step 5" in err
 
 
+NAN_SCALE = """
+import torch
+from torch import nn
+
+
+class Policy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.mu, self.sigma = nn.Linear(8, 16), nn.Linear(16, 2), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.mu(h), torch.sqrt(self.sigma(h))
+
+
+torch.manual_seed(0)
+m = Policy()
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+mu, sigma = m(torch.randn(4, 8))
+torch.distributions.Normal(mu, sigma).log_prob(torch.zeros(4, 2)).mean().backward()  # ValueError: a NaN scale
+opt.step()
+"""
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_run_of_a_script_that_its_own_argument_check_stops_reports_the_models_nan(tmp_path, cli, mode):
+    # torch.distributions' validate_args raises ValueError on the NaN scale the model returned, before
+    # any backward: sentinel said "no NaN/Inf found; exit status 1 is the script's own"
+    script = tmp_path / "policy.py"
+    script.write_text(NAN_SCALE)
+    rc, out, err = cli("run", "--mode", mode, str(script))
+    assert rc == 3, err
+    assert "ValueError" in err and "born here in aten.sqrt.default" in err and "no NaN/Inf found" not in err, err
+
+
 def test_run_clean_script_passes_its_status_and_argv(tmp_path, cli):
     script = tmp_path / "clean.py"
     script.write_text(CLEAN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -235,3 +236,35 @@ def test_the_users_own_error_carries_the_finding_as_a_note() -> None:
 def test_record_mode_adds_no_note() -> None:
     exc, hunt = _run_with_own_check("record")
     assert hunt.first is not None and not getattr(exc, "__notes__", [])
+
+
+class _GaussianPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.mu, self.sigma = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2), torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.mu(h), torch.sqrt(self.sigma(h))  # (a negative pre-activation: nan) @policy-scale
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_the_model_returned_to_a_distributions_argument_check_is_a_note_in_every_mode(mode: str) -> None:
+    # torch.distributions.Normal(mu, sigma) checks its arguments (validate_args) and raises ValueError on
+    # a NaN scale before any loss or backward: full mode put the model's finding on that error, sentinel
+    # (which judges the training call's outputs through their gradients) had no finding at all
+    torch.manual_seed(0)
+    m = _GaussianPolicy()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with pytest.raises(ValueError) as ei:
+        with nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
+            mu, sigma = m(torch.randn(4, 8))
+            torch.distributions.Normal(mu, sigma).log_prob(torch.zeros(4, 2)).mean().backward()
+            opt.step()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.op, f.step) == ("forward", "", "aten.sqrt.default", 0), hunt.findings
+    assert f.tensor == "output[1]" and f.source is not None, f
+    want = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if text.endswith("@policy-scale"))
+    assert f.source.endswith(f"test_closed.py:{want}"), f
+    assert any("nanhunt" in n and "aten.sqrt.default" in n for n in getattr(ei.value, "__notes__", [])), ei.value
+    assert not hunt.findings[1:], hunt.findings

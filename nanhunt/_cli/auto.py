@@ -301,6 +301,8 @@ class AutoWatch:
     def _close_quietly(hunt: Hunt, leaving: bool = False) -> None:
         if isinstance(hunt.on_find, _OnFind):
             hunt.on_find.mode = "record"
+        if leaving:  # (the script left by an error before the step ended: as when a `with` block is)
+            hunt._probe_unjudged_outputs()
         try:
             hunt.close(raise_pending=not leaving)  # (leaving: the other ranks are told it left by an error)
         except NonFiniteError:

@@ -528,6 +528,8 @@ class Hunt:
         if self._depth > 0 and not self._closed:
             return  # an inner `with hunt:` ends; the hunt goes on watching the outer block
         before = len(self.findings)
+        if isinstance(exc, Exception) and not isinstance(exc, NonFiniteError):
+            self._probe_unjudged_outputs()
         self._close(raise_pending=exc_type is None)
         if (isinstance(exc, Exception) and not isinstance(exc, NonFiniteError) and len(self.findings) > before
                 and self.on_find in ("raise", "skip", "breakpoint")):
@@ -538,6 +540,22 @@ class Hunt:
                 exc.add_note("nanhunt: " + paragraph(self.findings[0], first=before == 0))
             except Exception:  # (an exception type that refuses attributes)
                 pass
+
+    def _probe_unjudged_outputs(self) -> None:
+        """Sentinel, the block left by an error of the user's own before the step ended (a
+        torch.distributions argument check on a NaN scale, an assert on the outputs): the gradients
+        that would judge what the step's training calls returned never came, so their outputs still
+        alive are probed now, once, for the step's end at close()."""
+        if self._per_module or self._closed:
+            return  # (full mode probed every output as it was made)
+        try:
+            log = self._log
+            for c in log.calls:
+                if c.depth == 0 and c.out_keys and not c.outs:  # (a training call: only its 0-dim outputs probed)
+                    items = [(path, t) for k, path in c.out_keys if (t := log.tensors[k].ref()) is not None]
+                    self._probe_root_outputs(log, c, items)
+        except Exception as exc:
+            self._fault(exc, "close()")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "watching"
