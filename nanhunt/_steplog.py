@@ -579,5 +579,7 @@ class StepView:
     born_rows: list[tuple[int, list[int]] | None] = field(default_factory=list)
     step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)
     step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()
+    # per (optimizer, group index): the last step() that ran with a non-finite float lr, and that lr
+    bad_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     probed_at: dict[int, int] = field(default_factory=dict)  # per optimizer: the step of its last probed update
     optimizer_every: int = 1

@@ -888,6 +888,49 @@ def test_a_nan_learning_rate_is_found_at_the_update_op_and_the_step_line(opt_cla
     assert f.source.endswith(f":{line}") and "nan" in f.hint, f
 
 
+def test_a_tensor_learning_rate_made_nan_by_a_schedule_is_found_at_the_update_op() -> None:
+    # Adam(lr=torch.tensor(...)) (a tensor lr, as for a captured step) and a warm-up over 0 steps: the
+    # shadow step that finds the update op was built with lr=nan and failed the constructor's checks
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3))
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: float("nan") if s == 0 else 1.0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.op) == ("optimizer", 0, "aten.addcdiv_.default"), f
+    assert "param_groups[0]['lr'] = nan" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("lr", [1e-3, torch.tensor(1e-3)], ids=["float", "tensor"])
+def test_sentinel_names_a_learning_rate_that_was_inf_for_one_step_only(lr: Any) -> None:
+    # a schedule that divides by 0 at one step (1 / (s - 3) at s = 3) and is finite again after it: sentinel
+    # reads the update every 10 steps, and finds the weights non-finite when the next step's gradients are;
+    # the lr is 1e-3 by then, and the hint said "an exploding learning rate (its lr is 0.001)" over steps 0 to 3
+    np = pytest.importorskip("numpy")
+
+    torch.manual_seed(0)
+    model = zoo.transformer_encoder(dropout=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def factor(s: int) -> float:
+        with np.errstate(divide="ignore"):
+            return float(np.float64(1.0) / np.float64(s - 3)) if s == 3 else 1.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode="sentinel"):
+        for _ in range(8):
+            model(torch.randn(2, 5, 16, generator=g)).pow(2).mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 3, "created"), f
+    assert "param_groups[0]['lr'] = inf at step 3" in f.hint and "steps 0 to 3" not in f.hint, f.hint
+
+
 @pytest.mark.parametrize("settings", [{"mode": "sentinel"}, {"mode": "full", "optimizer_every": 0},
                                       {"mode": "full", "optimizer_every": 10}, {"mode": "full"}],
                          ids=["sentinel", "optimizer_every=0", "optimizer_every=10", "full"])

@@ -1446,6 +1446,14 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         op, alone = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else (None, False)
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
         setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""
+        named = False  # the step is known from the lr noted at it, not only the window of readings
+        if not setting and opt is not None and not at_start and not fed:
+            # its lr is finite now, but was not at a step() since the last reading (a schedule's 1/0)
+            past = _optim.past_bad_lr(opt, p, entry.opt, ctx.view.bad_lrs,
+                                      step - 1 if entry.since is None else entry.since, step)
+            if past is not None:
+                step, named = past[1], True
+                setting = f"{past[0]} at step {step}"
         src = ctx.view.step_lines.get(entry.opt)
         chain: tuple[str, ...] = (f"{op} @ {src}" if src else op,) if op else ()
         if op is None and opt is not None and not fed and not at_start and ctx.view.rank is None:
@@ -1456,7 +1464,7 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         if opt is not None and facts is not None and alone:
             facts["settings"] = _optim.settings_text(opt, p)  # (its update overflows from a weight of 1)
         hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting, grads=facts)
-        if not at_start and entry.since is not None and step - entry.since > 1:
+        if not at_start and not named and entry.since is not None and step - entry.since > 1:
             # (a state, read every `optimizer_every` steps, shows only in the window since its last
             # reading; so does a parameter whose non-finite part no forward since used: the rows of
             # an embedding that the next batches did not look up)

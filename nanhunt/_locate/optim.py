@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "grad_facts"]
+__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "past_bad_lr",
+           "grad_facts"]
 
 
 def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
@@ -93,8 +94,7 @@ def _shadow_writes(opt: torch.optim.Optimizer, p: torch.Tensor) -> _Writes | Non
         accepted = inspect.signature(type(opt).__init__).parameters
         # a NaN/inf setting (lr = nan from a warm-up over 0 steps) fails the constructor's checks; the
         # op that writes the tensor does not depend on its value
-        hp: dict[str, Any] = {k: (1e-3 if isinstance(v, float) and not math.isfinite(v) else v)
-              for k, v in group.items() if k in accepted and k != "params"}
+        hp: dict[str, Any] = {k: _finite(v) for k, v in group.items() if k in accepted and k != "params"}
         with torch.no_grad():
             q = torch.nn.Parameter(torch.ones(1, dtype=p.dtype, device=p.device))
         q.grad = torch.full_like(q, 0.5)
@@ -110,6 +110,15 @@ def _shadow_writes(opt: torch.optim.Optimizer, p: torch.Tensor) -> _Writes | Non
         return w
     except Exception:
         return None
+
+
+def _finite(v: Any) -> Any:
+    """A setting for the shadow: a non-finite float or one-element tensor (a tensor lr) as 1e-3."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return 1e-3
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and v.is_floating_point() and not bool(torch.isfinite(v)):
+        return torch.full_like(v, 1e-3)
+    return v
 
 
 def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
@@ -202,6 +211,18 @@ def bad_hyperparameter(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
                     return f"param_groups[{gi}][{key!r}] = {x}"
         return ""
     return ""
+
+
+def past_bad_lr(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, seen: dict[tuple[int, int], tuple[int, float]],
+                since: int, step: int) -> tuple[str, int] | None:
+    """``("param_groups[g]['lr'] = inf", s)`` when ``p``'s group of optimizer ``i`` ran its step() of
+    step ``s`` (``since < s <= step``) with a non-finite lr (``seen``: as the hunt noted it then), else
+    None: a schedule's lr finite again by the reading that found the weights it poisoned."""
+    for gi, group in enumerate(opt.param_groups):
+        if any(q is p for q in group["params"]):
+            got = seen.get((i, gi))
+            return (f"param_groups[{gi}]['lr'] = {got[1]}", got[0]) if got is not None and since < got[0] <= step else None
+    return None
 
 
 # the division that eps guards in each torch.optim update, named by the optimizer's own state; that

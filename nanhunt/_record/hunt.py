@@ -261,6 +261,9 @@ class Hunt:
         self._when: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (`occurred`, the finding)
         self._step_clocks: dict[int, int] = {}  # per optimizer: when its last step() ended (`_hooks.tick`)
         self._step_of: dict[int, int] = {}  # per optimizer: the training step its last step() belonged to
+        # per (optimizer, group): the last step() it ran with a non-finite float lr, and that lr (a
+        # schedule's 1/0 at one step, finite again when a sampled reading finds the weights it poisoned)
+        self._bad_lrs: dict[tuple[int, int], tuple[int, float]] = {}
         self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
@@ -1994,6 +1997,12 @@ class Hunt:
         # optimizer's writes from the user's.
         self._step_clocks[i] = _tick()
         self._step_of[i] = step  # (an optimizer of a round not yet ended: this step, not the one before)
+        for gi, g in enumerate(opt.param_groups):
+            lr = g.get("lr")
+            if lr.__class__ is torch.Tensor and lr.is_cpu and lr.numel() == 1:
+                lr = lr.item()  # (a tensor lr a schedule fills in place; on a device it would be a sync)
+            if lr.__class__ is float and lr - lr != 0:  # inf or nan (the scheduler steps after this)
+                self._bad_lrs[(i, gi)] = (step, lr)
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
@@ -2519,6 +2528,7 @@ class Hunt:
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
             step_clocks=dict(self._step_clocks),
             step_of=dict(self._step_of),
+            bad_lrs=dict(self._bad_lrs),
             probed_at=dict(self._probed_at),
             optimizer_every=self._optimizer_every,
         )
