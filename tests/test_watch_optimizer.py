@@ -672,6 +672,32 @@ def test_eps_0_names_the_optimizers_own_state_and_default(cls: type, division: s
     assert f"divides 0 by 0 ({division})" in f.hint and f"the default {default})" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_centered_rmsprop_whose_variance_rounds_negative_is_named(mode: str) -> None:
+    # WGAN's RMSprop, centered: the head's bias gets the same gradient at every step (the loss is linear
+    # in it), so square_avg - grad_avg**2 tends to 0 and rounding makes it negative; its sqrt is nan
+    # after ~130 steps (~1200 with the default alpha=0.99), with every gradient finite and lr 5e-5. The
+    # hint blamed an exploding learning rate (its lr is 5e-05) or sqrt(square_avg) at 0
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 64))
+    opt = torch.optim.RMSprop(critic.parameters(), lr=5e-5, alpha=0.9, centered=True)
+    coef = 1 + torch.arange(64) / 64
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        (-(critic(torch.randn(16, 8, generator=g)) * coef).mean(0).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(critic, opt, mode=mode):
+        for _ in range(300):
+            step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.cause) == ("optimizer", "2", "bias", "created"), f
+    assert "RMSprop(centered=True)" in f.hint and "negative" in f.hint and "centered=False" in f.hint, f.hint
+    assert "learning rate" not in f.hint, f.hint
+
+
 def test_adam_state_overflow_from_a_huge_gradient_names_the_gradient_not_the_learning_rate() -> None:
     """A loss term weighted 1e21 (a term in the wrong units): finite, but its gradient's square
     passes float32's largest value, so exp_avg_sq becomes inf while the weights stay finite (the

@@ -873,6 +873,11 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
     if fed:
         return (f"After the optimizer step, {what} is non-finite: the step was applied with non-finite "
                 "gradients (on_find was not 'raise').")
+    if g.get("negative_variance") is not None:
+        return (f"After the optimizer step, {what} is non-finite: RMSprop(centered=True) divides by "
+                "sqrt(square_avg - grad_avg**2), the gradient's variance, which is 0 where the gradient "
+                f"has stayed the same from step to step, and rounding made it negative ({g['negative_variance']:.3g}): "
+                "its sqrt is nan (eps is added after the sqrt and does not help). Use centered=False.")
     # (eps = 0: the division by the optimizer's own state, and its class's default eps)
     division = f" ({g['guarded']})" if g.get("guarded") else ""
     fix = (f"Use a positive eps (the default {g['eps_default']:g}).".replace("e-0", "e-") if g.get("eps_default")

@@ -257,7 +257,8 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     dtype's largest value, with ``bad_state``, the first of ``p``'s optimizer states that is
     non-finite, or None); for a torch.optim class with a denominator, always ``denominator`` (the
     state eps guards: Adam's ``exp_avg_sq``, RMSprop's ``square_avg``), ``holds`` (what it holds, in
-    words) and ``guarded`` (the division). Only those and ``eps`` when the gradient is gone
+    words) and ``guarded`` (the division); for centered RMSprop whose ``square_avg - grad_avg**2`` is
+    negative somewhere, ``negative_variance`` (its least value). Only those and ``eps`` when the gradient is gone
     (``zero_grad()`` ran) or non-finite (read a step later, in sentinel mode, after the poisoned
     weights made the next gradient NaN)."""
     out: dict[str, Any] = {}
@@ -271,6 +272,14 @@ def grad_facts(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
         if isinstance(eps, (int, float)) and eps == 0:
             out["eps"] = 0.0
             out["eps_default"] = _eps_default(opt)
+        state = opt.state.get(p, {})
+        sa, ga = state.get("square_avg"), state.get("grad_avg")
+        if group.get("centered") and isinstance(sa, torch.Tensor) and isinstance(ga, torch.Tensor):
+            # centered RMSprop's sqrt(square_avg - grad_avg^2), as its update computes it: a variance of
+            # 0 (a gradient constant over the steps) that rounding made negative, whose sqrt is nan
+            var = torch.addcmul(sa, ga, ga, value=-1)
+            if bool((var < 0).any()):
+                out["negative_variance"] = float(var.min())
         lr = group.get("lr")
         if isinstance(lr, torch.Tensor) and lr.numel() == 1:
             lr = float(lr)
