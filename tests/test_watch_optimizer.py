@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
 import os
 import warnings
 from typing import Any
@@ -362,6 +363,60 @@ def test_a_round_of_optimizers_numbers_the_calls_across_their_steps() -> None:
                 m(x).sum().backward()
                 o.step()
     assert (hunt.first.module, hunt.first.step, hunt.first.call) == ("log", 2, 1)
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-Aware Minimization as it is usually written (davda54/sam): ``first_step()`` moves the
+    weights up the gradient by rho / ||g|| (no eps here), ``second_step()`` puts them back and steps
+    ``base_optimizer``, which shares its param_groups; the wrapper's own ``step()`` is never called."""
+
+    def __init__(self, params: Any, base: Any, rho: float = 0.05, **kw: Any) -> None:
+        super().__init__(params, dict(rho=rho, **kw))
+        self.base_optimizer = base(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self) -> None:
+        norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"] if p.grad is not None]).norm()
+        for group in self.param_groups:
+            scale = group["rho"] / norm  # @sam-scale
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad * scale)
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+
+def test_sam_watched_through_its_wrapper_counts_the_base_optimizers_steps() -> None:
+    # watch(model, sam): the batch at step 2 already has zero loss (a margin loss), ||g|| = 0 and
+    # first_step's rho / ||g|| is inf (inf * 0 = nan in the weights). The finding said step 0: the
+    # wrapper nanhunt hooked never steps, its base optimizer does
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    sam = _SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, sam):
+        for i in range(5):
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            if i == 2:
+                with torch.no_grad():
+                    y = model(x).argmax(1)  # already right, by any margin of 0: no loss, no gradient
+            for _ in range(2):
+                F.multi_margin_loss(model(x), y, margin=0.0 if i == 2 else 1.0).backward()
+                sam.first_step() if _ == 0 else sam.second_step()
+    f = ei.value.finding
+    assert (f.module, f.step, f.op, f.cause) == ("<outside>", 2, "aten.reciprocal.default", "created"), f
+    path, line = (f.source or ":0").rsplit(":", 1)
+    assert "@sam-scale" in linecache.getline(path, int(line)), f
 
 
 def test_optimizer_hooks_do_not_change_the_update() -> None:

@@ -2777,8 +2777,14 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A wrapper optimizer (accelerate's ``AcceleratedOptimizer``, which never runs
-    ``Optimizer.__init__`` and steps the optimizer it holds) -> the torch optimizer that steps."""
+    ``Optimizer.__init__`` and steps the optimizer it holds; SAM, whose ``first_step()`` and
+    ``second_step()`` step its ``base_optimizer`` over the same param_groups and whose own ``step()``
+    the loop may never call) -> the torch optimizer that steps."""
     for _ in range(8):
+        base = getattr(opt, "base_optimizer", None)
+        if isinstance(base, torch.optim.Optimizer) and base is not opt and getattr(opt, "param_groups", None) is base.param_groups:
+            opt = base
+            continue
         if hasattr(opt, "_optimizer_step_pre_hooks"):
             break  # set up by torch: its own step hooks run
         inner = getattr(opt, "optimizer", None)
