@@ -523,6 +523,43 @@ def test_a_parameter_outside_the_model_that_an_update_overflowed_is_born_once_an
     assert hunt.report.damage["parameters"] == ["param_groups[1][0]"], hunt.report.damage
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_ema_teacher_inside_the_model_written_non_finite_after_step_is_told_as_the_loops_update(mode: str) -> None:
+    # DINO/BYOL: student and teacher in one watched module, the teacher (requires_grad=False, in no
+    # optimizer) updated by an EMA after step() whose momentum schedule divides by (total - i), 0 at
+    # the last step. The hint said "give the optimizer the parameter the model uses": the remedy for a
+    # parameter forgotten by the optimizer, not for a teacher that must never be in it
+    class DINO(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.student = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+            self.teacher = copy.deepcopy(self.student).requires_grad_(False)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            with torch.no_grad():
+                t = self.teacher(b)
+            return self.student(a), t
+
+    torch.manual_seed(0)
+    model = DINO()
+    opt = torch.optim.SGD(model.student.parameters(), lr=0.1)
+    total = 3
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for i in range(6):
+            s, t = model(torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g))
+            (-(F.softmax(t / 0.04, -1) * F.log_softmax(s / 0.1, -1)).sum(-1).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                m = 1 - torch.tensor(0.004) * (total - i) / torch.tensor(float(total - i))  # 0/0 at i = total
+                for ps, pt in zip(model.student.parameters(), model.teacher.parameters()):
+                    pt.mul_(m).add_((1 - m) * ps)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause) == ("forward", "teacher.0", total + 1, "parameter"), f
+    assert "does not require grad" in f.hint and "EMA" in f.hint and "give the optimizer" not in f.hint, f.hint
+
+
 def _load_poisoned_state(m: nn.Module) -> None:
     state = {k: v.clone() for k, v in m.state_dict().items()}
     name = next(k for k in state if k.endswith("weight"))

@@ -1309,7 +1309,7 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             # judged finite as its last step() returned, its version unmoved since: its .data was replaced
             return _hints.replaced_hint(what, t.dtype)
         if held and isinstance(t, torch.nn.Parameter) and id(t) not in held:
-            return _hints.unheld_hint(what)
+            return _hints.unheld_hint(what, frozen=not t.requires_grad)
         if not ctx.view.optimizers and isinstance(t, torch.nn.Parameter):
             return _hints.unwatched_hint(what)
     return ""

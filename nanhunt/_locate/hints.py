@@ -735,8 +735,14 @@ def written_before_step_hint(what: str) -> str:
             "it so; the optimizer's update only carried it on. Look at what writes it outside the optimizer.")
 
 
-def unheld_hint(what: str) -> str:
-    """A non-finite parameter that no watched optimizer holds: the user's code set it."""
+def unheld_hint(what: str, frozen: bool = False) -> str:
+    """A non-finite parameter that no watched optimizer holds: the user's code set it (``frozen``: it
+    does not require grad, so it was never meant for the optimizer: an EMA teacher, a frozen copy)."""
+    if frozen:
+        return (f"{_cap(what)} does not require grad and no watched optimizer holds it (an EMA or momentum "
+                "teacher, a target network, a frozen copy): your code writes it, not an optimizer step. Look at "
+                "that update since the module's last call (an EMA after optimizer.step() whose momentum "
+                "schedule divides by 0, a copy_ or load from a non-finite source).")
     return (f"{_cap(what)} is a parameter no watched optimizer holds (a new nn.Parameter "
             "assigned to the module, or one the optimizer was never given): no optimizer step wrote it; "
             "look at what set it, and give the optimizer the parameter the model uses.")
