@@ -1033,3 +1033,50 @@ def test_a_numerics_remedy_defers_to_the_hint_that_names_the_fix_in_every_format
     # a hint that names only the mechanism (log of 0): the remedy still gives the usual fix
     bare = dataclasses.replace(f, op="aten.log.default", hint="Log of 0 gives -inf and log of a negative number gives nan.")
     assert "guard the op's domain" in remedy(bare)
+
+
+class _LogitScale(nn.Module):
+    """CLIP's head: ``logit_scale.exp() * img @ txt.T`` with a learned temperature, its exponent grown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(10.9))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = F.normalize(self.img(a), dim=-1), F.normalize(self.txt(b), dim=-1)
+        return self.logit_scale.exp() * a @ b.t()
+
+
+_LOGIT_SCALE_LINE = inspect.getsourcelines(_LogitScale.forward)[1] + 2
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["autocast", "half"])
+def test_a_learned_logit_scale_past_float16s_range_names_clips_clamp(how: str, mode: str) -> None:
+    """A contrastive model's logit scale raised by each step past log(65504) = 11.09: ``.half()``
+    overflows its exp, autocast (exp in float32, 66171) the 0-dim operand the float16 mul casts
+    down. The hints were the generic "keep this module in float32 or scale before it" and "inf * 0
+    gives nan, and a product can overflow", with no word of the temperature, nor of the clamp that
+    CLIP applies to it (logit_scale at most log(100))."""
+    torch.manual_seed(0)
+    model = _LogitScale().half() if how == "half" else _LogitScale()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    dt = torch.float16 if how == "half" else torch.float32
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=how == "autocast"):
+                logits = model(torch.randn(4, 8, dtype=dt), torch.randn(4, 8, dtype=dt))
+            F.cross_entropy(logits.float(), torch.arange(4)).backward()
+            with torch.no_grad():
+                model.logit_scale.add_(0.1)  # (what the contrastive loss's gradient does, made sure)
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.module, f.step, f.verdict) == ("", 2, "precision"), str(f)
+    assert f.op == ("aten.exp.default" if how == "half" else "aten.mul.Tensor"), str(f)
+    assert f.source is not None and f.source.endswith(f"test_differential.py:{_LOGIT_SCALE_LINE}")
+    assert f.reference["value"] > 65504, f.reference
+    assert "learned temperature or logit scale" in f.hint and "math.log(100)" in f.hint, f.hint
+    if how == "autocast":
+        assert "0-dim operand" in f.hint and "product can overflow" not in f.hint, f.hint

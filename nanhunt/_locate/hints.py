@@ -160,6 +160,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     try:
         first = rec.recs[path[0]]
         out.update(_creator_facts(first))
+        if out.get("scalar"):  # (the 0-dim operand an exp made: a logit scale exp'd in float32, applied in float16)
+            made = next((rec.recs[i.prod[0]] for i in first.ins if i.shape == () and i.prod is not None), None)
+            if made is not None and _op_key(made.op).split(".")[0] == "exp":
+                out["exp_scalar"] = True
         num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
         if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
             out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
@@ -307,6 +311,16 @@ def _creator_facts(r: Any) -> dict[str, Any]:
     if not nz.numel():
         return out
     flat = int(nz[0, 0])
+    if name in ("exp", "exp_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
+        out["exp_scalar"] = True  # exp of one number: a learned temperature or logit scale (CLIP's logit_scale.exp())
+    if r.pointwise and len(args) >= 2:  # a 0-dim operand of a wider dtype is cast to the other's: 65758.9 * x in float16
+        wide = [t for t in args[:2] if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+        narrow = [t.dtype for t in args[:2] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
+        if wide and narrow and torch.finfo(wide[0].dtype).max > torch.finfo(narrow[0]).max:
+            v, limit = float(wide[0]), float(torch.finfo(narrow[0]).max)
+            if math.isfinite(v) and abs(v) > limit:
+                out.update(reached=v, limit=limit, dtype=str(narrow[0]).removeprefix("torch."), cast=True, scalar=True)
+                return out
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and float(args[0].reshape(-1)[flat]) == 0):
         x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
@@ -423,6 +437,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
+        if fx.get("exp_scalar") and fx["reached"] > 0:  # (a temperature the optimizer keeps raising: bound it, as CLIP does)
+            remedy = (f"the exponent of a learned temperature or logit scale grew past {math.log(fx['limit']):.4g}: clamp "
+                      "it as CLIP does, logit_scale.data.clamp_(0, math.log(100)) after each step (or "
+                      "logit_scale.exp().clamp(max=100))")
         if fx.get("exp_ratio") and fx["reached"] > 0:  # (a division after it made inf / inf: no max subtracted)
             remedy = ("a softmax written by hand, exp(x) / exp(x).sum(-1), makes inf / inf = nan of it: use "
                       "torch.softmax(x, -1) (F.log_softmax for its log), which subtracts each row's max first, "
@@ -434,6 +452,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     f"{fx['dtype']}, and a row masked at every position is then all -inf, its softmax nan. Apply "
                     "the mask with masked_fill(mask, torch.finfo(dtype).min) instead of adding it, or clamp the "
                     "sum at torch.finfo(dtype).min.")
+        if fx.get("scalar"):
+            return (f"Overflow in a cast: {op} computes in {fx['dtype']}, so its 0-dim operand {fx['reached']:.6g} "
+                    f"(a wider scalar tensor, which does not promote the other's dtype) became inf, past "
+                    f"{fx['dtype']}'s largest finite value {fx['limit']:g}; {remedy}.")
         if fx.get("cast"):
             return (f"Overflow in a cast: {fx['reached']:.6g} is past {fx['dtype']}'s largest finite value "
                     f"{fx['limit']:g}, so {op} made it inf (and the arithmetic after it, inf - inf or inf * 0, "
