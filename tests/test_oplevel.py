@@ -972,3 +972,48 @@ def test_an_rsqrt_of_an_isolated_nodes_degree_names_the_degree() -> None:
     assert (f.module, f.op, f.cause) == ("", "aten.rsqrt.default", "created"), f
     assert same_source(f.source, line("gcn-rsqrt")), f
     assert "deg.rsqrt() of a node with no edge" in f.hint and "self-loops" in f.hint, f.hint
+
+
+class _Rotary(nn.Module):
+    """Rotary position embedding whose positions are made in the model's dtype (float16)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int) -> torch.Tensor:
+        t = torch.arange(offset, offset + x.shape[1], dtype=x.dtype)  # @rope-positions
+        emb = torch.cat([torch.outer(t, self.inv_freq.to(x.dtype))] * 2, -1)
+        x1, x2 = x.chunk(2, -1)
+        return x * emb.cos() + torch.cat([-x2, x1], -1) * emb.sin()
+
+
+class _RotaryNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rope, self.head = nn.Embedding(20, 16), _Rotary(16), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor, offset: int) -> torch.Tensor:
+        return self.head(self.rope(self.emb(ids), offset))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_float16_positions_past_65504_are_told_as_positions_to_make_in_float32(mode: str) -> None:
+    """A half() model's rotary positions at a long context: torch.arange(..., dtype=float16) is inf
+    from 65520 on, and cos(inf) nan. The finding named the arange and its float32 value, but its
+    hint was the generic "NaN from finite inputs: ... a softmax over a fully masked row ...": a
+    factory has no tensor input, so its dtype (and its value, recomputed wider) was never read."""
+    torch.manual_seed(0)
+    model = _RotaryNet().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for offset in (0, 65530):
+            model(torch.randint(0, 20, (2, 5)), offset).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.op, f.verdict) == ("forward", "rope", 1, "aten.arange.start", "precision"), str(f)
+    assert same_source(f.source, line("rope-positions"))
+    assert f.reference["value"] == 65530.0, f.reference
+    assert "Overflow: aten.arange.start reached 65530" in f.hint and "torch.arange(n, dtype=torch.float32)" in f.hint, f.hint
+    assert "masked" not in f.hint, f.hint

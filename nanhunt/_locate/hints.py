@@ -342,10 +342,15 @@ def _creator_facts(r: Any) -> dict[str, Any]:
             and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
         out["negative"] = float(args[0].reshape(-1)[flat])  # (rsqrt's nan is no 0's: its hint speaks of 0 only)
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    made = kwargs.get("dtype") if dtype is None else None  # a factory (arange, linspace) makes the dtype it is told
+    factory = isinstance(made, torch.dtype) and made.is_floating_point
+    dtype = made if factory else dtype
     if dtype is None or dtype == torch.float64:
         return out
     with torch.no_grad():
         up = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs))
+        if factory:
+            up[1]["dtype"] = torch.float64
         ref = func(*up[0], **up[1])
     ref = ref[0] if isinstance(ref, (tuple, list)) else ref
     if isinstance(ref, torch.Tensor) and ref.numel() > flat:
@@ -437,6 +442,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
+        if _op_key(op) in ("arange", "linspace") and fx["dtype"] != "float32":  # (positions: rotary, sinusoidal)
+            remedy = (f"positions (a rotary or sinusoidal embedding's torch.arange(n, dtype=x.dtype)) past "
+                      f"{fx['limit']:g} cannot be held in {fx['dtype']}: make them and their angles in float32 "
+                      "(torch.arange(n, dtype=torch.float32)) and cast only the cos and sin to the model's dtype")
         if fx.get("exp_scalar") and fx["reached"] > 0:  # (a temperature the optimizer keeps raising: bound it, as CLIP does)
             remedy = (f"the exponent of a learned temperature or logit scale grew past {math.log(fx['limit']):.4g}: clamp "
                       "it as CLIP does, logit_scale.data.clamp_(0, math.log(100)) after each step (or "
