@@ -1080,3 +1080,34 @@ def test_a_learned_logit_scale_past_float16s_range_names_clips_clamp(how: str, m
     assert "learned temperature or logit scale" in f.hint and "math.log(100)" in f.hint, f.hint
     if how == "autocast":
         assert "0-dim operand" in f.hint and "product can overflow" not in f.hint, f.hint
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 5)
+        self.temperature = nn.Parameter(torch.tensor(0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) / self.temperature
+
+
+def test_a_weight_written_in_place_before_step_is_no_transient_fault() -> None:
+    """The loop lowers a learned temperature under no_grad between backward and ``step()``: the
+    forward that divided by it at 0 is judged at the step's end, after the loop wrote it again, so
+    every replay ran on -0.125 and was finite. The verdict was "transient" and the hint "suggests
+    nondeterminism, a race or a hardware fault": a user sent to check the device."""
+    torch.manual_seed(0)
+    model = _Tempered()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for _ in range(4):
+            F.cross_entropy(model(torch.randn(4, 8)), torch.randint(0, 5, (4,))).backward()
+            with torch.no_grad():
+                model.temperature.sub_(0.125)  # (written before step(): the next forward sees it)
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step) == ("forward", "", 2), str(f)
+    assert f.verdict != "transient" and "hardware" not in f.hint, str(f)
+    assert "'temperature'" in f.hint and "written in place" in f.hint, f.hint

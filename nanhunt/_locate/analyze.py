@@ -397,6 +397,10 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     if facts.get("born_rows") is not None:
         ctx.born_rows[key] = facts["born_rows"]
     f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
+    if f.verdict == "transient" and where is not None and (moved := _written_since(ctx, ctx.log.tops[where[1]].module)):
+        # no replay reproduced it, and the replays ran on weights the loop wrote in place since (a clamp or
+        # a hand-made update between backward and step()): not the values the call had, no device at fault
+        f = dataclasses.replace(f, verdict=None, reference={}, hint=_hints.moved_hint(moved))
     ref = f.reference
     if facts.get("cast") and "reached" in facts and ref.get("op") == f.op and ref.get("value") != facts["reached"]:
         # a cast whose input has another shape than the finding: the reference took that input's largest
@@ -1313,6 +1317,15 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
         if not ctx.view.optimizers and isinstance(t, torch.nn.Parameter):
             return _hints.unwatched_hint(what)
     return ""
+
+
+def _written_since(ctx: _Ctx, module: nn.Module) -> list[str]:
+    """Names of ``module``'s parameters written in place since their optimizer's last ``step()``
+    (since the watch began, before the first): their values now may not be the ones a call saw."""
+    after = {k: v for d in ctx.view.after_step.values() for k, v in d.items()}
+    prefix = ctx.names.get(module, "")
+    return [f"{prefix}.{n}" if prefix else n for n, p in module.named_parameters()
+            if (v := after.get(id(p), ctx.view.start_versions.get(id(p)))) is not None and v != version(p)]
 
 
 def _at_start(ctx: _Ctx, t: torch.Tensor) -> bool:

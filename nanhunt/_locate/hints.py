@@ -737,6 +737,15 @@ def carried_hint(what: str) -> str:
             "it came from): every step since carries it; restore it from a checkpoint or re-initialise it.")
 
 
+def moved_hint(names: list[str]) -> str:
+    """No replay reproduced a forward value, and parameters of the call were written in place since."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+    return (f"Replays of the call did not reproduce it, but they ran on {shown} as it is now, written in place "
+            "since the last optimizer step (a clamp, a constraint or a hand-made update under torch.no_grad() "
+            "between backward and step()): the call saw the value before that write, which made the NaN/Inf, and no "
+            "device is at fault. Look at what wrote it, or write it after step(), before the next forward.")
+
+
 def written_hint(what: str, line: str | None = None) -> str:
     """A weight non-finite after its optimizer's last step left it finite: something else wrote it
     (at ``line``, when the code outside the model that wrote it is known)."""
