@@ -158,7 +158,7 @@ torch.manual_seed(0)
 m = Policy()
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 mu, sigma = m(torch.randn(4, 8))
-torch.distributions.Normal(mu, sigma).log_prob(torch.zeros(4, 2)).mean().backward()  # ValueError: a NaN scale
+torch.distributions.Normal(mu, sigma, validate_args=True).log_prob(torch.zeros(4, 2)).mean().backward()  # ValueError: a NaN scale
 opt.step()
 """
 

@@ -250,16 +250,17 @@ class _GaussianPolicy(torch.nn.Module):
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_nan_the_model_returned_to_a_distributions_argument_check_is_a_note_in_every_mode(mode: str) -> None:
-    # torch.distributions.Normal(mu, sigma) checks its arguments (validate_args) and raises ValueError on
-    # a NaN scale before any loss or backward: full mode put the model's finding on that error, sentinel
-    # (which judges the training call's outputs through their gradients) had no finding at all
+    # torch.distributions.Normal(mu, sigma) checks its arguments and raises ValueError on a NaN scale
+    # before any loss or backward: full mode put the model's finding on that error, sentinel (which
+    # judges the training call's outputs through their gradients) had no finding at all.
+    # (validate_args=True: torch.compile's first use turns the process-wide default off)
     torch.manual_seed(0)
     m = _GaussianPolicy()
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     with pytest.raises(ValueError) as ei:
         with nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
             mu, sigma = m(torch.randn(4, 8))
-            torch.distributions.Normal(mu, sigma).log_prob(torch.zeros(4, 2)).mean().backward()
+            torch.distributions.Normal(mu, sigma, validate_args=True).log_prob(torch.zeros(4, 2)).mean().backward()
             opt.step()
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.op, f.step) == ("forward", "", "aten.sqrt.default", 0), hunt.findings
