@@ -508,7 +508,8 @@ def test_adam_in_float16() -> None:
     assert "eps" in f.hint and "float16" in f.hint
 
 
-@pytest.mark.parametrize("case", ["ignored", "ignored sum", "count", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson"])
+@pytest.mark.parametrize("case", ["ignored", "ignored sum", "count", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson",
+                                  "saturated"])
 def test_hints_name_the_remedy(case: str) -> None:
     # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
     # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
@@ -524,6 +525,11 @@ def test_hints_name_the_remedy(case: str) -> None:
         if case == "poisson":  # a Poisson NLL whose rate is a ReLU dead on the whole batch: all 0, not a 0/1 mask
             rate = F.relu(out[:, 0] - 10.0)
             return (rate - y * torch.log(rate)).mean()
+        if case == "saturated":  # a cross entropy by hand over a softmax so sharp that its probabilities are
+            # exactly 0 and 1: the outside replay runs under no_grad, where they read as a 0/1 mask made
+            # additive (mask.log()), and the hint was the generic "log of 0 gives -inf ..."
+            p = torch.softmax(out * 1e4, -1)
+            return -torch.log(p.gather(-1, y[:, None])).mean()
         if case == "softplus":
             return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
@@ -546,7 +552,7 @@ def test_hints_name_the_remedy(case: str) -> None:
     want = {"ignored": "ignore", "ignored sum": "every label of the batch is ignored (-100)",
             "count": "divided by the number of its elements", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
             "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
-            "softplus": "threshold at the default 20", "poisson": "Log of exactly 0"}[case]
+            "softplus": "threshold at the default 20", "poisson": "Log of exactly 0", "saturated": "Log of exactly 0"}[case]
     assert want in f.hint
 
 

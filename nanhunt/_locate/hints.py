@@ -159,7 +159,7 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         first = rec.recs[path[0]]
-        out.update(_creator_facts(first))
+        out.update(_creator_facts(first, rec.graded))
         if out.get("scalar"):  # (the 0-dim operand an exp made: a logit scale exp'd in float32, applied in float16)
             made = next((rec.recs[i.prod[0]] for i in first.ins if i.shape == () and i.prod is not None), None)
             if made is not None and _op_key(made.op).split(".")[0] == "exp":
@@ -232,7 +232,7 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
 
 
-def _creator_facts(r: Any) -> dict[str, Any]:
+def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
     out: dict[str, Any] = {}
     name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
     shapes = [i.shape for i in r.ins]
@@ -325,7 +325,7 @@ def _creator_facts(r: Any) -> dict[str, Any]:
             and float(args[0].reshape(-1)[flat]) == 0):
         x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
         # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
-        mask = not x.requires_grad and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
+        mask = not (x.requires_grad or id(x) in graded) and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
         out["log_mask" if mask else "log_zero"] = True
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and float(args[0].reshape(-1)[flat]) < 0):

@@ -260,6 +260,7 @@ class _Recorder:
         self.by_id: dict[int, tuple[Any, int, torch.Tensor | None, tuple[int, int] | None]] = {}
         self.by_storage: dict[int, tuple[int, int]] = {}
         self.mask_fed = False  # the last `walk` ended where a -inf fed in from before the call turned into something else
+        self.graded: set[int] = set()  # ids of a no_grad replay's tensors whose originals required grad (no constants)
 
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         """Code of ``t`` now, and the (record, slot) that last wrote it."""

@@ -346,6 +346,8 @@ def forward_origin(recs: list[OutRec], ri: int, j: int,
         if not got:
             return None, facts
         first = rec.recs[got[0]]
+        # (replayed under no_grad: a value the loss code computed from the model's outputs is no constant)
+        rec.graded = {id(rep.sub[id(o)]) for o in rep.keep if o.requires_grad and id(o) in rep.sub}
         facts = _hints.facts(rec, got)
         return OpOrigin(first.op, first.src, _chain(rec, got), facts), facts
     except Exception:
