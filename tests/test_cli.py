@@ -326,6 +326,12 @@ def test_run_usage_errors(tmp_path, cli):
     assert rc == 2 and "symbolic links" in err and "no such" not in err, err
     rc, _, err = cli("run", os.devnull)
     assert rc == 2 and "is a character device" in err and "no such" not in err, err
+    nb = tmp_path / "train.ipynb"  # python runs its JSON: nothing (a dict literal) or NameError: 'null'
+    nb.write_text('{"cells": [{"cell_type": "code", "execution_count": null, "source": ["1 / 0"]}], "nbformat": 4}\n')
+    rc, _, err = cli("run", str(nb))
+    assert rc == 2 and "is a Jupyter notebook" in err and "nbconvert --to script train.ipynb" in err, err
+    nb.write_text('{"cells": [], "nbformat": 4}\n')
+    assert cli("run", str(nb))[0] == 2
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     rc, _, err = cli("run", "--report", str(tmp_path / "r.csv"), str(script))

@@ -351,6 +351,10 @@ def _cmd_run(ns: argparse.Namespace) -> int:
              if why == "is a folder" else f"no such script: {script!r}" if why == "does not exist"
              else f"the script {script!r} {why}")
         return EXIT_USAGE
+    if ns.module is None and script.lower().endswith(".ipynb"):  # (JSON that python runs as a dict literal, or fails on `null`)
+        _err(f"{script!r} is a Jupyter notebook, not a Python script: export it (jupyter nbconvert --to script "
+             f"{os.path.basename(script)}) and run the .py, or call nanhunt.watch(model, optimizer=opt) in the notebook")
+        return EXIT_USAGE
     report_path = None
     if ns.report:
         report_path = rank_path(ns.report)
