@@ -28,6 +28,7 @@ def test_exit_status_table():
     assert codes[str(EXIT_FOUND)].startswith("a NaN/Inf was found")
     assert codes[str(EXIT_USAGE)].startswith("usage error")
     assert codes[str(EXIT_FAILED)].startswith("the script's own failure")
+    assert "`demo`: no blow-up within `--steps`" in codes[str(EXIT_FAILED)]  # (tests/test_demo.py: --steps 3 exits 1)
 
 
 def test_every_command_and_option_is_shown():
@@ -43,6 +44,8 @@ def test_every_command_and_option_is_shown():
 
 def test_steps_are_said_to_be_zero_based():
     assert "Steps are counted from 0" in README
+    # counted from watch(): a hunt opened inside the loop numbers every iteration 0
+    assert "since `watch()`" in README and "Open the hunt once, around the loop" in README
 
 
 def test_no_internal_references():
