@@ -147,6 +147,10 @@ def test_bundle_cannot_name_classes_outside_torch_nn(tmp_path):
     data["tree"]["module_type"] = "system"
     with pytest.raises(BundleError, match="not a standard torch.nn layer"):
         replay(data)
+    data["tree"]["module_path"] = "__main__"  # a class of the training script: importing it runs its loop
+    data["tree"]["module_type"] = "Attn"
+    with pytest.raises(BundleError, match=r"--module your_script\.py:Attn\); the script is imported.*__name__ =="):
+        replay(data)
     data["tree"]["module_path"] = "torch.nn.modules.linear"
     data["tree"]["module_type"] = "Linear.__init__.__globals__"
     with pytest.raises(BundleError, match="invalid class"):

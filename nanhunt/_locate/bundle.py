@@ -409,6 +409,8 @@ def _nn_class(module_path: Any, name: Any, user: type[nn.Module] | None = None) 
             f"the failing module is a {module_path}.{name}, not a standard torch.nn layer: "
             f"pass your own class or instance, e.g. nanhunt.replay(bundle, module={name}) "
             f"(command line: nanhunt replay BUNDLE --module {spec}:{name})"
+            + ("; the script is imported, so its top-level code runs first: keep its training under "
+               "`if __name__ == \"__main__\":`" if module_path == "__main__" else "")
         )
     return cls
 
