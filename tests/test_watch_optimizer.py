@@ -468,6 +468,28 @@ def test_a_weight_loaded_non_finite_is_not_called_the_optimizers_doing(mode: str
     assert not any(f.cause == "created" for f in hunt.findings)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_left_non_finite_before_the_watch_is_not_born_in_its_first_step(mode: str) -> None:
+    # a NaN batch's backward before watch() (or a failed step caught without zero_grad()), then a
+    # loop that zeroes after step(): the first step's backward adds to the NaN .grad. The finding
+    # was "created", "inf * 0 in a weight gradient, or a gradient written after backward"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.tensor([[float("nan"), 0.0, 0.0, 0.0]])).sum().backward()
+    before = snapshot(model)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, optimizer=opt, mode=mode):
+            for _ in range(2):
+                model(torch.randn(5, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("grad", "0", "weight.grad", 0, "input"), f
+    assert "'0.weight' already held NaN/Inf when the watch's first step began" in f.hint and "zero_grad()" in f.hint
+    assert same_state(before, snapshot(model))  # no update from it
+
+
 def test_a_weight_the_optimizer_overflows_is_still_created_after_a_clean_start() -> None:
     # the same model, finite when the watch begins: an exploding learning rate's overflow is the
     # optimizer's own (the start state does not excuse later damage)

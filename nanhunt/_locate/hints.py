@@ -725,6 +725,13 @@ def at_start_hint(what: str) -> str:
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
 
 
+def stale_grad_hint(name: str) -> str:
+    """A parameter's ``.grad`` that was already non-finite when the watch began, accumulated into."""
+    return (f"The .grad of {name!r} already held NaN/Inf when the watch's first step began (left by a backward "
+            "before watch(), or by a failed step, and never zeroed): backward adds to it, so every gradient "
+            "after it is non-finite too. Call opt.zero_grad() (or model.zero_grad()) before training on.")
+
+
 def given_hint(name: str) -> str:
     """A non-finite tensor handed to ``torch.func.functional_call`` in place of the module's own."""
     return (f"{name!r}, given to torch.func.functional_call in place of the module's own, is non-finite: "

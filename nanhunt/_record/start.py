@@ -27,7 +27,8 @@ _INF = float("inf")
 
 
 class StartState:
-    """Exact "non-finite?" flags of the watched state as it was when the first step began."""
+    """Exact "non-finite?" flags of the watched state (and the parameters' ``.grad`` then) as it was
+    when the first step began."""
 
     __slots__ = ("pending", "_refs", "_flags", "_bad", "versions")
 
@@ -45,7 +46,8 @@ class StartState:
         seen: set[int] = set()
         tens: list[torch.Tensor] = []
         mine: list[torch.Tensor] = []  # what this rank holds of each (FSDP2: its shard, maybe empty)
-        for t in [t for _, t in own_tensors(root)] + [t for o in opts for t in optimizer_tensors(o)[1]]:
+        grads = [p.grad for p in root.parameters() if p.grad is not None]  # (a backward's before the watch, not zeroed)
+        for t in [t for _, t in own_tensors(root)] + [t for o in opts for t in optimizer_tensors(o)[1]] + grads:
             if id(t) not in seen and _judgeable(t):
                 seen.add(id(t))
                 lt = local(t)
