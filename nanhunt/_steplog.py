@@ -569,6 +569,7 @@ class StepView:
     bad_at_start: tuple[torch.Tensor, ...] = ()  # parameters, buffers, optimizer state non-finite when the watch began
     start_versions: dict[int, int] = field(default_factory=dict)  # parameter id -> its version when the first step began
     known_bad: tuple[torch.Tensor, ...] = ()  # state an earlier finding already showed non-finite (carried since)
+    stale_grads: tuple[torch.Tensor, ...] = ()  # parameters' .grad an earlier finding left non-finite
     judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)
     mid_step: frozenset[int] = frozenset()  # optimizers inside a step() that called its closure again: state mid-update
     # the analysis's one output besides its findings: per finding returned, when its value was made

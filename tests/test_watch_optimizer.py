@@ -490,6 +490,29 @@ def test_a_gradient_left_non_finite_before_the_watch_is_not_born_in_its_first_st
     assert same_state(before, snapshot(model))  # no update from it
 
 
+def test_a_gradient_a_caught_error_left_non_finite_is_not_born_again_at_each_later_step() -> None:
+    # raise leaves the failing step's gradients for inspection; a loop that catches the error and goes
+    # on without zero_grad() adds every later backward to them: each later step was a "created" grad
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = []
+    with nanhunt.watch(model, optimizer=opt) as hunt:
+        for i in range(3):
+            x = torch.randn(5, 4)
+            if i == 1:
+                x[0, 0] = float("nan")
+            try:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            except nanhunt.NonFiniteError as e:
+                got.append(e.finding)
+    assert [(f.step, f.phase, f.cause) for f in got] == [(1, "forward", "input"), (2, "grad", "input")], got
+    assert "still held the NaN/Inf of an earlier finding's step" in got[1].hint and "zero_grad()" in got[1].hint
+    assert not any(f.cause == "created" for f in hunt.findings)
+
+
 def test_a_weight_the_optimizer_overflows_is_still_created_after_a_clean_start() -> None:
     # the same model, finite when the watch begins: an exploding learning rate's overflow is the
     # optimizer's own (the start state does not excuse later damage)

@@ -1342,8 +1342,9 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
         index, value, counts = element(g)
         cause = "input" if earlier else ("parameter" if is_bad(p) else "created")
         hint = ""
-        if cause == "created" and _at_start(ctx, g):  # the backward added to a .grad that held NaN/Inf already
-            cause, hint = "input", _hints.stale_grad_hint(f"{mname}.{pname}" if mname else pname)
+        if cause == "created" and (_at_start(ctx, g) or any(x is g for x in ctx.view.stale_grads)):
+            # the backward added to a .grad that held NaN/Inf already
+            cause, hint = "input", _hints.stale_grad_hint(f"{mname}.{pname}" if mname else pname, _at_start(ctx, g))
         if cause == "created" and not ctx.log.tops and not ctx.log.outside:
             # nothing of the step was seen: "created" would be a guess
             if ctx.log.traced:  # its calls ran in a compiled graph not hooked yet (caught from the next step)

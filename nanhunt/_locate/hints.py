@@ -725,11 +725,15 @@ def at_start_hint(what: str) -> str:
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
 
 
-def stale_grad_hint(name: str) -> str:
-    """A parameter's ``.grad`` that was already non-finite when the watch began, accumulated into."""
-    return (f"The .grad of {name!r} already held NaN/Inf when the watch's first step began (left by a backward "
-            "before watch(), or by a failed step, and never zeroed): backward adds to it, so every gradient "
-            "after it is non-finite too. Call opt.zero_grad() (or model.zero_grad()) before training on.")
+def stale_grad_hint(name: str, at_start: bool) -> str:
+    """A parameter's ``.grad`` that was already non-finite when the watch began, or that an earlier
+    finding left non-finite, accumulated into."""
+    held = ("already held NaN/Inf when the watch's first step began (left by a backward before watch(), or by "
+            "a failed step, and never zeroed)" if at_start else
+            "still held the NaN/Inf of an earlier finding's step (its NonFiniteError caught, and the gradients "
+            "never zeroed)")
+    return (f"The .grad of {name!r} {held}: backward adds to it, so every gradient after it is non-finite too. "
+            "Call opt.zero_grad() (or model.zero_grad()) before training on.")
 
 
 def given_hint(name: str) -> str:

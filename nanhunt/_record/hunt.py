@@ -336,6 +336,9 @@ class Hunt:
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
         # overflowed): carried into later steps, not born there again (see StepView.known_bad)
         self._known_bad: list[weakref.ref[torch.Tensor]] = []
+        # the parameters' .grad a finding left non-finite (raise leaves them for inspection): a step
+        # that adds to one (the error caught without zero_grad()) did not make its NaN/Inf
+        self._stale_grads: list[weakref.ref[torch.Tensor]] = []
         self._odd: tuple[bool, Any, tuple[nn.Module, ...]] | None = None  # see _odd_modes
         self._deferred: list[Any] = []
         self._outside = Outside(self)  # code outside every watched call: on between root calls
@@ -2324,6 +2327,8 @@ class Hunt:
         skipped = self.on_find == "skip" and self._skip(found, evaluation)
         if any(f.cause == "parameter" or f.phase == "optimizer" for f in found):
             self._known_bad = [weakref.ref(t) for t in bad_state(self._root, self._opts)]  # (what is non-finite now)
+        if any(f.phase in ("backward", "grad") for f in found) and self._root is not None:
+            self._stale_grads = [weakref.ref(p.grad) for p in self._root.parameters() if p.grad is not None and is_bad(p.grad)]
         if self._damage is None and self._root is not None and not foreign:
             self._damage = damage(self._root, self._opts)
             # record/warn: the optimizer goes on to apply the reported step; read again when it has
@@ -2524,6 +2529,7 @@ class Hunt:
             bad_at_start=self._start.bad(),
             start_versions=self._start.versions,
             known_bad=tuple(t for r in self._known_bad if (t := r()) is not None),
+            stale_grads=tuple(t for r in self._stale_grads if (t := r()) is not None),
             judged=frozenset(self._judged),
             mid_step=frozenset(i for i, n in self._closure_calls.items() if n > 1),
             step_clocks=dict(self._step_clocks),
