@@ -1468,23 +1468,31 @@ def test_a_gradient_norm_that_overflows_in_clip_grad_norm_is_found_at_its_op(for
     assert "norm" in f.hint and "overflows" in f.hint and f.reproducible is None, f
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_label_smoothing_over_a_minus_inf_mask_is_told_as_the_mask_meeting_a_sum(mode: str) -> None:
-    # classes masked with -inf in the loss code are harmless until label smoothing takes a share of
-    # every class: the smoothing term sums the masked -inf log-probabilities, the loss is +inf. The
-    # hint read "the mask fills -inf; harmless unless a whole row is masked" (it spoke only to NaN)
+def _masked_classes_loss(mode: str, loss: Any) -> nanhunt.Finding:
+    """The first finding of 3 steps of a Linear(4, 5) whose last two classes the loss code masks
+    with -inf: ``loss(logits, mask, step)``, where step 1 is the one that goes wrong."""
     torch.manual_seed(0)
     m = nn.Linear(4, 5)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     mask = torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool)
     with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
         for step in range(3):
-            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-            logits = m(x).masked_fill(mask, float("-inf"))
-            F.cross_entropy(logits, y, label_smoothing=0.1 if step == 1 else 0.0).backward()
+            loss(m(torch.randn(8, 4)), mask, step).backward()
             opt.step()
             opt.zero_grad()
-    f = ei.value.finding
+    return ei.value.finding
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_label_smoothing_over_a_minus_inf_mask_is_told_as_the_mask_meeting_a_sum(mode: str) -> None:
+    # classes masked with -inf in the loss code are harmless until label smoothing takes a share of
+    # every class: the smoothing term sums the masked -inf log-probabilities, the loss is +inf. The
+    # hint read "the mask fills -inf; harmless unless a whole row is masked" (it spoke only to NaN)
+    def loss(out: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        logits = out.masked_fill(mask, float("-inf"))
+        return F.cross_entropy(logits, torch.randint(0, 3, (8,)), label_smoothing=0.1 if step == 1 else 0.0)
+
+    f = _masked_classes_loss(mode, loss)
     assert (f.module, f.step) == ("<outside>", 1) and f.value == math.inf, str(f)
     assert "label smoothing" in f.hint and "harmless unless" not in f.hint, f.hint
 
@@ -1494,18 +1502,12 @@ def test_a_soft_target_on_a_minus_inf_masked_class_names_the_target(mode: str) -
     # distillation: the student's vocabulary masked with -inf in the loss code, the teacher's soft
     # targets still on the masked classes: F.kl_div's p * (log p - log q) is inf there. The hint
     # spoke of -inf * 0, inf - inf and label smoothing, not of a target on a masked class
-    torch.manual_seed(0)
-    m = nn.Linear(4, 5)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    mask = torch.tensor([0, 0, 0, 1, 1], dtype=torch.bool)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
-        for step in range(3):
-            x, p = torch.randn(8, 4), torch.randn(8, 5).softmax(-1)
-            logq = F.log_softmax(m(x).masked_fill(mask & (step == 1), float("-inf")), -1)  # (a restricted batch)
-            F.kl_div(logq, p, reduction="batchmean").backward()
-            opt.step()
-            opt.zero_grad()
-    f = ei.value.finding
+    def loss(out: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        p = torch.randn(8, 5).softmax(-1)
+        logq = F.log_softmax(out.masked_fill(mask & (step == 1), float("-inf")), -1)  # (a restricted batch)
+        return F.kl_div(logq, p, reduction="batchmean")
+
+    f = _masked_classes_loss(mode, loss)
     assert (f.module, f.step, f.op) == ("<outside>", 1, "aten.masked_fill.Scalar") and f.value == math.inf, str(f)
     assert "kl_div" in f.hint and "mask the target" in f.hint and "finfo(dtype).min" in f.hint, f.hint
 
