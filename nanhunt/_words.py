@@ -120,14 +120,14 @@ def _names_safe(f: Finding) -> Finding:
     """``f`` with its names (module, class, tensor, file path, chain) and its hint (which names
     them) safe to put in one line."""
     names = (f.module, f.module_type, f.tensor, f.source or "", f.hint, *f.chain)
-    if all(n.isprintable() and n.translate(_CONTROL) == n for n in names):
+    if all(n.isprintable() and one_line(n) == n for n in names):
         return f
     import dataclasses
 
     return dataclasses.replace(
-        f, module=f.module.translate(_CONTROL), module_type=f.module_type.translate(_CONTROL),
-        tensor=f.tensor.translate(_CONTROL), source=f.source.translate(_CONTROL) if f.source else f.source,
-        hint=f.hint.translate(_CONTROL), chain=tuple(c.translate(_CONTROL) for c in f.chain))
+        f, module=one_line(f.module), module_type=one_line(f.module_type), tensor=one_line(f.tensor),
+        source=one_line(f.source) if f.source else f.source, hint=one_line(f.hint),
+        chain=tuple(map(one_line, f.chain)))
 
 
 def headline(f: Finding, first: bool = True) -> str:
@@ -180,7 +180,7 @@ def paragraph(f: Finding, first: bool = True) -> str:
 def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The finding as (label, value) rows, in reading order; ``sources`` gives the source line's text."""
     if sources and f.source and f.source in sources:
-        sources = {**sources, f.source.translate(_CONTROL): sources[f.source]}
+        sources = {**sources, one_line(f.source): sources[f.source]}
     f = _names_safe(f)
     rows = [
         ("phase", f.phase),
