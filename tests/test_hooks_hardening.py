@@ -1320,3 +1320,48 @@ def test_the_users_exception_in_a_forward_reaches_them_with_another_global_hook_
         (more.close if other == "a second hunt" else more.remove)()  # type: ignore[union-attr]
         hunt.close()
     assert hunt.findings == [] and all("forward" not in m.__dict__ for m in model.modules())
+
+
+class _LogOfRelu(nn.Module):
+    """log of a ReLU's output: log(0) = -inf wherever the ReLU cut a value, and the next Linear
+    mixes -inf with +inf terms into NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, logs: bool = False) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(torch.log(h) if logs else h)
+
+
+@pytest.mark.parametrize("first", ["raise", "record"])
+def test_two_hunts_of_one_optimizer_keep_the_same_steps_when_one_raises_out_of_step(first: str) -> None:
+    """Two hunts of one model and optimizer, one in raise mode (a callback's and the user's own):
+    when it raises out of step()'s pre-hook, torch runs no hook after it nor any post-hook. The
+    other hunt never judged that step (or judged it and never saw it end), fell one step behind for
+    each raise, and named the next NaN's step one too early (3 for step 5)."""
+    torch.manual_seed(0)
+    model = _LogOfRelu()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    hunts = {first: nanhunt.watch(model, opt, on_find=first)}
+    second = "record" if first == "raise" else "raise"
+    hunts[second] = nanhunt.watch(model, opt, on_find=second)
+    raised = []
+    try:
+        for step in range(7):
+            try:
+                model(torch.randn(16, 4), logs=step in (2, 5)).pow(2).mean().backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                raised.append(step)
+            opt.zero_grad()
+    finally:
+        for h in hunts.values():
+            h.close()
+    assert raised == [2, 5]
+    firsts = {name: sorted({f.step for f in h.findings}) for name, h in hunts.items()}
+    assert firsts == {"raise": [2, 5], "record": [2, 5]}
+    assert hunts["raise"].step == hunts["record"].step
+    assert all(f.phase == "forward" for h in hunts.values() for f in h.findings if f.module == "")

@@ -188,6 +188,9 @@ _REPORT_EVERY = 10.0  # seconds: `report=` is written at the first finding, then
 _REPORT_WRITERS: dict[str, weakref.ReferenceType[Hunt]] = {}  # report file (links followed) -> the open hunt writing it
 
 
+_ABANDONING: set[int] = set()  # optimizers (ids) whose step() a hunt raised out of: see Hunt._others_abandon
+
+
 class _Counted:
     """The calls of a step's earlier logs (an evaluation call, the cap, the other optimizers of a
     round ended one and the step went on in a new log), counted per (evaluation pass?, module id)
@@ -1784,6 +1787,8 @@ class Hunt:
             self._check_step(i, opt)
         except NonFiniteError:
             self._abandoned()
+            if id(opt) not in _ABANDONING:
+                self._others_abandon(opt, args, kwargs)
             raise
         finally:
             _left_hooks(opt)
@@ -1905,6 +1910,39 @@ class Hunt:
         self._abandon = True
         self._calls_before = _Counted()
         self._round = set()
+
+    def _others_abandon(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """This hunt raises out of ``opt.step()``'s pre-hooks: torch runs none of the hooks after
+        it, nor the post-hooks. Every other open hunt of that optimizer (two hunts of one model: a
+        callback's and the user's own, ``nanhunt run`` around a script's watch()) still judges the
+        step (those whose pre-hook comes after this one's, as torch would have called it) and
+        counts it abandoned as this hunt does, so that its next finding is at the loop's own step,
+        not one behind for each step this hunt raised at."""
+        _ABANDONING.add(id(opt))
+        try:
+            after = False
+            for hook in list(opt._optimizer_step_pre_hooks.values()):
+                func = getattr(hook, "func", None)  # (ours: partial(hunt._pre_step, i))
+                owner = getattr(func, "__self__", None)
+                if not isinstance(owner, Hunt) or getattr(func, "__name__", "") != "_pre_step":
+                    continue
+                if owner is self:
+                    after = True
+                    continue
+                if owner._closed:
+                    continue
+                if after:
+                    try:
+                        hook(opt, args, kwargs)  # (it judges; one that raises counts itself abandoned)
+                    except NonFiniteError:
+                        continue
+                    except Exception:  # (its own fault, logged by it: this hunt's finding is what is raised)
+                        pass
+                owner._abandoned()
+                if not owner._hit_inputs:  # (a retry of the same batch is the same step for it too)
+                    owner._hit_inputs = list(self._hit_inputs)
+        finally:
+            _ABANDONING.discard(id(opt))
 
     def _resumed(self, log: StepLog) -> None:
         """The step after one that raised ends (see `_abandoned`): it counts the abandoned one
