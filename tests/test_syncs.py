@@ -193,3 +193,23 @@ def test_benchmark_quick_smoke() -> None:
         assert column in header
     assert "## Targets met?" in out.stdout
     assert "mlp   | full" in out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_opcode_counts_attribute_each_module_call() -> None:
+    """benchmarks/opcodes.py: the wrapper's bytecodes are counted once per module call of the
+    benchmark MLP (24 blocks of 3 under their Sequential, the head, the root: 98 a step), the
+    step's own functions once a step, and a function asked for is broken down by line."""
+    script = os.path.join(ROOT, "benchmarks", "opcodes.py")
+    out = subprocess.run(
+        [sys.executable, script, "--variants", "full,sentinel", "--steps", "2", "--top", "40",
+         "--lines", "_record/hunt.py:_flush"],
+        capture_output=True, text=True, timeout=110, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    full, sentinel = out.stdout.split("## mlp, sentinel")
+    rows = {line.split()[-1]: line.split() for line in full.splitlines() if line.strip().endswith(("__call__", "_with_grads"))}
+    assert float(rows["_record/forwards.py:__call__"][1]) == 98.0
+    assert float(rows["_record/hunt.py:_with_grads"][1]) == 1.0
+    assert "hunt.py:" in full.split("line\n", 1)[1]  # _flush's lines
+    assert "_record/forwards.py:__call__" not in sentinel  # sentinel wraps nothing inside the model
