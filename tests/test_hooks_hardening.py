@@ -1365,3 +1365,35 @@ def test_two_hunts_of_one_optimizer_keep_the_same_steps_when_one_raises_out_of_s
     assert firsts == {"raise": [2, 5], "record": [2, 5]}
     assert hunts["raise"].step == hunts["record"].step
     assert all(f.phase == "forward" for h in hunts.values() for f in h.findings if f.module == "")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_training_loop_on_a_thread_of_its_own_has_its_loss_code_recorded(mode: str) -> None:
+    """watch(), the loop and close() all on one worker thread (a trainer run in a thread of its
+    own): the loss code there is recorded as on the main thread, so a hand-written binary
+    cross-entropy over a sigmoid rounded to 0 or 1 is found at aten.log on its line. It was 'backward of <model>, fed in' with no
+    op: the recorder was pushed on the main thread only."""
+    got: dict[str, Any] = {}
+
+    def train() -> None:
+        torch.manual_seed(0)
+        model = zoo.mlp(d_in=4, d_hidden=16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+            for step in range(4):
+                z = model(torch.randn(8, 4)) * (1e4 if step == 2 else 1.0)  # confident logits at step 2
+                p, y = torch.sigmoid(z), torch.randint(0, 2, z.shape).float()
+                # a binary cross-entropy written by hand: p rounds to 0 or 1, and log(0) = -inf
+                loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        got["first"] = hunt.first
+        got["stack"] = torch._C._len_torch_function_stack()
+
+    t = threading.Thread(target=train)
+    t.start()
+    t.join()
+    f = got["first"]
+    assert f is not None and (f.module, f.op, f.phase, f.step) == ("<outside>", "aten.log.default", "forward", 2), f
+    assert got["stack"] == 0 and torch._C._len_torch_function_stack() == 0

@@ -432,11 +432,13 @@ class _Switch:
     def resume(self, m: Outside | None = None) -> None:
         if self.on is not None or not self.active:
             return
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread() and any(
+                o.thread != get_ident() for o in self.active):
             # a torch function mode sits on the calling thread's own stack, and only that thread can
             # pop it: left on a worker thread that ends (the switch is process-wide, close() runs
             # elsewhere), it aborted the process at exit. Code outside watched calls is recorded on
-            # the main thread only.
+            # the main thread, and on a thread that opened every listening hunt itself (a training
+            # loop run in a thread of its own: its steps and close() take the mode off there)
             return
         idle = [o for o in self.active if not o.busy()]
         if not idle:
@@ -486,6 +488,7 @@ class Outside(TorchFunctionMode):
     def __init__(self, hunt: Hunt) -> None:
         super().__init__()
         self._hunt = weakref.ref(hunt)
+        self.thread = get_ident()  # the thread that opened the hunt (see _Switch.resume)
         self.stale = False  # passes everything through (see _Switch.off, close)
         self.closed = False
         self.fresh = True  # the next recorded call is the first since a root call: keep the RNG
