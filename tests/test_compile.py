@@ -150,6 +150,35 @@ def test_watching_the_compiled_wrapper_names_modules_as_the_model_does(mode):
     torch._dynamo.reset()
 
 
+def test_sentinel_watching_the_compiled_wrapper_sees_its_first_step():
+    """``watch(torch.compile(model), mode="sentinel")``: the wrapper is known from watch() on, so a
+    log(0) at the very first step is found at its module, op and line (it was a gradient "of
+    unknown origin", the wrapper caught only from the first step's end), and nothing retraces."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = zoo.lognet()
+    with torch.no_grad():
+        model.lin.weight.zero_()
+        model.lin.bias.zero_()
+    wrapper = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanhunt.watch(wrapper, optimizer=opt, on_find="record", mode="sentinel") as hunt:
+            _step(wrapper, opt, torch.ones(2, 4))
+            traced = counters["stats"]["unique_graphs"]
+            _step(wrapper, opt, torch.ones(2, 4))
+    first = hunt.first
+    assert first is not None
+    assert (first.phase, first.module, first.step, first.cause, first.op) == (
+        "forward", "log", 0, "created", "aten.log.default")
+    assert counters["stats"]["unique_graphs"] == traced >= 1
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("order", ["first opened closes first", "last opened closes first"])
 def test_two_hunts_on_a_model_compiled_model_leave_its_compiled_call_as_it_was(order):
     """Each hunt wraps model.compile()'s compiled call; closing them in any order takes each

@@ -250,6 +250,8 @@ class Hunt:
         self.rank = o.rank if o.rank is not None else _dist.rank()
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
         self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
+        # torch.compile(model) given itself: sentinel catches its calls from the first step (see _catch_wrapper)
+        wrapper = any(type(m).__name__ == "OptimizedModule" for m in (model, _dist.unwrap(model)))
         model = _unwrap(model)  # DDP, torch.compile(model): names and replays of the inner module
         self._dist: _dist.Distributed | None = None
         if self.distributed and _dist.world() > 1:
@@ -384,7 +386,7 @@ class Hunt:
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         _warn_foreign(model, opts, optimizer)  # (before any hook: a warning turned into an error leaves none)
         try:
-            self._install(model, opts, scaler)
+            self._install(model, opts, scaler, wrapper)
         except BaseException:
             self._report_path = None  # nothing was watched: no report
             self._release()  # nothing stays behind of a watch that failed to start
@@ -393,8 +395,9 @@ class Hunt:
             _REPORT_WRITERS[os.path.realpath(self._report_path)] = weakref.ref(self)
         hunt_opened(self)
 
-    def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any) -> None:
-        """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails)."""
+    def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any, wrapper: bool) -> None:
+        """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails); ``wrapper``:
+        watch() was given torch.compile(model)'s wrapper."""
         o = self.options
         self._handles.append(MODULE_REGISTRATION.add(self._on_register))
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
@@ -407,6 +410,8 @@ class Hunt:
             self._handles.append(model.register_forward_hook(_OnModule(self, "_root_post"), with_kwargs=True,
                                                              always_call=True))
             self._hold(type(model))
+            if wrapper:  # its calls are known to come through the wrapper: caught now, not after the first step
+                self._catch_wrapper()
         self._opts = []
         for opt in opts:
             self.add_optimizer(opt)
