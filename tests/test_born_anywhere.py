@@ -1208,6 +1208,29 @@ def test_a_metric_that_keeps_its_nan_is_still_found() -> None:
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_loss_the_loop_only_looks_at_is_still_found(mode: str) -> None:
+    """The usual guard, ``if not torch.isfinite(loss): continue``: the batch is skipped, no backward
+    runs, and the log(0) born in the loss code was taken for dropped (a mask made of it is no call
+    that drops its values): a run whose guard fired found nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].bias.fill_(-200.0)  # the sigmoid underflows to exactly 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        for _ in range(2):
+            loss = -torch.log(model(torch.randn(8, 4))).mean()  # @guarded
+            if not torch.isfinite(loss):
+                continue
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 0, "aten.log.default"), f
+    assert f.source == line("guarded"), f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_float32_value_born_in_loss_code_gets_the_numerics_verdict(mode: str) -> None:
     """Its replay is float32 eager already: the verdict is the math itself, as for a module's
     float32 finding (it was None for every finding outside the model)."""

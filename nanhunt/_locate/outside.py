@@ -553,19 +553,22 @@ def _dropped_later(log: StepLog, ri: int, t: torch.Tensor, most: int = 64) -> bo
     used by a later call: the non-finite elements were dropped (a metric's ``torch.where(d > 0,
     n / d, 0)``, ``p * log p`` at p = 0 under a where), so nothing this code handed on held them. A
     non-finite value no later call used may have gone anywhere (the model, the user's variables):
-    not dropped; nor when more than ``most`` values would have to be followed."""
+    not dropped, nor one only looked at (``if not torch.isfinite(loss): continue``, ``.tolist()``);
+    nor when more than ``most`` values would have to be followed."""
     recs = log.outside
     leaves = [[a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor)] for r in recs[ri + 1:]]
     todo, seen = [(ri, t)], {(ri, id(t))}
     while todo:
         i, x = todo.pop()
         users = [j for j in range(i + 1, len(recs)) if any(a is x for a in leaves[j - ri - 1])]
-        if not users:
-            return False
+        valued = False  # a later call made values of x (not only masks of it)
         for j in users:
             for o in _outs(recs[j]):
-                if not (o.is_floating_point() or o.is_complex()) or (j, id(o)) in seen:
+                if not (o.is_floating_point() or o.is_complex()):
                     continue  # (a mask made of it, isfinite(x): holds no value of it)
+                valued = True
+                if (j, id(o)) in seen:
+                    continue
                 if not is_bad(o):
                     if getattr(recs[j].func, "__name__", "") not in _DROPPING:
                         return False
@@ -574,6 +577,8 @@ def _dropped_later(log: StepLog, ri: int, t: torch.Tensor, most: int = 64) -> bo
                     return False
                 seen.add((j, id(o)))  # (an in-place write hands x on as itself: followed from j)
                 todo.append((j, o))
+        if not valued:
+            return False  # unused, or only looked at: still held as it was
     return True
 
 
