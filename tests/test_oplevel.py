@@ -1017,3 +1017,38 @@ def test_float16_positions_past_65504_are_told_as_positions_to_make_in_float32(m
     assert f.reference["value"] == 65530.0, f.reference
     assert "Overflow: aten.arange.start reached 65530" in f.hint and "torch.arange(n, dtype=torch.float32)" in f.hint, f.hint
     assert "masked" not in f.hint, f.hint
+
+
+class _InvertibleLinear(nn.Module):
+    """A normalising flow's invertible linear layer: z = x W^T and the per-sample log |det W|."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(4))
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logdet = torch.log(torch.abs(torch.det(self.weight)))  # @flow-logdet
+        if self.how == "expand":
+            return x @ self.weight.T, logdet.expand(x.shape[0])
+        return x @ self.weight.T, torch.stack([logdet] * x.shape[0])
+
+
+@pytest.mark.parametrize("how", ["expand", "stack"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_0_dim_value_spread_over_the_batch_is_walked_back_to_its_op(mode: str, how: str) -> None:
+    # a flow's log |det W| (0-dim) made per-sample by expand or stack, at a weight with two equal rows
+    # (det 0, log 0 = -inf): the walk from a (16,) output into its 0-dim input indexed a row of a
+    # 0-dim code and failed, so the finding had no op, no line, no chain and the generic hint
+    model = _InvertibleLinear(how)
+    with torch.no_grad():
+        model.weight[3] = model.weight[2]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt, mode=mode):
+        z, logdet = model(torch.randn(16, 4))
+        (0.5 * z.pow(2).sum(-1) - logdet).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.tensor, f.cause, f.value) == ("", "output[1]", "created", -math.inf), f
+    assert f.op == "aten.log.default" and same_source(f.source, line("flow-logdet")), f
+    assert chain_ops(f.chain)[0] == "aten.log.default", f.chain

@@ -455,7 +455,7 @@ def _in_row(code: torch.Tensor, in_shape: tuple[int, ...], shape: tuple[int, ...
     fully masked row): a -inf of a row that also holds those (a large negative score plus a float16
     mask's finfo.min, harmless) is passed over for them."""
     same = in_shape == shape and int(code[idx]) != 0
-    row = code[idx[:-1]] if len(shape) >= 1 and in_shape[:-1] == shape[:-1] else None
+    row = code[idx[:-1]] if len(shape) >= 1 and len(in_shape) >= 1 and in_shape[:-1] == shape[:-1] else None
     if row is None or not bool(row.any()):
         return idx if same else _first(code)
     if kind != 3 and not (same and int(code[idx]) != 3):
