@@ -1052,3 +1052,30 @@ def test_a_0_dim_value_spread_over_the_batch_is_walked_back_to_its_op(mode: str,
     assert (f.module, f.tensor, f.cause, f.value) == ("", "output[1]", "created", -math.inf), f
     assert f.op == "aten.log.default" and same_source(f.source, line("flow-logdet")), f
     assert chain_ops(f.chain)[0] == "aten.log.default", f.chain
+
+
+class _PowerHead(nn.Module):
+    """A head that takes a fractional power of a Linear's output, as a learned gamma curve does."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.lin, self.head, self.p = nn.Linear(4, 8), nn.Linear(8, 1), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(x) ** self.p)  # @frac-pow
+
+
+@pytest.mark.parametrize("p", [0.5, 1.5])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_negative_base_to_a_fractional_power_is_told_as_such(mode: str, p: float) -> None:
+    # x ** 0.5 or x ** 1.5 of a Linear's output that went below 0: nan. The hint was pow's generic "A power
+    # overflows, or a negative base has a fractional exponent." with neither the base nor the remedy
+    torch.manual_seed(0)
+    model = _PowerHead(p)
+    with torch.no_grad():
+        model.lin.bias.fill_(-5.0)
+    f = train_step(model, torch.randn(8, 4), mode=mode)
+    assert (f.module, f.op, f.cause) == ("", "aten.pow.Tensor_Scalar", "created") and math.isnan(f.value), f
+    assert same_source(f.source, line("frac-pow")), f
+    assert f.hint.startswith("A negative base to a fractional power") and f"to {p:g}, which is nan" in f.hint, f.hint
+    assert "clamp_min(0)" in f.hint and "overflows" not in f.hint, f.hint

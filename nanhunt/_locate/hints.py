@@ -336,8 +336,11 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
     if name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel():
         e = args[1]  # (0 to a negative power: 1/0, a GCN's deg.pow(-0.5) of an isolated node)
         e = float(e.reshape(-1)[flat if e.numel() > 1 else 0]) if isinstance(e, torch.Tensor) and e.numel() in (1, code.numel()) else e
-        if isinstance(e, (int, float)) and e < 0 and float(args[0].reshape(-1)[flat]) == 0:
+        base = float(args[0].reshape(-1)[flat])
+        if isinstance(e, (int, float)) and e < 0 and base == 0:
             out["pow_zero"] = float(e)
+        elif isinstance(e, (int, float)) and math.isfinite(e) and e != int(e) and base < 0:
+            out["pow_negative"] = (base, float(e))  # (x ** 0.5, x ** 1.5 of a value just below 0: not real)
     if (name in ("sqrt", "sqrt_", "rsqrt", "rsqrt_") and args and isinstance(args[0], torch.Tensor)
             and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
         out["negative"] = float(args[0].reshape(-1)[flat])  # (rsqrt's nan is no 0's: its hint speaks of 0 only)
@@ -414,6 +417,13 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "when the values' mean is large against their spread: compute it as ((x - mean) ** 2).mean(-1) "
                 "(x.var(-1, unbiased=False), F.layer_norm) or clamp it (var.clamp_min(0) + eps); any other input: "
                 "keep it non-negative (clamp_min(0), F.softplus).")
+    if "pow_negative" in fx:
+        b, e = fx["pow_negative"]
+        return (f"A negative base to a fractional power: {op} raised {b:.3g} to {e:g}, which is nan (no real number): "
+                "x ** 0.5 or x ** 1.5 of a value that went below 0 (a difference, a variance by cancellation, an "
+                "unconstrained output). Clamp the base first, x.clamp_min(0) ** p (clamp_min(eps) when p < 1: the "
+                "gradient of x ** p is infinite at 0), make it positive by construction (F.softplus), or keep the "
+                "sign, torch.sign(x) * x.abs() ** p.")
     if "pow_zero" in fx:
         return (f"A negative power of 0: {op} raised 0 to {fx['pow_zero']:g}, which is 1/0 = inf (and inf * 0 = nan in the "
                 "arithmetic after it): a degree normalisation deg.pow(-0.5) of a graph node with no edge (an isolated "
