@@ -1079,3 +1079,36 @@ def test_a_negative_base_to_a_fractional_power_is_told_as_such(mode: str, p: flo
     assert same_source(f.source, line("frac-pow")), f
     assert f.hint.startswith("A negative base to a fractional power") and f"to {p:g}, which is nan" in f.hint, f.hint
     assert "clamp_min(0)" in f.hint and "overflows" not in f.hint, f.hint
+
+
+class _GaussianNLL(nn.Module):
+    """Embeddings scored by a Gaussian of the batch's own covariance: 0.5 * log det(cov) + Mahalanobis."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.enc, self.how = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        hc = h - h.mean(0, keepdim=True)
+        cov = hc.T @ hc / h.shape[0]
+        if self.how == "logdet":
+            logdet = torch.logdet(cov)  # @gauss-logdet
+        else:
+            logdet = torch.log(torch.abs(torch.linalg.det(cov)))  # @gauss-logabsdet
+        return 0.5 * logdet + 0.5 * (hc @ torch.linalg.pinv(cov) * hc).sum(-1).mean()
+
+
+@pytest.mark.parametrize("how", ["logdet", "logabsdet"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_determinant_of_a_singular_covariance_is_told_as_a_singular_matrix(mode: str, how: str) -> None:
+    # a batch of one sample repeated: its covariance is 0, log det = -inf. The hint was the generic "Inf from
+    # finite inputs: an overflow past the dtype's max ..., x/0 or log(0)" (logdet), or "Log of exactly 0 ...
+    # a probability a softmax underflowed to ... F.log_softmax" (log |det|): no word of a singular matrix
+    torch.manual_seed(0)
+    f = train_step(_GaussianNLL(how), torch.randn(1, 6).expand(16, 6).clone(), mode=mode)
+    op = "aten._linalg_slogdet.default" if how == "logdet" else "aten.log.default"
+    assert (f.module, f.op, f.cause, f.value) == ("", op, "created", -math.inf), f
+    assert same_source(f.source, line(f"gauss-{how}")), f
+    assert "singular matrix" in f.hint and "eps * I" in f.hint and f.hint.endswith("s.sum())."), f.hint
+    assert "overflow" not in f.hint and "log_softmax" not in f.hint, f.hint

@@ -27,6 +27,14 @@ _SINGULAR = ("a singular matrix (torch.linalg.inv_ex and solve_ex return inf/nan
              "is all 0 (a dead ReLU), and a ridge term lam * I stops it only while lam > 0; keep lam positive "
              "(F.softplus(raw) + eps), check info, or use torch.linalg.lstsq / pinv")
 
+_SINGULAR_LOGDET = ("The matrix lost rank: a covariance of fewer samples than dimensions or of features that "
+                    "collapsed (a batch of identical rows, a dead unit), or a normalising flow's weight with a zero "
+                    "row or two equal rows; slogdet does not help (log |det| is -inf there too). Add a ridge term "
+                    "eps * I to a covariance, or parametrise the matrix to stay invertible (a Cholesky factor with a "
+                    "softplus diagonal; Glow's W = P L (U + diag(exp(s))), whose log |det| is s.sum())")
+
+_DETS = frozenset({"_linalg_det", "linalg_det", "det"})
+
 _OPS = {
     "log": "log of 0 gives -inf and log of a negative number gives nan",
     "sqrt": "sqrt of a negative number gives nan",
@@ -72,6 +80,7 @@ _OPS = {
              "((a - 1) * log(value), (b - 1) * log(1 - value)), a Bernoulli or Binomial at a probability of exactly 0 or 1; "
              "clamp the value into (eps, 1 - eps)",
     "linalg_inv_ex": "the inverse of " + _SINGULAR,
+    "_linalg_slogdet": "the log-determinant of a singular matrix is -inf. " + _SINGULAR_LOGDET,
     "_linalg_solve_ex": "a linear solve with " + _SINGULAR,
     "softplus": "softplus computes log1p(exp(beta * x)) / beta below its threshold and x above it: exp overflows once "
                 "beta * x passes 88.7 (float32), so a threshold above that lets it overflow; keep the threshold at "
@@ -177,6 +186,15 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["den_op"] = _op_key(made.op)
                 break
             den = next((i for i in made.ins if i.pos == 0), None)
+        arg = next((i for i in first.ins if i.pos == 0), None) if out.get("log_zero") else None
+        for _ in range(4):  # the op that made log's 0, through abs and views (log(abs(det(W))))
+            if arg is None or arg.prod is None:
+                break
+            made = rec.recs[arg.prod[0]]
+            if not made.moves and _op_key(made.op) != "abs":
+                out["log_of"] = _op_key(made.op)
+                break
+            arg = next((i for i in made.ins if i.pos == 0), None)
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -530,6 +548,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     if fx.get("one_element"):
         return ("std/var of one element: with the unbiased correction the count is n - 1 = 0, so it is 0/0 = nan; "
                 "use correction=0 or skip batches of one.")
+    if fx.get("log_zero") and fx.get("log_of") in _DETS:
+        return (f"Log of a determinant of exactly 0: {op} took log |det| of a singular matrix, -inf. " + _SINGULAR_LOGDET + ".")
     if fx.get("log_zero"):
         return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
