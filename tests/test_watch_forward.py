@@ -1052,6 +1052,40 @@ def test_weight_norm_of_a_pruned_row_is_told_as_its_zero_direction(mode: str) ->
     assert "weight_norm" in f.hint and "original0" in f.hint and "fully masked" not in f.hint, f.hint
 
 
+class _SNDiscriminator(nn.Module):
+    """A GAN discriminator under spectral_norm whose last conv is zero-initialised (a residual branch's
+    zero init, a diffusion model's zero_module)."""
+
+    def __init__(self, old: bool) -> None:
+        super().__init__()
+        sn = nn.utils.spectral_norm if old else nn.utils.parametrizations.spectral_norm
+        last = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        nn.init.zeros_(last.weight)
+        self.c1, self.c2, self.fc = sn(nn.Conv2d(3, 8, 3, padding=1)), sn(last), nn.Linear(8 * 4 * 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.leaky_relu(self.c2(F.leaky_relu(self.c1(x), 0.2)), 0.2).flatten(1))
+
+
+@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_spectral_norm_of_an_all_zero_weight_is_told_as_its_sigma_of_0(mode: str, old: bool) -> None:
+    # spectral_norm divides the weight by sigma = u . (W v): 0 for a zero weight, so weight / sigma = 0/0.
+    # The hint was the generic 0/0's "a zero vector divided by its norm (F.normalize ...), an IoU of
+    # zero-area boxes", no word of spectral_norm or the zero-initialised layer under it
+    torch.manual_seed(0)
+    model = _SNDiscriminator(old)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        F.softplus(-model(torch.randn(4, 3, 8, 8))).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    module = "c2" if old else "c2.parametrizations.weight.0"
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", module, 0, "created", "aten.div.Tensor"), str(f)
+    assert "spectral_norm" in f.hint and "sigma" in f.hint and "zero-initialised" in f.hint, f.hint
+    assert "IoU" not in f.hint, f.hint
+
+
 class _MaskedActor(nn.Module):
     """A policy over legal actions: illegal ones masked to -inf, then a Categorical's log-probability."""
 

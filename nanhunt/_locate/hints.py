@@ -584,6 +584,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "nan (a loss summed over its targets and divided by their count, as transformers' "
                     "num_items_in_batch is, when every label of the batch is ignored (-100); positives counted "
                     "where there are none); skip such batches, or divide by count.clamp(min=1).")
+        if fx.get("zero_over_zero") and fx.get("den_op") in ("dot", "vdot"):
+            return ("A division by a dot product of 0: 0/0 gives nan here. spectral_norm divides the weight by "
+                    "sigma = u . (W v), which is 0 when the weight is all 0 (a zero-initialised layer, as a "
+                    "diffusion model's zero_module or a residual branch's last layer, or one pruned or decayed to "
+                    "0): leave zero-initialised layers out of spectral_norm or initialise them nonzero; a projection "
+                    "(a . b) / (b . b) onto a zero vector: add an eps to the denominator.")
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
