@@ -1467,3 +1467,27 @@ def test_eigh_backward_at_a_degenerate_spectrum_is_told_as_equal_eigenvalues(mod
     node = "LinalgEighBackward0" if how == "eigh" else "LinalgSvdBackward0"
     assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "1", 1, "created", node), str(f)
     assert ("eigenvalues" if how == "eigh" else "singular values") in f.hint and "fully masked" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_regulariser_computed_before_the_forward_is_named_in_the_grad_hint(mode: str) -> None:
+    # a condition-number penalty s_max / s_min on fc.weight, computed before the model's call (code
+    # nanhunt does not record), at a weight with a zero row: s_min = 0, the term inf, its gradient nan.
+    # Only fc.weight.grad holds it; the hint named only "inf * 0 in a weight gradient, or a gradient
+    # written after backward", no word of a loss term on the weight itself
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(2):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight[3].zero_()
+            s = torch.linalg.svdvals(model[0].weight)
+            penalty = s[0] / s[-1]
+            (model(torch.randn(8, 6)).pow(2).mean() + 1e-3 * penalty).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step) == ("grad", "0", "weight.grad", 1), str(f)
+    assert "regulariser" in f.hint and "before the model's call" in f.hint, f.hint

@@ -704,7 +704,10 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.phase == "grad":
         if fx.get("backwards") == 1:  # (one backward() in the step: nothing was summed)
             return ("The gradient became non-finite in the step's one backward, though every module's "
-                    "gradients were finite: inf * 0 in a weight gradient, or a gradient written after backward.")
+                    "gradients were finite: inf * 0 in a weight gradient, a gradient written after backward, or a "
+                    "loss term that takes this weight itself (a regulariser: a weight's condition number, "
+                    "spectral or orthogonality penalty) computed before the model's call, where nanhunt records "
+                    "nothing: compute such terms after the forward, or hunt.check them.")
         return ("The gradient became non-finite while being accumulated (several backward passes summed "
                 "past the dtype's max) or from inf * 0 in a weight gradient.")
     if f.value is not None and math.isnan(f.value):
