@@ -1703,6 +1703,26 @@ def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: s
     assert f.hint.startswith("Log of a negative number, -") and "F.softplus" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_condition_number_of_a_rank_deficient_weight_names_its_singular_value_of_0(mode: str) -> None:
+    """A condition-number regulariser s_max / s_min on the first layer's weight, one of whose columns is
+    0: its smallest singular value is 0, the term inf. The hint was the generic "dividing by a count that is
+    0, or by a learned temperature ... clamp(min=1) for a count"."""
+    m = model()
+    with torch.no_grad():
+        m[0].weight[:, 3].zero_()  # (an input feature it no longer reads: rank 3)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        s = torch.linalg.svdvals(m[0].weight)
+        return F.cross_entropy(out, y) + 1e-3 * s[0] / s[-1]  # @cond-number
+
+    f = run_steps(m, loss_fn, mode=mode)
+    assert (f.module, f.op, f.cause, f.value) == ("<outside>", "aten.div.Tensor", "created", math.inf), f
+    assert same_source(f.source, line("cond-number")), f
+    assert f.hint.startswith("A division by a singular value or eigenvalue of 0") and "rank-deficient" in f.hint, f.hint
+    assert "clamp(min=1)" not in f.hint, f.hint
+
+
 def iou_loss(boxes: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """1 - IoU of (x1, y1, x2, y2) boxes, by hand."""
     wh = (torch.min(boxes[:, 2:], target[:, 2:]) - torch.max(boxes[:, :2], target[:, :2])).clamp(min=0)

@@ -35,6 +35,10 @@ _SINGULAR_LOGDET = ("The matrix lost rank: a covariance of fewer samples than di
 
 _DETS = frozenset({"_linalg_det", "linalg_det", "det"})
 
+# ops that return a matrix's singular values or eigenvalues (svdvals and eigvalsh run these)
+_SPECTRA = frozenset({"_linalg_svd", "linalg_svd", "linalg_svdvals", "svd", "_linalg_eigh", "linalg_eigh",
+                      "linalg_eigvalsh", "linalg_eigvals", "linalg_eig"})
+
 _OPS = {
     "log": "log of 0 gives -inf and log of a negative number gives nan",
     "sqrt": "sqrt of a negative number gives nan",
@@ -579,6 +583,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "zero-terminal-SNR schedule's alpha is 0; a GCN's 1 / sqrt(deg) of a node with no edge; a std "
                     "or norm of constant values); keep what goes into the sqrt away from 0 (clamp_min(eps), t from 1, "
                     "betas clipped below 1, self-loops) or add an eps after it.")
+        if fx.get("den_op") in _SPECTRA:
+            return ("A division by a singular value or eigenvalue of 0: the matrix is rank-deficient (a weight with a "
+                    "zero row or two equal rows, a covariance of fewer samples than dimensions), so a condition "
+                    "number s_max / s_min or a 1 / s is x/0. Add an eps to the denominator (s_min + eps) or a ridge "
+                    "term eps * I to the matrix, or penalise s_max alone (torch.linalg.matrix_norm(W, ord=2)).")
         if fx.get("count_zero"):
             return ("A division by a count of 0: a sum over nothing divided by the number of its elements is 0/0 = "
                     "nan (a loss summed over its targets and divided by their count, as transformers' "
