@@ -412,6 +412,26 @@ def test_a_training_dry_run_on_the_meta_device_with_its_optimizer_and_checks() -
     assert not hunt._faulted and [(f.phase, f.module, f.step) for f in hunt.findings] == [("check", "scaled", 1)]
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("step", [True, False])
+def test_a_model_moved_to_the_meta_device_mid_run_is_a_dry_run_in_every_mode(mode: str, step: bool) -> None:
+    """``model.to("meta")`` after some real steps (freeing memory, sizing a variant), then a forward
+    and backward there: sentinel mode recorded the meta call as a step's top-level call and read its
+    probe (.item() on meta) at step() or close(): nanhunt's InternalError raised into the run."""
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        model.to("meta")
+        model(torch.randn(3, 4, device="meta")).sum().backward()
+        if step:
+            opt.step()
+    assert hunt.findings == [] and not hunt._faulted
+
+
 # ---------------------------------------------------------------------------- torch.func
 def test_per_sample_gradients_with_torch_func_on_a_watched_model() -> None:
     torch.manual_seed(0)

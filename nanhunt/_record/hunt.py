@@ -1623,6 +1623,9 @@ class Hunt:
                 return  # inside torch.func transforms, or recomputed by a backward (checkpointing): not recorded
             if _redirected(module, through=False):
                 return  # (as in _pre_other; a wrapper's call stays the top: sentinel hooks nothing inside it)
+            if _on_meta(module, args):
+                self._outside.off()  # a dry run on the meta device: no values to judge (as in _pre_other)
+                return
             got = self._begin_top(module, args, cap=False)
             if got is None:  # on_find closed the hunt
                 return
