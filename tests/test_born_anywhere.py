@@ -509,7 +509,7 @@ def test_adam_in_float16() -> None:
 
 
 @pytest.mark.parametrize("case", ["ignored", "ignored sum", "count", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson",
-                                  "saturated"])
+                                  "saturated", "saturated metric"])
 def test_hints_name_the_remedy(case: str) -> None:
     # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
     # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
@@ -530,6 +530,12 @@ def test_hints_name_the_remedy(case: str) -> None:
             # additive (mask.log()), and the hint was the generic "log of 0 gives -inf ..."
             p = torch.softmax(out * 1e4, -1)
             return -torch.log(p.gather(-1, y[:, None])).mean()
+        if case == "saturated metric":  # the same as a metric under no_grad, the log taken of every probability:
+            # exactly 0s and 1s that no gradient reaches read as a 0/1 mask, and the hint was the generic one
+            with torch.no_grad():
+                p = torch.softmax(out * 1e4, -1)
+                nll = -torch.log(p).gather(-1, y[:, None]).mean()  # (logged by the loop)
+            return F.cross_entropy(out, y) + 0 * nll.detach().zero_()
         if case == "softplus":
             return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
@@ -552,7 +558,8 @@ def test_hints_name_the_remedy(case: str) -> None:
     want = {"ignored": "ignore", "ignored sum": "every label of the batch is ignored (-100)",
             "count": "divided by the number of its elements", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
             "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
-            "softplus": "threshold at the default 20", "poisson": "Log of exactly 0", "saturated": "Log of exactly 0"}[case]
+            "softplus": "threshold at the default 20", "poisson": "Log of exactly 0", "saturated": "Log of exactly 0",
+            "saturated metric": "Log of exactly 0"}[case]
     assert want in f.hint
 
 

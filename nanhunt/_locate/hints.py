@@ -150,6 +150,9 @@ def _op_key(op: str) -> str:
 _MASK_WRITERS = frozenset({"fill", "masked_fill", "index_put", "index_fill", "full", "full_like", "copy",
                            "scatter", "masked_scatter", "where"})
 
+# ops whose values underflow to exactly 0 (and saturate to 1): a one-hot they made is a probability, not a mask
+_SATURATING = frozenset({"_softmax", "softmax", "_safe_softmax", "sigmoid", "exp"})
+
 # fused attention ops (nn.MultiheadAttention's fast path, SDPA): a softmax inside, over their mask
 _ATTENTION = frozenset({"_native_multi_head_attention", "_masked_softmax", "scaled_dot_product_attention",
                         "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention_for_cpu",
@@ -177,6 +180,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             made = next((rec.recs[i.prod[0]] for i in first.ins if i.shape == () and i.prod is not None), None)
             if made is not None and _op_key(made.op).split(".")[0] == "exp":
                 out["exp_scalar"] = True
+        x = next((i for i in first.ins if i.pos == 0), None) if out.get("log_mask") else None
+        if x is not None and x.prod is not None and _op_key(rec.recs[x.prod[0]].op).split(".")[0] in _SATURATING:
+            del out["log_mask"]  # a softmax saturated to one-hot in a no_grad metric: log of a probability at 0
+            out["log_zero"] = True
         num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
         if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
             out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
