@@ -369,6 +369,7 @@ class StepLog:
         self.outside: list[OutRec] = []  # torch calls outside every watched call (see _record.outside)
         self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
         self.grads_out: list[Any] = []  # weakrefs to what torch.autograd.grad returned there (gradients)
+        self.second_order = False  # one of them with create_graph=True: a backward() through it takes second derivatives
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -538,6 +539,7 @@ class StepLog:
         self.outside.clear()
         self.seeds.clear()
         self.grads_out.clear()
+        self.second_order = False
 
 
 

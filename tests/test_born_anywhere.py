@@ -1032,6 +1032,35 @@ def test_a_gradient_penalty_whose_norm_is_zero_is_found_at_its_sqrt(mode: str) -
     assert same_source(f.source, line("gp-sqrt")) and "sqrt at 0" in f.hint, f
 
 
+class _Pow15(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs() ** 1.5  # its derivative is finite (0) at 0, its second derivative infinite
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_penalty_whose_second_derivative_is_infinite_names_the_second_order_backward(mode: str) -> None:
+    """WGAN-GP over a critic whose activation is |x| ** 1.5: the input gradient is finite, and the
+    penalty's backward takes the activation's second derivative, infinite at a hidden unit of exactly
+    0: inf * 0 in the first layer's weight gradient, every module's gradient finite. The hint said
+    "the step's one backward ... or a gradient written after backward", no word of the second order."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(8, 16), _Pow15(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    real = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    real[0] = 0.0
+    with torch.no_grad():
+        critic[0].bias[3] = 0.0  # hidden unit 3 of sample 0 exactly 0
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(critic, opt, mode=mode):
+        x = real.clone().requires_grad_(True)
+        grad, = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        assert bool(grad.isfinite().all())
+        (critic(real).mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()).backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("grad", "0", "weight.grad", 0, "created"), f
+    assert "second-order" in f.hint and "create_graph=True" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("xlogy", [torch.xlogy, torch.special.xlogy])
 def test_an_entropy_by_xlogy_at_a_zero_probability_has_a_hint_of_its_own(xlogy: Any) -> None:
     """An entropy bonus xlogy(p, p) over a saturated softmax (exact zeros): its gradient in the

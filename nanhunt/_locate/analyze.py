@@ -1378,7 +1378,7 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
             # a hook of the user's on it: its line, where the step's one backward leaves nothing else
             source=_nodes.hook_line(hooks[0]) if hooks and backwards <= 1 else None,
         )
-        ctx.facts[id(f)] = {"backwards": backwards, **({"grad_hook": _nodes.hook_names(hooks)} if hooks else {})}
+        ctx.facts[id(f)] = {"backwards": backwards, "second_order": ctx.log.second_order, **({"grad_hook": _nodes.hook_names(hooks)} if hooks else {})}
         return f
     return None
 

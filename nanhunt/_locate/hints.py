@@ -718,6 +718,12 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.value is not None and math.isinf(f.value) and f.dtype in ("float16", "bfloat16") and mx:
         return f"Overflow past {f.dtype}'s largest finite value ({mx:g}); compute this in float32 or scale it down."
     if f.phase == "grad":
+        if fx.get("second_order"):  # (a gradient penalty: its backward runs through the graph autograd.grad made)
+            return ("The gradient became non-finite in a second-order backward, though every module's gradients were "
+                    "finite: torch.autograd.grad(create_graph=True) (a gradient penalty) made a graph of the model's "
+                    "derivatives, and backward() through it takes second derivatives, infinite where the first is "
+                    "finite (x.abs() ** p with 1 < p < 2 at 0): inf * 0 in a weight gradient. "
+                    "torch.autograd.detect_anomaly() names that op; make it smooth there (add an eps).")
         if fx.get("backwards") == 1:  # (one backward() in the step: nothing was summed)
             return ("The gradient became non-finite in the step's one backward, though every module's "
                     "gradients were finite: inf * 0 in a weight gradient, a gradient written after backward, or a "

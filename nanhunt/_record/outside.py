@@ -562,10 +562,12 @@ class Outside(TorchFunctionMode):
         if func in _PASS:  # torch.autograd.grad: its results are gradients, never fed from outside
             out = call(func, args, kwargs)
             refs = [weakref.ref(t) for t in out if isinstance(t, torch.Tensor)]
+            second = bool(kwargs.get("create_graph", args[4] if len(args) > 4 else False))
             for m in recs:
                 h = m._hunt()
                 if h is not None:
                     h._log.grads_out.extend(refs)
+                    h._log.second_order = h._log.second_order or second
             return out
         _rng_before = torch.get_rng_state() if any(m.fresh for m in recs) else None
         name = getattr(func, "__name__", "")
