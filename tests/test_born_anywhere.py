@@ -1663,6 +1663,28 @@ def test_an_overflow_after_an_exploding_learning_rate_names_the_grown_weights_an
     assert "learning rate" in f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_overflow_in_a_module_after_a_one_cycle_lr_too_large_names_the_grown_weights_and_the_lr(mode: str) -> None:
+    """OneCycleLR with max_lr=1e37: after one step the weights are ~1e35 and the next forward's addmm
+    overflows float32 inside a module. The hint's generic remedy ("a lower learning rate, gradient
+    clipping, ...") held the words "learning rate", so the sentence naming the grown weight and the lr
+    the schedule had set was never added."""
+    m = zoo.bnmlp()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e37, total_steps=10, pct_start=0.5)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for _ in range(4):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.cause, f.op) == ("forward", "created", "aten.addmm.default"), f
+    assert "The model's weights are huge" in f.hint and "SGD lr=" in f.hint, f.hint
+
+
 def test_an_overflow_with_sane_weights_says_nothing_of_the_learning_rate() -> None:
     torch.manual_seed(0)
     m = nn.Linear(4, 4)

@@ -409,8 +409,9 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     hint = f.hint or _start_hint(ctx, f) or _hints.hint(f, facts)
     if not hint and f.phase == "forward" and f.cause == "unknown" and not ctx.view.replay:
         hint = _hints.unreplayed_forward_hint(ctx.view.sharded, f.op)
-    if f.phase == "forward" and f.cause == "created" and "learning rate" not in hint:
-        hint += _hints.grown_hint(_grown(ctx))  # (whatever op it was born in: the values were huge)
+    if f.phase == "forward" and f.cause == "created" and "lr=" not in hint and "weights are huge" not in hint:
+        # (whatever op it was born in: the values were huge; an overflow's "a lower learning rate" names no weight or lr)
+        hint += _hints.grown_hint(_grown(ctx))
     f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
