@@ -544,6 +544,44 @@ def test_a_parameter_outside_the_model_is_named_by_its_place_in_the_optimizer() 
     assert (grad.module, grad.tensor) == ("<outside>", "param_groups[1][0].grad")
 
 
+class _Distance(nn.Module):
+    """The distance between the two halves of a projection: sqrt at 0 (an infinite gradient) when they are equal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return torch.sqrt(((h[:, :4] - h[:, 4:]) ** 2).sum(-1, keepdim=True)).expand(-1, 8)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_made_in_a_model_that_is_not_watched_is_told_as_such(mode: str) -> None:
+    """One optimizer over two models, only the head watched: a sqrt at 0 in the encoder's backward
+    makes its weight's gradient NaN, every gradient of the head finite. The hint said "inf * 0 in a
+    weight gradient, or a gradient written after backward" of a parameter that only the optimizer
+    holds; it now says that it lies outside the watched model, where nothing was recorded."""
+    torch.manual_seed(0)
+    enc, head = _Distance(), nn.Linear(8, 3)
+    opt = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(head, opt, mode=mode):
+        for step in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            if step == 2:
+                with torch.no_grad():
+                    enc.proj.weight[4:] = enc.proj.weight[:4]
+                    enc.proj.bias[4:] = enc.proj.bias[:4]
+            F.cross_entropy(head(enc(x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.tensor, f.step) == ("grad", "<outside>", "param_groups[0][0].grad", 2), f
+    assert "not a parameter of the watched model" in f.hint and "written after backward" not in f.hint, f.hint
+    assert all(bool(p.isfinite().all()) for p in enc.parameters())  # (the step was not applied)
+
+
 def test_a_parameter_outside_the_model_that_an_update_overflowed_is_born_once_and_is_damage() -> None:
     # a loss's learned temperature in a group of its own, its lr raised to 1e38 for one step: the
     # update makes it inf (a finding of step 1). The steps after only carry it on (inf - lr * g),

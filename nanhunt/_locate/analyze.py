@@ -1358,6 +1358,10 @@ def _grad_finding(ctx: _Ctx, entry: Grads, flags: list[bool], earlier: bool) -> 
                 cause, hint = "unknown", _hints.unseen_forward_hint()
             else:  # no call of the model, no loss code: they ran where no hook runs (a compiled train step)
                 cause, hint = "unknown", _hints.unseen_step_hint()
+        elif cause == "created" and m is None:
+            # a parameter only the optimizer holds (another model's, trained by the same optimizer): its
+            # backward ran in no watched call, so no module's gradient was there to judge
+            hint = _hints.outside_param_hint(pname)
         elif cause == "created" and not ctx.view.replay and not ctx.view.grad_hooks:
             # no backward replay (replay=False; FSDP2) and no per-module gradient hooks: no module's
             # gradient was judged, so "made in this gradient" would be a guess

@@ -745,6 +745,15 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
 HUGE_WEIGHT = 1e4  # no weight of a sane model is this large: the values were made huge by the model
 
 
+def outside_param_hint(name: str) -> str:
+    """A ``.grad`` made non-finite of a parameter that the watched optimizer holds and the watched
+    model does not (``name``: its place in the optimizer, ``param_groups[0][0]``)."""
+    return (f"{name!r} is not a parameter of the watched model (only the optimizer holds it): its gradient was "
+            "made where nanhunt records nothing, in a module outside the watched model (another model the same "
+            "optimizer trains, an encoder called before it) or in code before the model's call. Watch a module "
+            "that holds both (or run the script under `nanhunt run`) to have the op and its line.")
+
+
 def grown_hint(grown: tuple[str, float, str] | None) -> str:
     """The sentence added to a forward finding born from finite values when the model's weights are
     huge: `analyze._grown`'s (name, magnitude, "SGD lr=2")."""
