@@ -510,6 +510,8 @@ def test_adam_in_float16() -> None:
 
 @pytest.mark.parametrize("case", ["ignored", "ignored sum", "count", "std", "ctc", "lgamma", "digamma", "beta", "softplus", "poisson",
                                   "saturated", "saturated metric"])
+@pytest.mark.parametrize("case", ["ignored", "ignored sum", "class weight", "count", "std", "ctc", "lgamma", "digamma", "beta",
+                                  "softplus", "poisson", "saturated"])
 def test_hints_name_the_remedy(case: str) -> None:
     # lgamma / digamma at a Gamma NLL's shape parameter of 0 (a relu), a Beta log_prob at a target of
     # exactly 1, softplus(beta=100) with a threshold past exp's overflow: the hint was the generic
@@ -540,6 +542,10 @@ def test_hints_name_the_remedy(case: str) -> None:
             return F.softplus(out * 1e3, beta=100, threshold=1e6).mean()
         if case == "ignored":
             return F.cross_entropy(out, torch.full_like(y, -100))
+        if case == "class weight":  # a tagger's "O" class weighted 0, a batch of only "O" (one ignored): the
+            # weighted mean divides by a total weight of 0. The hint was the generic "NaN from finite inputs"
+            labels = torch.zeros_like(y).index_fill(0, torch.tensor([1]), -100)
+            return F.cross_entropy(out, labels, weight=torch.tensor([0.0, 1.0, 2.0]))
         if case == "ignored sum":  # transformers' loss under its Trainer: summed, divided by num_items_in_batch
             labels = torch.full_like(y, -100)
             return F.cross_entropy(out, labels, reduction="sum") / (labels.ne(-100).sum() / 1)
@@ -556,6 +562,7 @@ def test_hints_name_the_remedy(case: str) -> None:
     f = run_steps(model(), loss_fn)
     assert f.module == "<outside>"
     want = {"ignored": "ignore", "ignored sum": "every label of the batch is ignored (-100)",
+            "class weight": "a class whose weight (the loss's weight=) is 0",
             "count": "divided by the number of its elements", "std": "one element", "ctc": "zero_infinity=True", "lgamma": "lgamma is +inf at 0",
             "digamma": "(lgamma's derivative) is non-finite at 0", "beta": "Beta log_prob at a value of exactly",
             "softplus": "threshold at the default 20", "poisson": "Log of exactly 0", "saturated": "Log of exactly 0",

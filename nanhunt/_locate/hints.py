@@ -307,8 +307,11 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
                 out.update(scores_big=big, limit=limit, dtype=str(q.dtype).removeprefix("torch."))
                 return out
     if name.startswith("nll_loss") and len(args) >= 5 and isinstance(args[1], torch.Tensor):
-        if bool((args[1] == args[4]).all()):
+        kept, w = args[1] != args[4], args[2]
+        if not bool(kept.any()):
             out["all_ignored"] = True
+        elif isinstance(w, torch.Tensor) and args[3] == 1 and float(w[args[1][kept]].sum()) == 0:
+            out["zero_weight"] = True  # every kept target of a class weighted 0: the weighted mean is 0/0
     if name in ("div", "div_") and len(args) >= 2:
         d = args[1]
         if (isinstance(d, torch.Tensor) and d.numel() and bool((d == 0).any())) or (not isinstance(d, torch.Tensor) and d == 0):
@@ -547,6 +550,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return (f"A -inf fed in from before (a mask) reached arithmetic: {op} made {f.value} of it (a sum or "
                 "mean over masked positions, label smoothing, -inf * 0, inf - inf). Mask with a large finite "
                 "value (torch.finfo(dtype).min) instead of -inf, or keep masked positions out of the computation.")
+    if fx.get("zero_weight"):
+        return ("A weighted mean over zero weight: every target of the batch not ignored is of a class whose weight "
+                "(the loss's weight=) is 0, so the mean divides by a total weight of 0, 0/0 = nan; give every class "
+                "a weight > 0, or use reduction='sum' and divide by max(total weight, eps).")
     if fx.get("all_ignored") or fx.get("empty_mean"):
         what = "every target is ignored (ignore_index)" if fx.get("all_ignored") else "the selection is empty"
         return (f"A mean over zero elements: {what}, so the mean is 0/0 = nan; skip such batches, or "
