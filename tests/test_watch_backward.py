@@ -1235,6 +1235,62 @@ def test_a_relu_rnn_whose_hidden_state_explodes_along_the_sequence_is_told_as_su
     assert "at every time step" in f.hint and "nonlinearity='relu'" in f.hint and "orthogonal_" in f.hint, f.hint
 
 
+class _RMSNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x.pow(2).sum(-1, keepdim=True).sqrt() + 1e-6)  # @rms-sqrt: its gradient at 0 is inf
+
+
+class _DecoderStep(nn.Module):
+    """One time step of a decoder, called by the loop once per target token with the hidden state
+    it returned (teacher forcing); a padding token's all-zero embedding (its row zeroed by hand, no
+    padding_idx) makes the norm's input 0."""
+
+    def __init__(self, into_hidden: bool) -> None:
+        super().__init__()
+        self.into_hidden = into_hidden
+        self.emb = nn.Embedding(10, 8)
+        with torch.no_grad():
+            self.emb.weight[0] = 0.0
+        self.lin = nn.Linear(8, 8)
+        self.norm = _RMSNorm()
+        self.cell = nn.GRUCell(8, 8)
+
+    def forward(self, tok: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        e = self.emb(tok)
+        z = self.norm(e + self.lin(h) * (tok != 0)[:, None] if self.into_hidden else e)
+        return self.cell(z, h)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("into_hidden", [False, True], ids=["into-embedding", "into-hidden"])
+def test_a_backward_nan_born_in_a_later_call_of_a_decoder_stepped_by_the_loop_is_found_there(
+        mode: str, into_hidden: bool) -> None:
+    # the model is called once per time step, each call given the hidden state the call before
+    # returned. Each call's backward replay ran into the step's graph through that input, already
+    # run and freed ("backward through the graph a second time"): the finding was the embedding's
+    # weight.grad with no op. With the NaN handed on to the hidden state, the first call (its
+    # gradient bad last) was blamed: "made by the code after the model (the loss)"
+    torch.manual_seed(0)
+    m = _DecoderStep(into_hidden)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    tgt = torch.tensor([[3, 4, 0, 5], [2, 6, 7, 1]])  # a padding token at time step 2
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        h, loss = torch.zeros(2, 8), torch.zeros(())
+        for t in range(tgt.shape[1]):
+            h = m(tgt[:, t], h)
+            loss = loss + h.pow(2).mean()
+        loss.backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.call, f.cause, f.op) == ("backward", "norm", 0, 2, "created", "SqrtBackward0"), str(f)
+    import inspect
+
+    src, start = inspect.getsourcelines(_RMSNorm.forward)
+    want = start + next(i for i, text in enumerate(src) if "@rms-sqrt" in text)
+    assert f.source is not None and f.source.endswith(f"test_watch_backward.py:{want}"), f.source
+    assert "gradient of sqrt at 0" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_inf_gradient_that_clip_grad_norm_turns_into_nan_is_found_at_the_backward_with_a_line(mode: str) -> None:
     # a huge loss scale: the last layer's bias gradient passes float32's max, and clip_grad_norm_

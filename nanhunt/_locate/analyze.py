@@ -249,7 +249,8 @@ def analyze(view: StepView) -> list[Finding]:
     grads_bad = any(isinstance(e, Grads) and any(flags) for (_v, e), flags in zip(log.vectors, vbad))
     if grads_bad and not any(f.phase in ("forward", "backward") for f in out):
         # no per-module gradient hooks (the default): find the backward's creator by replay
-        for ti, top in enumerate(log.tops):
+        for ti in _blame_order(log, 0):
+            top = log.tops[ti]
             if top.out_keys:
                 r = ctx.replay(ti, backward=True)
                 fb = _backward_from_replay(ctx, ti, r)
@@ -841,10 +842,14 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
     top_i = log.calls[cis[0]].top if cis else (len(log.tops) - 1)
     if top_i < 0:
         return None
+    # chained calls: every call given finite gradients is asked before it (the one that took the
+    # tensor whose gradient went bad made it); else that tensor's call alone
+    tried = [tj for tj in _blame_order(log, top_i) if tj == top_i or not _fed(log, tj)] if _chained(log) else [top_i]
+    for tj in tried:
+        f = _backward_from_replay(ctx, tj, ctx.replay(tj, backward=True))
+        if f is not None:
+            return f
     r = ctx.replay(top_i, backward=True)
-    f = _backward_from_replay(ctx, top_i, r)
-    if f is not None:
-        return f
     if r is not None and r.error is None and _overflowed_sums(log, sbad, r):
         return None
     # no replay: attribute from the log alone (no element)
@@ -855,6 +860,27 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
         c, _, path, cause = got
         return _partial(ctx, "backward", c.name, c.module, _grad_input_name(path), c.call, cause, reproducible)
     return _fed_backward(ctx, top_i, None, reproducible)
+
+
+def _chained(log: StepLog) -> bool:
+    """Did a top-level call of the step take a tensor a graph made (another call's output: a decoder
+    called once per time step, fed the hidden state it returned)? Then its backward hands gradients
+    back into the calls before it."""
+    return any(t.requires_grad and not t.is_leaf for top in log.tops for _, t in tensors((top.args, top.kwargs or {})))
+
+
+def _fed(log: StepLog, ti: int) -> bool:
+    """Did the top-level call get a non-finite gradient at its outputs?"""
+    return any(is_bad(log.tensors[k].grad) for k in log.tops[ti].out_keys)
+
+
+def _blame_order(log: StepLog, first: int) -> list[int]:
+    """The top-level calls in the order their backward replays are asked who made a gradient:
+    ``first``, then the others in order; when the calls are chained, those given a non-finite
+    gradient at their outputs last (``first`` too): a later call may have made it, and the earlier
+    calls' gradients go bad after it."""
+    chained = _chained(log)
+    return sorted(range(len(log.tops)), key=lambda ti: (chained and _fed(log, ti), ti != first))
 
 
 def _overflowed_sums(log: StepLog, sbad: list[bool], r: Replay) -> bool:
@@ -1184,8 +1210,8 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
         )
         ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
         return [f]
-    for ti, top in enumerate(ctx.log.tops):
-        if top.out_keys:
+    for ti in _blame_order(ctx.log, 0):
+        if ctx.log.tops[ti].out_keys:
             fb = _backward_from_replay(ctx, ti, ctx.replay(ti, backward=True))
             if fb is not None:
                 return [fb]

@@ -222,7 +222,7 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
     hooks = ReplayHooks(pre, post)
     made: list[tuple[Any, str, nn.Module, int, torch.Tensor]] = []  # (`_checked_hooks`)
     try:
-        with faithful(top), torch.enable_grad(), mode, _checked_hooks(made, stack, top.module, done):
+        with faithful(top) as cut, torch.enable_grad(), mode, _checked_hooks(made, stack, top.module, done):
             out = top.module(*top.args, **(top.kwargs or {}))
             mode.flush()
     finally:
@@ -233,7 +233,7 @@ def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | N
         return None
     nodes = graph_nodes([o.grad_fn for o, _ in pairs])
     leaves = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
-    leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+    leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf] + cut
     if not leaves:
         return None
 

@@ -759,7 +759,7 @@ def _locate_backward(
     calls = _Calls(names, ordinal, mode, path=tuple(path))
     handles: list[Any] = []
     try:
-        with faithful(top), torch.enable_grad(), mode:
+        with faithful(top) as cut, torch.enable_grad(), mode:
             with calls:
                 out = _call(top)
             mode.flush()
@@ -803,7 +803,7 @@ def _locate_backward(
                 handles.append(n.fn.register_prehook(_pre_hook(mode, nodes, i)))
                 handles.append(n.fn.register_hook(_post_hook(mode, rec, nodes, i, ran)))
             leaves = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
-            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf] + cut
             leaves.append(x)
             mode.backward = True
             torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)

@@ -175,11 +175,13 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
+def faithful(top: Top, *, compiled: bool = False) -> Iterator[list[torch.Tensor]]:
     """Run inside the state ``top`` was called in; restore the user's state afterwards.
 
     A ``model.compile()``d module, or a compiled submodule, runs eagerly here (``force_eager``: a
-    replay records every watched call), unless ``compiled``: the caller runs the failing configuration itself."""
+    replay records every watched call), unless ``compiled``: the caller runs the failing configuration itself.
+    Yields the leaves its inputs were cut from the graph at (see `_cut`): a backward of the replay takes
+    them as inputs too, to see the gradients of the call's inputs."""
     mod = top.module
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if top.cuda_rng is not None else None
@@ -199,6 +201,9 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         # a Cache the user passed in (generation), a list the call appends to: the replay runs on
         # copies (5 replays appended 5 keys to the user's KV cache, which the run then generated from)
         top.args, top.kwargs = given_objects(given_in)
+        cut: list[torch.Tensor] = []
+        top.args, top.kwargs = tree_map(lambda v: _cut(v, cut) if isinstance(v, torch.Tensor) else v,
+                                        (top.args, top.kwargs))
         for m, _ in modes:
             m.training = top.training
         if modes:
@@ -221,7 +226,7 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         stack.enter_context(torch.set_grad_enabled(top.grad_enabled))
         if not compiled:
             stack.enter_context(_checkpoint_inline())
-        yield
+        yield cut
     finally:
         stack.close()
         try:
@@ -238,6 +243,19 @@ def faithful(top: Top, *, compiled: bool = False) -> Iterator[None]:
         finally:
             top.args, top.kwargs = given_in
             kept.restore()  # the modules' own Python state (their training flags too)
+
+
+def _cut(t: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """An input made by a graph before the call (a hidden state another top-level call returned: a
+    decoder called once per time step) as a copy whose graph ends at a leaf of its own, added to
+    ``leaves``: a backward of the replay stops there instead of running into the step's graph,
+    which the step's backward has already run and freed (every gradient replay failed)."""
+    if not t.requires_grad or t.is_leaf:
+        return t
+    with torch.no_grad():
+        leaf = t.detach().requires_grad_()
+    leaves.append(leaf)
+    return leaf.clone()  # (not the leaf itself: a forward may write its input in place)
 
 
 def as_it_is(x: Any) -> Any:
@@ -545,7 +563,7 @@ def _replay_top(
     hooks = ReplayHooks(pre, post)
     result = Replay(calls, order, None)
     try:
-        with faithful(top):
+        with faithful(top) as cut:
             if want_grad:
                 with torch.enable_grad():
                     out = top.module(*top.args, **(top.kwargs or {}))
@@ -557,7 +575,7 @@ def _replay_top(
             outs = [t for _, t in tensors(out) if t.requires_grad]
             pairs = _roots([(o, g) for o, g in zip(outs, backward or []) if g is not None])
             leaves: list[torch.Tensor] = [p for p in (params or []) if p.requires_grad]
-            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf]
+            leaves += [t for _, t in tensors(top.args) if t.requires_grad and t.is_leaf] + cut
             if pairs and leaves:
                 gs = torch.autograd.grad(
                     [o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True
