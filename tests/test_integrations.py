@@ -408,6 +408,46 @@ def test_hf_accumulated_micro_batch_without_labels_is_named_and_the_trainer_free
     assert ref() is None, "the callback's closed hunt kept the model alive"
 
 
+@_mark
+def test_hf_label_smoothing_over_a_batch_without_labels_names_the_ignored_labels(tmp_path: Any) -> None:
+    """label_smoothing_factor: the Trainer's LabelSmoother fills the ignored positions with 0, sums, and
+    divides by num_items_in_batch, a float count under the Trainer. A batch whose labels are all -100 is
+    0/0 there; the hint was the generic "a zero vector divided by its norm, an IoU of zero-area boxes ..."
+    instead of the count of 0 and the -100 labels that the Trainer's own loss (no smoothing) gets."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[2:4] = -100  # batch size 2: the batch of step 1 has no label
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": ids[i], "labels": labels[i]}
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             label_smoothing_factor=0.1)
+    cb = NanHuntCallback()
+    trainer = Trainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=Rows(), callbacks=[cb])
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Rows())  # type: ignore[method-assign]
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.op) == ("forward", "<outside>", 1, "aten.div.Tensor"), f
+    assert f.source is not None and "trainer_pt_utils.py" in f.source
+    assert "every label of the batch is ignored (-100)" in f.hint, f.hint
+    assert cb.hunt.closed and not _ours()
+
+
 def test_hf_options_are_checked_up_front() -> None:
     pytest.importorskip("transformers")
     from nanhunt.integrations.transformers import NanHuntCallback

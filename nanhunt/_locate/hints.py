@@ -185,8 +185,15 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             del out["log_mask"]  # a softmax saturated to one-hot in a no_grad metric: log of a probability at 0
             out["log_zero"] = True
         num = next((i for i in first.ins if i.pos == 0), None) if out.get("zero_over_zero") else None
-        if num is not None and num.prod is not None and _op_key(rec.recs[num.prod[0]].op).startswith("nll_loss"):
+        made = rec.recs[num.prod[0]] if num is not None and num.prod is not None else None
+        if made is not None and _op_key(made.op).startswith("nll_loss"):
             out["count_zero"] = True  # a loss summed over no target (every one ignored), divided by their count
+        elif made is not None and _op_key(made.op) == "sum":
+            # a masked sum (transformers' LabelSmoother: the ignored positions filled with 0, summed), divided
+            # by the count of the unmasked ones (num_items_in_batch, a float under the Trainer): none
+            summed = next((i for i in made.ins if i.pos == 0), None)
+            if summed is not None and summed.prod is not None and _op_key(rec.recs[summed.prod[0]].op) == "masked_fill":
+                out["count_zero"] = True
         pos = 0 if _op_key(first.op) == "reciprocal" else 1  # (1 / x is reciprocal(x))
         den = next((i for i in first.ins if i.pos == pos), None) if out.get("div_zero") else None
         for _ in range(4):  # the op that made the denominator, through views (x / s[:, None])
