@@ -1750,6 +1750,28 @@ def test_advantages_normalised_by_a_std_of_0_are_told_so(mode: str) -> None:
     assert f.hint.startswith("A division by a standard deviation of 0") and "x.std() + 1e-8" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("gap", [100.0, 1000.0])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_ppo_ratio_that_overflows_is_told_as_a_log_ratio_to_clamp(mode: str, gap: float) -> None:
+    """PPO's ratio exp(logp - old_logp) after the policy moved far from the one that collected the data
+    (old_logp of actions it had given e^-100 or e^-1000): exp overflows. The hint was a VAE's
+    logvar.clamp (gap 100), or, past float64's range too (gap 1000), only "exp overflows past the
+    dtype's largest value", with neither the argument nor a remedy."""
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        logp = torch.distributions.Categorical(logits=logits).log_prob(y)
+        old_logp = logp.detach() - gap  # (a stale buffer's log-probabilities)
+        ratio = torch.exp(logp - old_logp)  # @ppo-ratio
+        adv = torch.linspace(-1.0, 1.0, 6)
+        return -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.value) == ("forward", "<outside>", "aten.exp.default", "created", math.inf), f
+    assert same_source(f.source, line("ppo-ratio")), f.source
+    assert "exp(logp - old_logp)" in f.hint and "(logp - old_logp).clamp(max=20)" in f.hint, f.hint
+    assert f"its input, {gap:.4g}" in f.hint and "logvar" not in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: str) -> None:
     """A detection loss that takes log(w_pred / w_anchor) of a width the head predicts without a

@@ -213,6 +213,15 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["log_of"] = _op_key(made.op)
                 break
             arg = next((i for i in made.ins if i.pos == 0), None)
+        x = next((i for i in first.ins if i.pos == 0), None) if _op_key(first.op).split(".")[0] == "exp" else None
+        for _ in range(4):  # the op that made exp's argument, through views: a difference is a ratio's log
+            if x is None or x.prod is None:
+                break
+            made = rec.recs[x.prod[0]]
+            if not made.moves:
+                out["exp_of"] = _op_key(made.op).split(".")[0]
+                break
+            x = next((i for i in made.ins if i.pos == 0), None)
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -398,6 +407,9 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
     if isinstance(ref, torch.Tensor) and ref.numel() > flat:
         v = float(ref.reshape(-1)[flat])
         limit = float(torch.finfo(dtype).max)
+        if (v == math.inf and name in ("exp", "exp_") and args[0].numel() == code.numel()
+                and math.isfinite(x := float(args[0].reshape(-1)[flat]))):  # (exp past float64's range too)
+            out.update(reached=v, exp_arg=x, limit=limit, dtype=str(dtype).removeprefix("torch."))
         if math.isfinite(v) and abs(v) > limit:
             out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
             if name in ("add", "add_") and v < 0 and any(  # a torch.finfo(dtype).min mask added to a negative score
@@ -476,9 +488,16 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
                       "learning rate, gradient clipping, normalising the inputs)")
             if _op_key(op) == "exp" and fx["reached"] > 0:  # (the exponent, not a value, is what to bound)
-                remedy = (f"its input, {math.log(fx['reached']):.4g}, is past {math.log(fx['limit']):.4g}, where exp "
-                          f"passes {fx['dtype']}'s largest value: clamp what goes into exp (a VAE's "
-                          "logvar.clamp(-30, 20)) or use a stable form (F.softplus, torch.logsumexp); or " + remedy)
+                arg = fx.get("exp_arg", math.log(fx["reached"]))
+                what = ("clamp what goes into exp (a VAE's logvar.clamp(-30, 20)) or use a stable form (F.softplus, "
+                        "torch.logsumexp)")
+                if fx.get("exp_of") in ("sub", "rsub"):  # (a ratio of probabilities from their logs)
+                    what = ("the exp of a difference of log-probabilities is a probability ratio (PPO's "
+                            "exp(logp - old_logp), an importance weight), and a policy that moved far from the one "
+                            "that collected the data (a large update, a stale old_logp) overflows it; clamp the "
+                            "difference before exp ((logp - old_logp).clamp(max=20)), or take smaller updates per batch")
+                remedy = (f"its input, {arg:.4g}, is past {math.log(fx['limit']):.4g}, where exp passes "
+                          f"{fx['dtype']}'s largest value: {what}; or " + remedy)
             if f.module_type in ("RNN", "RNNCell") and f.phase == "forward":  # (its hidden state, times weight_hh at every step)
                 remedy = ("the hidden state of this recurrent layer is multiplied by its recurrent weights at every "
                           "time step: with recurrent weights whose largest eigenvalue is past 1 (a large init, "
@@ -518,6 +537,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return (f"Overflow in a cast: {fx['reached']:.6g} is past {fx['dtype']}'s largest finite value "
                     f"{fx['limit']:g}, so {op} made it inf (and the arithmetic after it, inf - inf or inf * 0, "
                     f"nan); {remedy}.")
+        if math.isinf(fx["reached"]):  # (exp past float64's range too: its value is no number to show)
+            return (f"Overflow: {op} made inf from finite inputs, past {fx['dtype']}'s largest finite value "
+                    f"{fx['limit']:g} (and float64's); {remedy}.")
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
     if "norm_big" in fx:
