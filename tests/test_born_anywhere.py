@@ -1773,6 +1773,25 @@ def test_a_ppo_ratio_that_overflows_is_told_as_a_log_ratio_to_clamp(mode: str, g
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_tanh_squashed_policys_log_correction_at_saturation_is_told_so(mode: str) -> None:
+    """SAC's log-probability of a tanh-squashed action, log(1 - tanh(u)^2) written plainly: once |u|
+    passes about 9, tanh(u) is exactly ±1 in float32 and the log -inf. The hint spoke of a softmax's
+    underflow, a ReLU output or a distribution's scale, none of which is here."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        u = out[:, :2] * 100.0  # pre-squash actions far out on tanh's flat tails
+        a = torch.tanh(u)
+        logp = torch.distributions.Normal(u.detach(), 1.0).log_prob(u).sum(-1)
+        logp = logp - torch.log(1 - a.pow(2)).sum(-1)  # @tanh-correction
+        return (0.2 * logp + (a ** 2).sum(-1)).mean()
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.value) == ("forward", "<outside>", "aten.log.default", "created", -math.inf), f
+    assert same_source(f.source, line("tanh-correction")), f.source
+    assert f.hint.startswith("Log of exactly 0 at a saturated tanh") and "F.softplus(-2 * u)" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: str) -> None:
     """A detection loss that takes log(w_pred / w_anchor) of a width the head predicts without a
     constraint: once it goes below 0, the log is nan. The hint was the op's generic "log of 0 gives

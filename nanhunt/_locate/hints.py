@@ -213,6 +213,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["log_of"] = _op_key(made.op)
                 break
             arg = next((i for i in made.ins if i.pos == 0), None)
+        if out.get("log_of") in ("sub", "rsub") and arg is not None and _made_by(rec, arg, "tanh"):
+            out["log_tanh"] = True  # log(1 - tanh(u) ** 2) with tanh(u) rounded to ±1: a squashed policy's correction
         x = next((i for i in first.ins if i.pos == 0), None) if _op_key(first.op).split(".")[0] == "exp" else None
         for _ in range(4):  # the op that made exp's argument, through views: a difference is a ratio's log
             if x is None or x.prod is None:
@@ -271,6 +273,16 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+def _made_by(rec: Any, inp: Any, op: str, depth: int = 4) -> bool:
+    """Was ``inp`` computed from an output of ``op`` within ``depth`` records before it?"""
+    todo = [inp]
+    for _ in range(depth):
+        todo = [i for t in todo if t.prod is not None for i in rec.recs[t.prod[0]].ins]
+        if any(t.prod is not None and _op_key(rec.recs[t.prod[0]].op).split(".")[0] == op for t in todo):
+            return True
+    return False
 
 
 # batch norm's kernels: (input, weight, bias, running_mean, running_var, training, momentum, eps)
@@ -597,6 +609,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "use correction=0 or skip batches of one.")
     if fx.get("log_zero") and fx.get("log_of") in _DETS:
         return (f"Log of a determinant of exactly 0: {op} took log |det| of a singular matrix, -inf. " + _SINGULAR_LOGDET + ".")
+    if fx.get("log_zero") and fx.get("log_tanh"):
+        return (f"Log of exactly 0 at a saturated tanh: {op} took log(1 - tanh(u) ** 2) (a tanh-squashed policy's "
+                "log-probability correction, as in SAC), and tanh(u) rounds to ±1 once |u| passes about 9 in "
+                "float32, so 1 - tanh(u) ** 2 is 0 and its log -inf. Use the stable form "
+                "2 * (math.log(2) - u - F.softplus(-2 * u)) (or TransformedDistribution with TanhTransform), or "
+                "add an eps inside the log.")
     if fx.get("log_zero"):
         return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
