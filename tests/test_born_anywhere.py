@@ -1792,6 +1792,23 @@ def test_a_tanh_squashed_policys_log_correction_at_saturation_is_told_so(mode: s
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gaussian_policys_scale_exp_underflowed_to_0_names_the_log_std_to_clamp(mode: str) -> None:
+    """A Gaussian policy's Normal(mu, log_std.exp()) whose log_std head fell below -104: the exp is 0,
+    and log_prob's log(scale) -inf. The hint named a softmax, a ReLU or a softplus as what made the 0,
+    not the exp, and no clamp of log_std."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        mu, log_std = out[:, :1], out[:, 1:2] - 200.0  # a log_std head that collapsed
+        dist = torch.distributions.Normal(mu, log_std.exp(), validate_args=False)
+        return -dist.log_prob(torch.zeros(6, 1)).mean()  # @policy-log-prob
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.value) == ("forward", "<outside>", "aten.log.default", "created", -math.inf), f
+    assert same_source(f.source, line("policy-log-prob")), f.source
+    assert f.hint.startswith("Log of exactly 0 after an exp that underflowed") and "log_std.clamp(-20, 2)" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: str) -> None:
     """A detection loss that takes log(w_pred / w_anchor) of a width the head predicts without a
     constraint: once it goes below 0, the log is nan. The hint was the op's generic "log of 0 gives

@@ -615,6 +615,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "float32, so 1 - tanh(u) ** 2 is 0 and its log -inf. Use the stable form "
                 "2 * (math.log(2) - u - F.softplus(-2 * u)) (or TransformedDistribution with TanhTransform), or "
                 "add an eps inside the log.")
+    if fx.get("log_zero") and fx.get("log_of") == "exp":
+        return (f"Log of exactly 0 after an exp that underflowed: {op}'s input is exp(x) of an x so negative (below "
+                "about -104 in float32) that it is 0 (a log_std or log-variance head that fell that far, exp'd into a "
+                "Normal's scale: Normal(loc, scale).log_prob takes log(scale)). Clamp the exponent before exp "
+                "(log_std.clamp(-20, 2), as SAC does), or use it directly where its log is needed (log(exp(x)) = x).")
     if fx.get("log_zero"):
         return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
