@@ -1809,6 +1809,23 @@ def test_a_gaussian_policys_scale_exp_underflowed_to_0_names_the_log_std_to_clam
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_td_loss_whose_sum_of_squares_overflows_though_its_mean_does_not_is_told_as_an_overflow(mode: str) -> None:
+    """A critic's TD loss against targets on a huge scale (rewards near 1e19): mse_loss sums the squared
+    errors in float32, and the sum passes float32's max although the mean (6.7e37) does not. The hint
+    was the generic 'Inf from finite inputs: an overflow past the dtype's max, x/0 or log(0)'."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        target = torch.linspace(-1.2e19, 1.2e19, 6)  # TD targets: r + gamma * V(s'), the rewards' scale huge
+        return F.mse_loss(out[:, 0], target)  # @td-mse
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.value) == ("forward", "<outside>", "aten.mse_loss.default", "created", math.inf), f
+    assert same_source(f.source, line("td-mse")), f.source
+    assert f.hint.startswith("Overflow inside aten.mse_loss.default") and "inputs reach 1.2e+19" in f.hint, f.hint
+    assert "x/0" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: str) -> None:
     """A detection loss that takes log(w_pred / w_anchor) of a width the head predicts without a
     constraint: once it goes below 0, the log is nan. The hint was the op's generic "log of 0 gives

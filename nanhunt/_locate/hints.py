@@ -422,6 +422,10 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
         if (v == math.inf and name in ("exp", "exp_") and args[0].numel() == code.numel()
                 and math.isfinite(x := float(args[0].reshape(-1)[flat]))):  # (exp past float64's range too)
             out.update(reached=v, exp_arg=x, limit=limit, dtype=str(dtype).removeprefix("torch."))
+        if math.isfinite(v) and abs(v) <= limit and name in _REDUCTIONS and dtype == torch.float32:
+            big = max((float(t.detach().abs().amax()) for t in _leaves(args)  # (a term summed on the way overflowed)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()), default=0.0)
+            out.update(inner_overflow=(v, big), limit=limit)
         if math.isfinite(v) and abs(v) > limit:
             out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
             if name in ("add", "add_") and v < 0 and any(  # a torch.finfo(dtype).min mask added to a negative score
@@ -554,6 +558,13 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     f"{fx['limit']:g} (and float64's); {remedy}.")
         return (f"Overflow: {op} reached {fx['reached']:.6g} from finite inputs{wide}, past {fx['dtype']}'s "
                 f"largest finite value {fx['limit']:g}; {remedy}.")
+    if "inner_overflow" in fx and f.value is not None and math.isinf(f.value):
+        v, big = fx["inner_overflow"]
+        return (f"Overflow inside {op}: its result is {v:.3g} in float64, within float32's range, but a term it "
+                f"computes on the way (a squared difference, a partial sum) passes float32's largest finite value "
+                f"{fx['limit']:g}: its inputs reach {big:.3g}. The values themselves are too large (targets or "
+                "rewards on a huge scale, a target network copied from a diverging one, exploding weights): "
+                "normalise or clip them, lower the learning rate, or compute it in float64.")
     if "norm_big" in fx:
         how = ("their mean or variance over the batch passes the largest value it is computed in, so "
                f"{op} makes nan of them (inf - inf, inf * 0)" if fx.get("norm_batch") else
