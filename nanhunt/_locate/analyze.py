@@ -1196,6 +1196,7 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
         if r is None or first is None:
             continue
         cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
+        fed_in = _top_inputs_fed(r, rc, path) if cause == "input" else None
         if cause == "created" and rc is first and any(rc.in_bad):
             # a -inf made by an enclosing module's own code (log of a padding row) turned NaN
             # here: born in that code, as full mode finds it (`_forward_finding`)
@@ -1209,6 +1210,8 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
             cause=cause, reproducible=True,
         )
         ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
+        if fed_in is not None:  # (made before the model: its inputs, named as full mode names them)
+            ctx.facts[id(f)] = {"top_input": fed_in}
         return [f]
     for ti in _blame_order(ctx.log, 0):
         if ctx.log.tops[ti].out_keys:
