@@ -781,6 +781,33 @@ def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: st
     assert (f.index, f.shape) == (want, shape)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("layout", ["nested", "jagged"])
+def test_an_op_on_a_nested_tensor_is_named_with_its_line(layout: str) -> None:
+    # a layer run on a ragged batch (a nested tensor of sequences) takes the sqrt of a negative: the
+    # replay's recorder judged each op's tensors with to_dense / .shape, which a nested tensor has
+    # not (and a jagged one's built-in sequence lengths live on the meta device): the replay failed,
+    # and the finding had no op, no line and the generic hint
+    class Ragged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+            kw = {"layout": torch.jagged} if layout == "jagged" else {}
+            x = torch.nested.nested_tensor(seqs, **kw)
+            return (self.lin(x) - 100).sqrt()
+
+    torch.manual_seed(0)
+    m = Ragged()
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m([torch.randn(2, 4), torch.randn(3, 4)])
+    f = hunt.first
+    assert f is not None and (f.module, f.cause) == ("", "created") and math.isnan(f.value), f
+    assert f.op == "aten.sqrt.default" and f.source is not None, f
+    assert f.source.endswith(f":{Ragged.forward.__code__.co_firstlineno + 3}"), f.source
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_watch_without_the_optimizer_judges_the_step_before_that_optimizer_writes_the_weights(mode: str) -> None:
     """watch(model) in a training loop, the optimizer not given: the call was judged (and

@@ -189,7 +189,11 @@ def _floating(t: Any) -> bool:
 
 def _code(t: torch.Tensor) -> torch.Tensor | None:
     """``None`` when finite, else a uint8 tensor: 0 finite, 1 nan, 2 +inf, 3 -inf."""
-    if t.layout != torch.strided:
+    if t.is_meta:  # no values (a jagged nested tensor's sequence lengths, held as sizes)
+        return None
+    if t.is_nested:  # (its values, flat: as the ops on it see them)
+        t = t.values()
+    elif t.layout != torch.strided:
         t = t.to_dense()
     t = widen(t)
     if t.is_complex():
@@ -200,6 +204,11 @@ def _code(t: torch.Tensor) -> torch.Tensor | None:
     return (torch.isnan(t).to(torch.uint8) + (t == float("inf")).to(torch.uint8) * 2
             + (t == float("-inf")).to(torch.uint8) * 3)
 
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``t``'s `_code`: a nested tensor's flat values' (a strided one has no sizes)."""
+    return tuple((t.values() if t.is_nested else t).shape)
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -305,7 +314,7 @@ class _Recorder:
             if code is not None and prod is None and t.dim() == 0 and not t.requires_grad \
                     and not isinstance(t, nn.Parameter):
                 code = None  # a literal (``h[m] = -inf``): this op is where it enters
-            rec.ins.append(_In(pos, tuple(t.shape), code, prod, _geo(t) if prod is not None else None))
+            rec.ins.append(_In(pos, _shape(t), code, prod, _geo(t) if prod is not None else None))
             if code is not None:
                 any_bad = True
         name = getattr(func, "__name__", "")
@@ -338,7 +347,7 @@ class _Recorder:
             code = _code(t) if _floating(t) else None
             if code is not None and t.dim() == 0 and op == "aten.lift_fresh.default":
                 code = None  # a literal: blamed where it is used
-            rec.outs.append((tuple(t.shape), code))
+            rec.outs.append((_shape(t), code))
             rec.geos.append(_geo(t))
             try:
                 self.by_id[id(t)] = (weakref.ref(t), version(t), code, (ri, slot))
