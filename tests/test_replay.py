@@ -200,6 +200,31 @@ def test_an_input_buffer_refilled_in_place_says_why_the_origin_is_unknown():
     assert "written in place after the call" in f.hint and "clone()" in f.hint, f.hint
 
 
+def test_a_state_buffer_the_model_writes_while_reading_a_view_of_it_is_told_as_such() -> None:
+    # a streaming model called on a view of its own memory (model(model.mem)), which its forward
+    # updates in place: the input is written by the call itself, not after it; the hint said only
+    # "after the call (a reused input buffer: buf.copy_(batch))", which the loop does not do
+    class Memory(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mem", torch.ones(4, 8))
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = 1.0 / (x - 1.0)
+            self.mem.mul_(0.5).add_(self.lin(x))
+            return y
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Memory(), nn.Linear(8, 1))
+    with nanhunt.watch(model, on_find="record") as hunt, torch.no_grad():
+        for step in range(3):
+            model(model[0].mem[:])  # step 0: 1 / 0
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause) == ("forward", "0", 0, "unknown"), f
+    assert "self.mem" in f.hint and "clone()" in f.hint, f.hint
+
+
 class _WithTemplate(nn.Module):
     def __init__(self) -> None:
         super().__init__()

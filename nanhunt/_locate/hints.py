@@ -473,9 +473,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "run: the value may have come from another rank (see the other ranks' findings) or from this "
                 "call's own code after the collective.")
     if fx.get("overwritten"):
-        return ("Its call's inputs were written in place after the call (a reused input buffer: "
-                "buf.copy_(batch)), so no replay could see the values it had: pass the model a fresh tensor "
-                "(or buf.clone()) to have the op, line and element.")
+        return ("Its call's inputs were written in place after the call began (a reused input buffer: "
+                "buf.copy_(batch); or the model's own write into the state it was given a view of: "
+                "self.mem.mul_(...) with model(self.mem)), so no replay could see the values it had: pass the "
+                "model a fresh tensor (or buf.clone()) to have the op, line and element.")
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
     if "negative" in fx:
