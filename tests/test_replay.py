@@ -178,6 +178,45 @@ def test_the_analysis_leaves_the_users_python_state_random_streams_and_dispatch_
     assert plain[3:] == watched[3:]
 
 
+@pytest.mark.parametrize("stream", ["random", "numpy.random"])
+def test_a_forward_that_draws_from_pythons_random_is_told_as_such_when_no_replay_reproduces(stream):
+    # LayerDrop in a random order, decided with Python's (or NumPy's) random stream, which a replay
+    # cannot put back as it was at the call: the replay ran other layers and the NaN did not come
+    # back. The hint blamed "nondeterminism, a race or a hardware fault" on a CPU run
+    import numpy as np
+
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x, bad=False):
+            order = list(range(6))
+            random.shuffle(order) if stream == "random" else np.random.shuffle(order)
+            for j in order:
+                if (random.random() if stream == "random" else np.random.rand()) < 0.3:
+                    continue
+                x = torch.relu(self.layers[j](x)) + x
+                if bad:  # after the first layer that runs: the next one is fed the NaN
+                    bad, x = False, torch.sqrt(x - x.detach() - 1)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = LayerDrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, on_find="record") as hunt:
+        for step in range(3):
+            model(torch.randn(3, 8), step == 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.step, f.reproducible) == ("forward", 2, False), f
+    assert f"{'Python' if stream == 'random' else 'NumPy'}'s random stream" in f.hint and "torch.rand" in f.hint and "hardware" not in f.hint, f.hint
+
+
 def test_an_input_buffer_refilled_in_place_says_why_the_origin_is_unknown():
     # a static input buffer refilled for every micro-batch (CUDA-graph style): the failing call's
     # input holds another batch by the step's end, so no replay can run it as it ran

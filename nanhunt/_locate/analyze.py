@@ -514,6 +514,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
             ctx.facts[id(f)] = {"overwritten": True}  # no replay: its inputs were written in place since
         if inside is not None:
             ctx.facts[id(f)] = {"collective_in": inside}
+        elif reproducible is False and r is not None and r.drew:
+            ctx.facts[id(f)] = {"drew": r.drew}
         return f
     if rc is not None and dict(rc.outputs).get(path) is tensor:  # a sparse or nested output: as the call returned it
         tensor = rc.wrapped.get(path, tensor)
@@ -530,6 +532,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         {"collective_in": inside} if inside is not None else {})
     if fed_in is not None:
         facts["top_input"] = fed_in
+    if reproducible is False and r is not None and r.drew:
+        facts["drew"] = r.drew
     if facts:
         ctx.facts[id(f)] = facts
     return f

@@ -736,6 +736,12 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
     if f.cause == "parameter":
         return ("A weight or buffer of this module was already non-finite: an earlier optimizer step "
                 "poisoned it (look for a finding in phase 'optimizer'; lower the learning rate or clip gradients).")
+    if f.reproducible is False and fx.get("drew"):
+        return (f"The forward draws from {fx['drew']} stream (a LayerDrop, stochastic depth or a "
+                "random layer order decided with random.random() or random.shuffle), which nanhunt does not "
+                "record: the replay drew other numbers, ran another path and could not reproduce the value. Draw "
+                "such decisions from torch (torch.rand(()) < p, torch.randperm(n)), whose RNG the replay restores, "
+                "to have the op, line and element.")
     if f.reproducible is False:
         return ("Replaying the step from the same inputs, weights and RNG state gave finite values: this "
                 "suggests nondeterminism, a race or a hardware fault rather than a bug in the model.")

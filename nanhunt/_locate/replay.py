@@ -12,6 +12,7 @@ import collections
 import contextlib
 import copy
 import logging
+import random
 import sys
 import threading
 import types
@@ -140,6 +141,7 @@ class Replay:
     param_grads: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     error: str | None = None
     collective: str | None = None  # the collective the replay stopped at (`CollectiveRefused`), if it did
+    drew: str | None = None  # the Python random stream the forward drew from ("Python's random", "NumPy's random"), if any
 
     def read_outputs(self) -> None:
         """Every call's output flags in one batch: one host read for the whole replay."""
@@ -563,6 +565,7 @@ def _replay_top(
     hooks = ReplayHooks(pre, post)
     result = Replay(calls, order, None)
     try:
+        streams = _streams()
         with faithful(top) as cut:
             if want_grad:
                 with torch.enable_grad():
@@ -570,6 +573,7 @@ def _replay_top(
             else:
                 out = top.module(*top.args, **(top.kwargs or {}))
         result.output = out
+        result.drew = _drew(streams)
         hooks.remove()
         if want_grad:
             outs = [t for _, t in tensors(out) if t.requires_grad]
@@ -591,6 +595,20 @@ def _replay_top(
         for h in handles:
             h.remove()
     return result
+
+
+def _streams() -> tuple[Any, Any]:
+    """The states of Python's and NumPy's random streams, which a replay cannot put back as they
+    were at the call (recording them costs each step ~16 and ~65 us): only whether it drew from them."""
+    np = sys.modules.get("numpy")
+    npst = np.random.get_state() if np is not None else None
+    return random.getstate(), (npst[1].tobytes(), npst[2]) if npst is not None else None
+
+
+def _drew(before: tuple[Any, Any]) -> str | None:
+    """Which of those streams the forward drew from since `_streams` gave ``before``."""
+    now = _streams()
+    return "Python's random" if now[0] != before[0] else "NumPy's random" if now[1] != before[1] else None
 
 
 def _roots(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
