@@ -1547,3 +1547,50 @@ def test_a_weight_regulariser_computed_before_the_forward_is_named_in_the_grad_h
     f = ei.value.finding
     assert (f.phase, f.module, f.tensor, f.step) == ("grad", "0", "weight.grad", 1), str(f)
     assert "regulariser" in f.hint and "before the model's call" in f.hint, f.hint
+
+
+class _TreeCell(nn.Module):
+    """A recursive tree net's cell: a parent call begins before its children and ends after them.
+    ``bad``: which internal node (in the order they end) takes log(h - h), whose -inf a tanh hides
+    from the forward: its backward makes 0/0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comb, self.leaf = nn.Linear(16, 8), nn.Linear(4, 8)
+
+    def forward(self, tree: Any, bad: list[int]) -> torch.Tensor:
+        if isinstance(tree, torch.Tensor):
+            return torch.tanh(self.leaf(tree))
+        h = self.comb(torch.cat([self(tree[0], bad), self(tree[1], bad)], -1))
+        if bad[0] == 0:
+            h = torch.log(h - h)
+        bad[0] -= 1
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("grad_hooks", [False, True])
+@pytest.mark.parametrize(("bad", "call"), [(0, 3), (1, 1), (2, 6), (3, 0)])
+def test_a_backward_nan_in_a_recursive_module_names_its_call_as_the_forward_does(bad: int, call: int, grad_hooks: bool) -> None:
+    # calls begin in the order 0 (root), 1, 2 (leaf), 3, 4, 5, 6, 7, 8 and end in the order 2, 4, 5,
+    # 3, 1, 7, 8, 6, 0: the backward finding counted the module's calls in the order they ended
+    # (call 7 for the node that began sixth), a forward finding in the order they began
+    class Tree(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cell, self.out = _TreeCell(), nn.Linear(8, 1)
+
+        def forward(self, tree: Any, bad: int) -> torch.Tensor:
+            return self.out(self.cell(tree, [bad]))
+
+    torch.manual_seed(0)
+    model = Tree()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, grad_hooks=grad_hooks):
+        for step in range(2):
+            leaves = [torch.randn(1, 4) for _ in range(5)]
+            tree = ((leaves[0], (leaves[1], leaves[2])), (leaves[3], leaves[4]))
+            model(tree, bad if step == 1 else -1).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.call, f.op) == ("backward", "cell", 1, call, "LogBackward0"), str(f)

@@ -205,24 +205,31 @@ def creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | No
 
 def _creator(top: Top, names: dict[nn.Module, str], grads: list[torch.Tensor | None],
              params: list[Any]) -> Born | None:
-    done: list[tuple[nn.Module, Any, Any]] = []  # (module, inputs, output) in completion order
+    # (module, inputs, output, which of its calls) in completion order; a call's number is in the
+    # order the calls began, as the step's log numbers them (a recursive module's parent call ends
+    # after its children)
+    done: list[tuple[nn.Module, Any, Any, int]] = []
     stack: list[nn.Module] = []
+    nths: list[int] = []  # which call of its module each call on the stack is
+    begun: dict[nn.Module, int] = {}
 
     def pre(module: nn.Module, args: Any) -> None:
         if module in names:
             stack.append(module)
+            nths.append(begun.get(module, 0))
+            begun[module] = nths[-1] + 1
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any = None) -> None:
         if stack and stack[-1] is module:
             stack.pop()
-            done.append((module, (args, kwargs if isinstance(kwargs, dict) else {}), output))
+            done.append((module, (args, kwargs if isinstance(kwargs, dict) else {}), output, nths.pop()))
 
     rec = _Recorder()
     mode = _Mode(rec, track_nodes=True)
     hooks = ReplayHooks(pre, post)
     made: list[tuple[Any, str, nn.Module, int, torch.Tensor]] = []  # (`_checked_hooks`)
     try:
-        with faithful(top) as cut, torch.enable_grad(), mode, _checked_hooks(made, stack, top.module, done):
+        with faithful(top) as cut, torch.enable_grad(), mode, _checked_hooks(made, stack, top.module, nths):
             out = top.module(*top.args, **(top.kwargs or {}))
             mode.flush()
     finally:
@@ -273,7 +280,7 @@ def checked_hook(user: Any, made: list[Any], *where: Any) -> Any:
 
 @contextlib.contextmanager
 def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], stack: list[nn.Module],
-                   root: nn.Module, done: list[tuple[nn.Module, Any, Any]]) -> Iterator[None]:
+                   root: nn.Module, nths: list[int]) -> Iterator[None]:
     """While a replayed forward runs on this thread: each gradient hook that the user's code in it
     registers (``h.register_hook(fn)`` on an activation) runs checked, and the first that turns a
     finite gradient non-finite goes into ``made``: (fn, the line that registered it, the module whose
@@ -285,7 +292,7 @@ def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], st
         if get_ident() != me or not callable(fn) or _kind(caller.f_code.co_filename) != _USER:
             return orig(t, fn)  # (another thread's; torch's own: a module's full backward hook)
         owner = stack[-1] if stack else root
-        where = (f"{caller.f_code.co_filename}:{caller.f_lineno}", owner, sum(1 for m, _, _ in done if m is owner))
+        where = (f"{caller.f_code.co_filename}:{caller.f_lineno}", owner, nths[-1] if stack else 0)
         return orig(t, checked_hook(fn, made, *where))
 
     orig = torch.Tensor.register_hook
@@ -299,17 +306,16 @@ def _checked_hooks(made: list[tuple[Any, str, nn.Module, int, torch.Tensor]], st
 _HOOK_NODE = "BackwardHookFunctionBackward"  # the node a module's full backward (pre-)hooks run in
 
 
-def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module, int, list[Any]] | None:
+def _hook_owner(fn: Any, done: list[tuple[nn.Module, Any, Any, int]]) -> tuple[nn.Module, int, list[Any]] | None:
     """The module whose full backward hooks run in node ``fn``: the one whose inputs it wraps
     (``register_full_backward_hook``: the hook returns the gradients of the inputs) or whose
     outputs it wraps (``register_full_backward_pre_hook``: the gradients of the outputs); that
     module, which of its calls, and its hooks of that kind (which of several made it, no node says)."""
-    for i, (module, inputs, output) in enumerate(done):
+    for module, inputs, output, call in done:
         full = list(module._backward_hooks.values()) if getattr(module, "_is_full_backward_hook", None) else []
         pre = list(module._backward_pre_hooks.values())
         if not full and not pre:
             continue
-        call = sum(1 for m, _, _ in done[:i] if m is module)
         if full and fn in {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}:
             return module, call, full
         outs = {t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)}
@@ -332,10 +338,10 @@ def hook_line(hook: Any) -> str | None:
     return f"{code.co_filename}:{code.co_firstlineno}" if code is not None else None
 
 
-def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Module | None, int]:
+def _owner(target: Any, done: list[tuple[nn.Module, Any, Any, int]]) -> tuple[nn.Module | None, int]:
     """The innermost watched call whose outputs reach ``target`` before its inputs' nodes: its
     module, and which of that module's calls it was (0: the first)."""
-    for i, (module, inputs, output) in enumerate(done):  # children complete before their parents
+    for module, inputs, output, call in done:  # children complete before their parents
         stop = {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
         stop |= {t.grad_fn for _, t in tensors(inputs) if isinstance(t, torch.Tensor)}
         todo = [t.grad_fn for _, t in tensors(output) if isinstance(t, torch.Tensor)]
@@ -345,7 +351,7 @@ def _owner(target: Any, done: list[tuple[nn.Module, Any, Any]]) -> tuple[nn.Modu
             if fn is None or fn in seen or fn in stop:
                 continue
             if fn is target:
-                return module, sum(1 for m, _, _ in done[:i] if m is module)
+                return module, call
             seen.add(fn)
             todo.extend(n for n, _ in fn.next_functions)
     return None, 0
