@@ -771,6 +771,36 @@ def test_a_users_tensor_subclass_never_sees_nanhunts_probes(mode: str) -> None:
     assert hunt.first is not None and (hunt.first.step, hunt.first.cause) == (1, "input")
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_value_born_on_a_users_tensor_subclass_is_named_at_its_op_and_line(mode: str) -> None:
+    # a units/metadata subclass whose __torch_function__ hands every op on (super()): each result is
+    # another object than the op made (as_subclass), so the replay's op trace lost every producer and
+    # log(0) in the parent's code between two children was blamed on the Linear after it ("created",
+    # no op); and the line was the subclass's own __torch_function__, not the forward's
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, bad: bool) -> torch.Tensor:
+            h = torch.relu(self.a(x))
+            if bad:
+                h = torch.log(h * 0)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        for step in range(3):
+            model(torch.randn(3, 4).as_subclass(_LoggingTensor), step == 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "", 2, "created", "aten.log.default"), f
+    assert f.source is not None and f.source.endswith(f":{Net.forward.__code__.co_firstlineno + 3}"), f.source
+
+
 def test_a_nan_in_the_tensors_given_to_functional_call_is_their_finding_not_a_hardware_fault() -> None:
     # a meta-learning inner step runs the model on adapted weights through functional_call; the
     # replays ran it with the module's own (finite) weights and said 'transient' (a hardware fault)

@@ -151,6 +151,7 @@ def _kind(filename: str) -> int:
 
 
 _FUNCTION_PY = torch.autograd.function.__file__
+_TF = "__torch_function__"
 
 
 def _user_frames(depth: int = 2) -> tuple[str | None, str | None]:
@@ -158,8 +159,11 @@ def _user_frames(depth: int = 2) -> tuple[str | None, str | None]:
     ``autograd.Function`` forward, the line that called ``.apply``. ``None`` past a nanhunt frame:
     the op was run by nanhunt itself (a built-in backward formula run from the replay)."""
     f: Any = sys._getframe(depth)
+    inner = None
     while f is not None:
         k = _kind(f.f_code.co_filename)
+        if k == _USER and f.f_code.co_name == _TF and inner is not None and inner.co_name == _TF:
+            k = _SKIP  # a tensor subclass's __torch_function__ handing the op on (super()): its caller's line
         if k == _USER:
             src = f"{f.f_code.co_filename}:{f.f_lineno}"
             g = f.f_back
@@ -174,7 +178,7 @@ def _user_frames(depth: int = 2) -> tuple[str | None, str | None]:
             return src, None
         if k == _STOP:
             return None, None
-        f = f.f_back
+        inner, f = f.f_code, f.f_back
     return None, None
 
 
@@ -257,6 +261,7 @@ class _Rec:
         self.call: tuple[Any, Any, Any] | None = None  # (func, args, kwargs) of a creator: for hints.facts
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)  # (what an op hands on as it made it)
 _NO_CHAIN = frozenset({"aten.clone.default", "aten.contiguous.default", "aten.detach.default",
                        "aten.alias.default", "aten._unsafe_view.default", "aten.lift_fresh.default"})
 
@@ -268,6 +273,9 @@ class _Recorder:
         self.recs: list[_Rec] = []
         self.by_id: dict[int, tuple[Any, int, torch.Tensor | None, tuple[int, int] | None]] = {}
         self.by_storage: dict[int, tuple[int, int]] = {}
+        # each output by its place in its storage: a tensor subclass's __torch_function__ hands on
+        # another object than the op made (as_subclass: the same values, another id)
+        self.by_place: dict[tuple[int, _Geo | None, tuple[int, ...]], tuple[int, int]] = {}
         self.mask_fed = False  # the last `walk` ended where a -inf fed in from before the call turned into something else
         self.graded: set[int] = set()  # ids of a no_grad replay's tensors whose originals required grad (no constants)
 
@@ -289,6 +297,9 @@ class _Recorder:
             return code, prod
         st = _storage(t)
         prod = self.by_storage.get(st) if st is not None else None
+        if st is not None and type(t) not in _PLAIN:
+            made = self.by_place.get((st, _geo(t), _shape(t)))
+            prod = made if prod is None or (made is not None and made[0] > prod[0]) else prod
         code = _code(t)
         try:
             self.by_id[id(t)] = (weakref.ref(t), ver, code, prod)
@@ -349,6 +360,9 @@ class _Recorder:
                 code = None  # a literal: blamed where it is used
             rec.outs.append((_shape(t), code))
             rec.geos.append(_geo(t))
+            st = _storage(t)
+            if st is not None:
+                self.by_place[(st, rec.geos[-1], rec.outs[-1][0])] = (ri, slot)
             try:
                 self.by_id[id(t)] = (weakref.ref(t), version(t), code, (ri, slot))
             except TypeError:
