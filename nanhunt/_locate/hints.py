@@ -195,35 +195,20 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             if summed is not None and summed.prod is not None and _op_key(rec.recs[summed.prod[0]].op) == "masked_fill":
                 out["count_zero"] = True
         pos = 0 if _op_key(first.op) == "reciprocal" else 1  # (1 / x is reciprocal(x))
-        den = next((i for i in first.ins if i.pos == pos), None) if out.get("div_zero") else None
-        for _ in range(4):  # the op that made the denominator, through views (x / s[:, None])
-            if den is None or den.prod is None:
-                break
-            made = rec.recs[den.prod[0]]
-            if not made.moves:
-                out["den_op"] = _op_key(made.op)
-                break
-            den = next((i for i in made.ins if i.pos == 0), None)
-        arg = next((i for i in first.ins if i.pos == 0), None) if out.get("log_zero") else None
-        for _ in range(4):  # the op that made log's 0, through abs and views (log(abs(det(W))))
-            if arg is None or arg.prod is None:
-                break
-            made = rec.recs[arg.prod[0]]
-            if not made.moves and _op_key(made.op) != "abs":
-                out["log_of"] = _op_key(made.op)
-                break
-            arg = next((i for i in made.ins if i.pos == 0), None)
-        if out.get("log_of") in ("sub", "rsub") and arg is not None and _made_by(rec, arg, "tanh"):
-            out["log_tanh"] = True  # log(1 - tanh(u) ** 2) with tanh(u) rounded to ±1: a squashed policy's correction
-        x = next((i for i in first.ins if i.pos == 0), None) if _op_key(first.op).split(".")[0] == "exp" else None
-        for _ in range(4):  # the op that made exp's argument, through views: a difference is a ratio's log
-            if x is None or x.prod is None:
-                break
-            made = rec.recs[x.prod[0]]
-            if not made.moves:
-                out["exp_of"] = _op_key(made.op).split(".")[0]
-                break
-            x = next((i for i in made.ins if i.pos == 0), None)
+        if out.get("div_zero"):  # the op that made the denominator, through views (x / s[:, None])
+            den_op, _ = _maker(rec, next((i for i in first.ins if i.pos == pos), None))
+            if den_op is not None:
+                out["den_op"] = den_op
+        if out.get("log_zero"):  # the op that made log's 0, through abs and views (log(abs(det(W))))
+            log_of, arg = _maker(rec, next((i for i in first.ins if i.pos == 0), None), through=("abs",))
+            if log_of is not None:
+                out["log_of"] = log_of
+            if log_of in ("sub", "rsub") and _made_by(rec, arg, "tanh"):
+                out["log_tanh"] = True  # log(1 - tanh(u) ** 2) with tanh(u) rounded to ±1: a squashed policy's correction
+        if _op_key(first.op).split(".")[0] == "exp":  # the op that made exp's argument: a difference is a ratio's log
+            exp_of, _ = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
+            if exp_of is not None:
+                out["exp_of"] = exp_of.split(".")[0]
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -273,6 +258,20 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+def _maker(rec: Any, inp: Any, through: tuple[str, ...] = ()) -> tuple[str | None, Any]:
+    """The op that made ``inp`` (an input of a record), walked back through views and ``through`` ops
+    (their first input) for at most 4 records, and the input that op made; (None, ...) when none."""
+    for _ in range(4):
+        if inp is None or inp.prod is None:
+            break
+        made = rec.recs[inp.prod[0]]
+        key = _op_key(made.op)
+        if not made.moves and key not in through:
+            return key, inp
+        inp = next((i for i in made.ins if i.pos == 0), None)
+    return None, inp
 
 
 def _made_by(rec: Any, inp: Any, op: str, depth: int = 4) -> bool:
