@@ -35,10 +35,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["atomic_write", "glob_patterns", "check_writable", "FileFormatError", "check_type", "need", "checked_fields", "not_a_file",
-           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH", "warn_unwritten", "fspath"]
+           "check_readable", "read_limited", "check_depth", "MAX_REPORT_BYTES", "MAX_DEPTH", "warn_unwritten", "fspath",
+           "rank_path"]
 
 MAX_REPORT_BYTES = 256 * 2**20  # a report read back is at most this big (nanhunt's own are well under 1 MiB)
 MAX_DEPTH = 64  # containers nested deeper than this in a file read back: not something nanhunt wrote
+
+
+def rank_path(path: str, rank: int | str | None) -> str:
+    """``report.json`` -> ``report.rank1.json`` for ``rank`` 1; unchanged without a rank, and for a
+    device or a pipe (``/dev/null``: written in place by every rank, never a file beside it)."""
+    if rank is None or rank == "" or (os.path.exists(path) and not os.path.isfile(path)):
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
 
 
 def fspath(path: Any, takes: str) -> str:

@@ -245,6 +245,36 @@ def test_uneven_inference_shards_add_no_collective_and_the_users_own_still_pairs
     assert res[1] == {"total": 5.0, "findings": [[1, "forward", 1]]}
 
 
+def _one_report_path(rank: int, world: int, path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(zoo.Log(), nn.Linear(4, 1)).eval()
+    with nanhunt.watch(model, on_find="record", report=path, dist_timeout=30) as hunt, torch.no_grad():
+        for b in range(2 + rank):  # uneven shards, no optimizer: nothing is merged
+            x = torch.rand(5, 4) + 1.0
+            if rank == 1 and b == 1:
+                x[2, 1] = 0.0  # log(0) on rank 1 only
+            model(x)
+        if rank == 0:
+            time.sleep(1.0)  # (rank 0, clean, closes last)
+    return {"findings": [(f.rank, f.phase, f.module) for f in hunt.findings]}
+
+
+def test_ranks_given_one_report_path_write_one_file_each_rank_0s_at_that_path(tmp_path):
+    """Every rank of one script passes the same report=: each wrote that file, the last to close
+    winning. Rank 0, clean, closed last and its "no NaN/Inf found" replaced rank 1's finding
+    (no optimizer: nothing merged). Ranks other than 0 now write `r.rank<N>.json` beside it."""
+    path = str(tmp_path / "r.json")
+    res = ranks.run(_one_report_path, 2, str(tmp_path), path, limit=60)
+    assert res[0] == {"findings": []} and res[1] == {"findings": [[1, "forward", "0"]]}, res
+    with open(path) as fh:
+        mine = json.load(fh)
+    with open(tmp_path / "r.rank1.json") as fh:
+        theirs = json.load(fh)
+    assert mine["meta"]["rank"] == 0 and mine["findings"] == []
+    assert theirs["meta"]["rank"] == 1
+    assert [(f["rank"], f["module"], f["op"]) for f in theirs["findings"]] == [(1, "0", "aten.log.default")]
+
+
 # ---------------------------------------------------------------------------- collectives inside the forward
 class _RowParallel(nn.Module):
     """A tensor-parallel linear layer: each rank holds a slice of the weight, the outputs are summed."""

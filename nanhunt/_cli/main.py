@@ -310,11 +310,9 @@ def _cmd_demo(ns: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- run
 def rank_path(path: str, rank: str | None = None) -> str:
     """``report.json`` -> ``report.rank1.json`` when ``RANK`` is set (torchrun), else unchanged."""
-    rank = os.environ.get("RANK") if rank is None else rank
-    if not rank:
-        return path
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.rank{rank}{ext}"
+    from .._files import rank_path as ranked
+
+    return ranked(path, os.environ.get("RANK") if rank is None else rank)
 
 
 def _exit_code(code: Any) -> int:

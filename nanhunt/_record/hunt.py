@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._files import warn_unwritten
+from .._files import rank_path, warn_unwritten
 from .._finding import Finding, NonFiniteError
 from .._hooks import MODULE_REGISTRATION, OPTIMIZER_STEP, REPLAYING, GlobalHooks, hunt_opened, in_transform, replaying
 from .._hooks import tick as _tick
@@ -248,6 +248,11 @@ class Hunt:
         self.replay = o.replay
         self.history = o.history
         self.rank = o.rank if o.rank is not None else _dist.rank()
+        if self._report_path is not None and self.rank and _dist.world() > 1:
+            # each rank its own file, rank 0's at the path given: ranks that share the path wrote over
+            # each other's report, the last to close winning (a clean rank's "no NaN/Inf found" over
+            # the finding of a rank whose findings were never merged: no optimizer, or a silent rank)
+            self._report_path = rank_path(self._report_path, self.rank)
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
         self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
         # torch.compile(model) given itself: sentinel catches its calls from the first step (see _catch_wrapper)
