@@ -248,7 +248,8 @@ def test_uneven_inference_shards_add_no_collective_and_the_users_own_still_pairs
 def _one_report_path(rank: int, world: int, path: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(zoo.Log(), nn.Linear(4, 1)).eval()
-    with nanhunt.watch(model, on_find="record", report=path, dist_timeout=30) as hunt, torch.no_grad():
+    bundle = path.replace(".json", ".pt")
+    with nanhunt.watch(model, on_find="record", report=path, bundle=bundle, dist_timeout=30) as hunt, torch.no_grad():
         for b in range(2 + rank):  # uneven shards, no optimizer: nothing is merged
             x = torch.rand(5, 4) + 1.0
             if rank == 1 and b == 1:
@@ -262,7 +263,9 @@ def _one_report_path(rank: int, world: int, path: str) -> dict[str, Any]:
 def test_ranks_given_one_report_path_write_one_file_each_rank_0s_at_that_path(tmp_path):
     """Every rank of one script passes the same report=: each wrote that file, the last to close
     winning. Rank 0, clean, closed last and its "no NaN/Inf found" replaced rank 1's finding
-    (no optimizer: nothing merged). Ranks other than 0 now write `r.rank<N>.json` beside it."""
+    (no optimizer: nothing merged). Ranks other than 0 now write `r.rank<N>.json` beside it; and
+    `bundle=` the same way (two ranks' first findings raced for one bundle, which then held another
+    rank's call than the report's first finding)."""
     path = str(tmp_path / "r.json")
     res = ranks.run(_one_report_path, 2, str(tmp_path), path, limit=60)
     assert res[0] == {"findings": []} and res[1] == {"findings": [[1, "forward", "0"]]}, res
@@ -273,6 +276,10 @@ def test_ranks_given_one_report_path_write_one_file_each_rank_0s_at_that_path(tm
     assert mine["meta"]["rank"] == 0 and mine["findings"] == []
     assert theirs["meta"]["rank"] == 1
     assert [(f["rank"], f["module"], f["op"]) for f in theirs["findings"]] == [(1, "0", "aten.log.default")]
+    # (bundle= too: rank N's first finding in its own file, never another rank's under the path given)
+    assert not (tmp_path / "r.pt").exists()
+    again = nanhunt.replay(str(tmp_path / "r.rank1.pt"), module=zoo.Log)
+    assert again.reproduced and again.expected is not None and again.expected.rank == 1
 
 
 # ---------------------------------------------------------------------------- collectives inside the forward

@@ -253,6 +253,8 @@ class Hunt:
             # each other's report, the last to close winning (a clean rank's "no NaN/Inf found" over
             # the finding of a rank whose findings were never merged: no optimizer, or a silent rank)
             self._report_path = rank_path(self._report_path, self.rank)
+        if self._bundle_path is not None and self.rank and _dist.world() > 1:
+            self._bundle_path = rank_path(self._bundle_path, self.rank)  # (the same: each rank's first finding its own)
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
         self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
         # torch.compile(model) given itself: sentinel catches its calls from the first step (see _catch_wrapper)
