@@ -574,6 +574,9 @@ class StepView:
     stale_grads: tuple[torch.Tensor, ...] = ()  # parameters' .grad an earlier finding left non-finite
     judged: frozenset[int] = frozenset()  # optimizers whose last step()'s update was already judged (CPU: at once)
     mid_step: frozenset[int] = frozenset()  # optimizers inside a step() that called its closure again: state mid-update
+    # under torch.distributed: another rank's gradients were non-finite before the reduction, this rank's
+    # finite: its own "grad" findings were received through the reduction (`dist.judge` drops them)
+    received: bool = False
     # the analysis's one output besides its findings: per finding returned, when its value was made
     # (`_hooks.tick`; 0: not known from the log), for ordering the findings of several hunts
     occurred: list[int] = field(default_factory=list)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -63,6 +64,36 @@ def test_ddp_four_ranks_every_rank_names_the_rank_with_the_bad_sample(tmp_path):
         assert {f["rank"] for f in r["findings"]} == {2}, r["findings"]
         assert r["weights_finite"]  # raised before the optimizer applied the poisoned step
     assert len({json.dumps(r["findings"], sort_keys=True) for r in res}) == 1  # the same report everywhere
+
+
+def _bundle_on_every_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(zoo.Log(), nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as said, pytest.raises(nanhunt.NonFiniteError) as info:
+        warnings.simplefilter("always")
+        with nanhunt.watch(ddp, optimizer=opt, bundle=path, dist_timeout=30):
+            for step in range(3):
+                x = torch.rand(4, 4) + 1.0
+                if rank == 1 and step == 1:
+                    x[2, 1] = 0.0  # log(0) on rank 1 only
+                ddp(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    return {"first": [info.value.finding.rank, info.value.finding.phase], "said": [str(w.message) for w in said]}
+
+
+def test_a_rank_that_only_received_the_bad_gradient_does_not_warn_that_no_bundle_was_written(tmp_path):
+    """log(0) in rank 1's forward; rank 0 got the NaN only through DDP's all-reduce. Rank 0 warned
+    "wrote no repro bundle: the first finding (grad of 1) is not a watched module's forward call"
+    (its received gradient, which is no finding of its own; the first finding, rank 1's forward,
+    has its bundle on rank 1). Only the rank whose own first finding cannot be bundled warns."""
+    res = ranks.run(_bundle_on_every_rank, 2, str(tmp_path), str(tmp_path / "first.pt"), limit=60)
+    for r in res:
+        assert r is not None and r["first"] == [1, "forward"], r
+        assert not [w for w in r["said"] if "repro bundle" in w], r["said"]
+    assert (tmp_path / "first.rank1.pt").is_file() and not (tmp_path / "first.pt").exists()
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks

@@ -281,8 +281,9 @@ def analyze(view: StepView) -> list[Finding]:
     view.occurred[:] = [_occurred(ctx, f) for f in out]
     found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
     view.born_rows[:] = [ctx.born_rows.get(id(f)) for f in out]
-    if view.bundle and found and not ctx.bundled:
-        f0 = found[0]
+    # (a gradient received through the reduction is another rank's finding: `dist.judge` drops it)
+    f0 = next((f for f in found if not (view.received and f.phase == "grad")), None)
+    if view.bundle and f0 is not None and not ctx.bundled:
         warnings.warn(f"nanhunt wrote no repro bundle to {view.bundle}: the first finding ({f0.phase} of "
                       f"{f0.module or '<model>'}) is not a watched module's forward call that a replay "
                       "reproduced, the one thing a bundle holds", stacklevel=2)

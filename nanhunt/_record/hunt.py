@@ -2311,7 +2311,8 @@ class Hunt:
                 self._paused = True
                 try:
                     with span("nanhunt::replay", cuda), replaying():  # every other hunt's hooks stand aside
-                        view = self._view(log, step, prior.counts())
+                        view = self._view(log, step, prior.counts(),
+                                          received=d is not None and bool(agreed[1]) and not (agreed[2] or agreed[3]))
                         found = locate(view)
                     if batches is not None and self._batches is not None:
                         found = self._batches.fill(found, log, batches, view.born_rows)
@@ -2563,7 +2564,8 @@ class Hunt:
             return msg
         return None
 
-    def _view(self, log: StepLog, step: int, calls_before: dict[tuple[bool, int], int] | None = None) -> StepView:
+    def _view(self, log: StepLog, step: int, calls_before: dict[tuple[bool, int], int] | None = None,
+              received: bool = False) -> StepView:
         """The read-only view of this step that the analysis gets (on a hit only)."""
         log.number_calls(calls_before)
         names = self._module_names()
@@ -2575,6 +2577,7 @@ class Hunt:
             after_step={i: dict(zip(map(id, ps), vs)) for i, (ps, vs) in self._after_step.copy().items()},
             steps_applied=self._steps_applied,
             bad_grads_step=self._bad_grads_step,
+            received=received,
             bundle=self._bundle_path if not self.findings else None,
             breakpoint=not self.findings and (self.on_find == "breakpoint" or getattr(self.on_find, "breakpoint", False)),
             scratch=(self._compiled.buf,) if self._compiled is not None else (),
