@@ -680,6 +680,34 @@ def test_a_weight_written_mid_run_is_not_blamed_on_the_optimizer(poison: Any, sa
     assert all(s in f.hint for s in said) and unsaid not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_checkpoint_loaded_between_two_calls_of_a_step_is_blamed_on_the_later_call(mode: str) -> None:
+    """A GAN's discriminator, watched with its optimizer: its step holds the call the generator's
+    loss made of it (after its own step()), then the next iteration's calls. A poisoned checkpoint
+    loaded in between: the replay of that earlier call ran on the loaded weights, so full mode's
+    first finding was a backward at call 0 (the generator's call, finite) and sentinel's forward
+    said call 0; the NaN was born at call 1, the first call on the loaded weights."""
+    torch.manual_seed(0)
+    d = nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1))
+    opt = torch.optim.Adam(d.parameters(), lr=1e-3)
+    fake = torch.randn(8, 4, requires_grad=True)  # the generator's output
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+    with nanhunt.watch(d, opt, on_find="record", mode=mode) as hunt:
+        for i in range(3):
+            if i == 2:
+                _load_poisoned_state(d)
+            loss_d = (F.binary_cross_entropy_with_logits(d(torch.randn(8, 4)), ones)
+                      + F.binary_cross_entropy_with_logits(d(fake.detach()), zeros))
+            opt.zero_grad()
+            loss_d.backward()
+            opt.step()
+            F.binary_cross_entropy_with_logits(d(fake), ones).backward()  # the generator's loss
+    f = hunt.first
+    assert f is not None
+    assert (f.phase, f.module, f.step, f.call, f.cause) == ("forward", "0", 2, 1, "parameter"), f
+    assert "written non-finite in place" in f.hint and "test_watch_optimizer.py" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("back", [False, True], ids=["half", "half then float"])
 def test_a_weight_a_cast_made_inf_is_not_blamed_on_the_optimizer(back: bool) -> None:
     """model.half() mid-run (for a float16 evaluation, or and back: .float()) of a weight past

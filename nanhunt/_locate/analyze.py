@@ -74,6 +74,7 @@ class _Ctx:
         self._params: dict[int, tuple[str, str, nn.Module]] | None = None
         self._replays: dict[tuple[int, bool], Replay | None] = {}
         self._fresh: dict[int, None] | None = None
+        self._written: int | None = -1  # the loop's first non-finite in-place write into the root's state (-1: not looked up yet)
         # what op-level localisation needs, per finding: (phase, top index, call ordinal, path)
         self.where: dict[int, tuple[str, int, int, Path]] = {}
         self.stopped = False  # on_find="breakpoint" stopped already
@@ -118,7 +119,7 @@ class _Ctx:
             return self._replays[key]
         r = None
         top = self.log.tops[top_i]
-        if self.view.replay and _replayable(top):
+        if self.view.replay and _replayable(top) and not self.written_after(top):
             grads = None
             params = None
             if backward:
@@ -127,6 +128,19 @@ class _Ctx:
             r = replay_top(top, self.names, backward=grads, params=params, before={**top.saved, **self.fresh()})
         self._replays[key] = r
         return r
+
+    def written_after(self, top: Top) -> bool:
+        """The loop's own code wrote a non-finite value into the root's weights or buffers in place
+        after ``top`` began and before a later call of the step (a load_state_dict between two
+        calls of one step: the GAN's discriminator called for the generator's loss first): a
+        replay would run it on them, not on what it ran with, and blame it for the later call's
+        NaN. (Written after the step's last call, before step(): the replay on them is what
+        names the weight.)"""
+        if self._written == -1:
+            root = self.view.root
+            self._written = _outside.written_at(self.log, [*root.parameters(), *root.buffers()]) if root is not None else None
+        w = self._written
+        return w is not None and top.outside_at <= w and any(t.outside_at > w for t in self.log.tops)
 
     def fresh(self) -> dict[int, None]:
         """At the first step, before any update: the parameters that were finite when it began.

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -612,22 +613,36 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
 
 def writer(log: StepLog, t: torch.Tensor) -> str | None:
     """The line of the code outside the model that wrote a non-finite value into ``t`` in place
-    during the step (``p.data[3] = nan``, which no version counter sees): the first in-place call
-    into ``t``'s storage whose probe was non-finite; None when there is none."""
+    during the step (``p.data[3] = nan``, which no version counter sees); None when there is none."""
+    rec = written_at(log, (t,))
+    return log.outside[rec].src if rec is not None else None
+
+
+def written_at(log: StepLog, ts: Iterable[torch.Tensor]) -> int | None:
+    """The first in-place call (its index in ``StepLog.outside``) of the code outside the model
+    into the storage of one of ``ts`` whose probe was non-finite; None when there is none."""
+    ptrs = {_ptr(t) for t in ts} - {0}
+    if not ptrs:
+        return None
     try:
-        ptr = t.untyped_storage().data_ptr()
         sbad, _ = log.bad_flags()
         for e, b in zip(log.meta, sbad):
             if not b or not isinstance(e, Out) or e.rec >= len(log.outside):
                 continue
             r = log.outside[e.rec]
             outs = _outs(r)
-            if (in_place(getattr(r.func, "__name__", "")) and e.out < len(outs) and ptr
-                    and outs[e.out].untyped_storage().data_ptr() == ptr):
-                return r.src
-    except Exception:  # (a tensor without storage: nothing to tell)
+            if in_place(getattr(r.func, "__name__", "")) and e.out < len(outs) and _ptr(outs[e.out]) in ptrs:
+                return e.rec
+    except Exception:  # (nothing to tell)
         return None
     return None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # (a tensor without storage)
+        return 0
 
 
 def _held_before(log: StepLog, ri: int, t: torch.Tensor) -> bool:
