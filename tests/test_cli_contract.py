@@ -203,6 +203,16 @@ def test_replay_of_a_truncated_bundle_says_so(cli, tmp_path):
     assert rc == 2 and line.startswith(f"nanhunt: {trunc} ") and "truncated" in line.removeprefix(f"nanhunt: {trunc} ")
 
 
+@pytest.mark.parametrize("device, says", [("bogus", "cannot replay on device 'bogus': Expected one of cpu"),
+                                          ("cuda:x", "cannot replay on device 'cuda:x': Invalid device string"),
+                                          ("meta", "cannot replay on device 'meta': its tensors hold no values")])
+def test_replay_on_a_device_that_is_none_or_holds_no_values_is_one_line(cli, tmp_path, device, says):
+    """Today: torch's traceback from nanhunt itself (a device string torch refuses; meta: at the
+    output's isfinite)."""
+    rc, out, err = cli("replay", str(_bundle(tmp_path)), "--device", device)
+    assert rc == 2 and out == "" and one_line(err).startswith(f"nanhunt: {says}"), err
+
+
 @pytest.mark.parametrize("kind", ["folder", "dev-zero", "fifo"])
 def test_replay_names_a_folder_a_device_or_a_fifo(cli, tmp_path, kind):
     """Today: "no such bundle file" for all three."""

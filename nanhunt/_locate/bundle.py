@@ -524,6 +524,13 @@ def replay(bundle: str | os.PathLike[str] | dict[str, Any], module: nn.Module | 
     if not isinstance(bundle, (str, bytes, os.PathLike, dict)):
         raise TypeError(f"nanhunt.replay() takes a bundle's path (a .pt file that watch(bundle=...) wrote) or the "
                         f"dict loaded from it, got {type(bundle).__name__}: {_short(bundle)}")
+    if device is not None:  # (checked before the bundle is read: `--device bogus`, `--device meta`)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise BundleError(f"cannot replay on device {device!r}: {e}") from None
+        if device.type == "meta":
+            raise BundleError("cannot replay on device 'meta': its tensors hold no values to judge")
     data = bundle if isinstance(bundle, dict) else load(bundle)
     if isinstance(bundle, dict):
         if data.get("format") != FORMAT:
