@@ -139,6 +139,26 @@ def test_run_record_lets_the_script_finish_and_still_exits_3(fault_script, cli):
     assert "forward of `head` (LogHead) at step 5" in err
 
 
+@pytest.mark.parametrize("on_find", ["record", "warn", "raise"])
+def test_run_writes_its_report_at_the_first_finding_as_watch_does(tmp_path, on_find):
+    """A run killed after its first finding (a job's time limit, ``os._exit``) still leaves its
+    report, as ``watch(report=...)`` does. Today: written only once the script has ended."""
+    (tmp_path / "helper.py").write_text("GATE_STEP = 5\n")
+    script = tmp_path / "train.py"
+    killed = textwrap.dedent(LOG_OF_ZERO).replace("    opt.step()\n", "    opt.step()\n    if step == 6:\n"
+                                                 "        import os; os._exit(9)  # killed\n")
+    if on_find == "raise":  # (a loop that goes on past its errors)
+        killed = killed.replace("    loss = net(", "    try:\n        loss = net(").replace(
+            "    opt.step()\n", "        opt.step()\n    except FloatingPointError:\n        pass\n").replace(
+            "    opt.zero_grad()\n    loss.backward()\n", "        opt.zero_grad()\n        loss.backward()\n")
+    script.write_text(killed)
+    report = tmp_path / "report.json"
+    p = nanhunt("run", "--on-find", on_find, "--report", str(report), str(script))
+    assert p.returncode == 9, p.stderr
+    r = Report.load(report)
+    assert r.first is not None and (r.first.module, r.first.step) == ("head", 5), p.stderr
+
+
 NAN_SCALE = """
 import torch
 from torch import nn

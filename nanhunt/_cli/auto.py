@@ -55,6 +55,7 @@ import functools
 import logging
 import os
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -65,9 +66,11 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.optim import optimizer as _optim_mod
 
+from .._files import warn_unwritten
 from .._finding import Finding, NonFiniteError
 from .._hooks import on_hunt_opened, own_global_hooks, replaying_here, tick
 from .._record import Hunt, NonFiniteWarning, watch
+from .._record.hunt import _REPORT_EVERY
 from .._record.outside import user_stacklevel
 from .._report import Report
 from .._words import paragraph
@@ -94,6 +97,8 @@ class _OnFind:
         owner = self.owner
         if owner._settling:
             return  # another hunt's finding is being raised: this one is only recorded (see `_settle`)
+        if self.mode not in ("raise", "breakpoint"):
+            owner._write_report()
         if self.mode == "warn":
             first = self.hunt is not None and owner._first_to_warn(self.hunt, f)
             if first or f.step != owner.warned_step:
@@ -105,16 +110,20 @@ class _OnFind:
                 owner._settle(self.hunt)
                 merged = owner._merged()
                 f = merged[0][1] if merged else f  # (another model's value made before this one)
+            owner._write_report()
             raise NonFiniteError(f, owner.report())
 
 
 class AutoWatch:
     """Discover and watch the script's root modules and optimizers; see the module docstring."""
 
-    def __init__(self, on_find: str = "raise", **options: Any) -> None:
+    def __init__(self, on_find: str = "raise", *, report: str | None = None, **options: Any) -> None:
         if on_find not in ("raise", "warn", "record", "breakpoint"):
             raise ValueError(f"on_find must be 'raise', 'warn', 'record' or 'breakpoint'; got {on_find!r}")
         self.on_find = on_find
+        self._report_path = report  # (``nanhunt run --report``: written at the first finding, as watch(report=) is)
+        self._report_at: float | None = None
+        self._pid = os.getpid()  # (a forked process, a DataLoader's worker, never writes it)
         self.options = options
         self.hunts: list[tuple[str, Hunt]] = []  # (root class name, hunt), in order of discovery
         self._stamps: dict[int, tuple[int, Finding]] = {}  # id(finding) -> (when it occurred, the finding): see _stamp
@@ -516,6 +525,22 @@ class AutoWatch:
         if hunt is not None:
             meta["root"] = next((n for n, h in self.hunts if h is hunt), None)
         return Report([f for _, f in merged], history=base.history, warnings=base.warnings, meta=meta)
+
+    def _write_report(self) -> None:
+        """``report`` at the first finding, then at most every `_REPORT_EVERY` seconds (the command
+        writes it once more at the end): a run killed later (a job's time limit, ``os._exit``)
+        still leaves it. One that cannot be written is warned once, never raised."""
+        now = time.monotonic()
+        if self._report_path is None or os.getpid() != self._pid or (
+                self._report_at is not None and now - self._report_at < _REPORT_EVERY):
+            return
+        self._report_at = now
+        try:
+            self.report().save(self._report_path)
+        except Exception as e:  # (a full disk, a folder gone: the command says it again at the end)
+            warn_unwritten(f"nanhunt could not write the report to {self._report_path}: {type(e).__name__}: {e}",
+                           stacklevel=user_stacklevel())
+            self._report_path = None
 
     def _all(self) -> list[Hunt]:
         return [h for _, h in self.hunts] + self.script_hunts

@@ -400,7 +400,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     raised: NonFiniteError | None = None
     options = {"on_find": "breakpoint" if ns.pdb else ns.on_find, "mode": ns.mode, "history": ns.history,
                "dist_timeout": ns.dist_timeout}
-    auto = AutoWatch(**options, **extra)
+    # (the report at the first finding too; under torchrun only rank 0 writes it, at the end, with every rank's)
+    auto = AutoWatch(**options, **extra, report=None if os.environ.get("RANK") else report_path)
     spawned = _Spawned(options, auto)
     try:
         # (an absolute path, as `python script.py` gives ``__file__`` since 3.9: a script that
