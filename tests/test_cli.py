@@ -359,6 +359,18 @@ def test_run_usage_errors(tmp_path, cli):
     assert cli()[0] == 2
 
 
+def test_run_of_a_folder_with_a_main_runs_it_as_python_does(tmp_path, cli, monkeypatch):
+    """`python app/` runs app/__main__.py with the folder first on sys.path; `nanhunt run app/`
+    refused it as "a folder, not a script"."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("GATE_STEP = 5\n")  # a sibling of __main__.py: the folder is on sys.path
+    (app / "__main__.py").write_text(textwrap.dedent(LOG_OF_ZERO))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    rc, _, err = cli("run", str(app))
+    assert rc == 3 and "First -Inf: forward of `head` (LogHead) at step 5" in err, err
+
+
 def test_show_refuses_bad_files(tmp_path, cli):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

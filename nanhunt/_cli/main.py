@@ -344,6 +344,9 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             return EXIT_USAGE
         script = spec.origin
     why = not_a_file(script)  # (a device, a loop of links, an unreadable file: named as what it is)
+    folder = why == "is a folder" and ns.module is None and os.path.isfile(os.path.join(script, "__main__.py"))
+    if folder:
+        why = None  # (as python runs it: its __main__.py, the folder first on sys.path)
     if why is not None:
         _err(f"{script!r} is a folder, not a script (give the .py file the folder's training starts from)"
              if why == "is a folder" else f"no such script: {script!r}" if why == "does not exist"
@@ -391,7 +394,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
     bundle_was = _stamp(extra.get("bundle"))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *ns.args]
-    here = os.getcwd() if ns.module is not None else os.path.dirname(os.path.realpath(script))
+    here = os.getcwd() if ns.module is not None else os.path.realpath(script) if folder else \
+        os.path.dirname(os.path.realpath(script))
     if sys.path:
         sys.path[0] = here  # as `python script.py` sets it (a link to the script: the folder it points into)
     else:
