@@ -60,6 +60,10 @@ def test_no_command_shows_help_and_exits_2(cli):
     (("demo", "--steps", "many"), "nanhunt demo: error: argument --steps: must be a whole number >= 1; got 'many'"),
     (("bogus",), "nanhunt: error: argument {run,demo,show,replay,audit}: invalid choice: 'bogus'"),
     (("run", "--mode", "fast", "x.py"), "nanhunt run: error: argument --mode: invalid choice: 'fast'"),
+    # (an option of the script's given before it: named by `run`, whose --help lists nanhunt's own)
+    (("run", "--lr", "1", "x.py"), "nanhunt run: error: unrecognized arguments: --lr (see 'nanhunt run --help')"),
+    (("show", "r.json", "--pdf"), "nanhunt show: error: unrecognized arguments: --pdf (see 'nanhunt show --help')"),
+    (("--bogus",), "nanhunt: error: unrecognized arguments: --bogus (see 'nanhunt --help')"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(cli, args, says):
     rc, out, err = cli(*args)

@@ -46,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line, naming the command and where its help is."""
 
     run: argparse.ArgumentParser  # (the top parser's: its `run` subcommand)
+    commands: dict[str, argparse.ArgumentParser]  # (the top parser's: each subcommand's parser)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     module, argv = _run_module(parser.run, argv)
     try:
-        ns = parser.parse_args(argv)
+        ns, unknown = parser.parse_known_args(argv)
+        if unknown:  # (named by the subcommand whose options they were given among: its --help lists them)
+            (parser.commands.get(ns.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as e:  # --help, --version, a usage error: a status, not an exception
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     if module is not None:  # `nanhunt run [options] -m MODULE [args...]`
@@ -172,6 +175,7 @@ def _parser() -> _Parser:
 
     audit.add_parser(sub)
     p.run = r  # (`run -m` reads which of its options take a value)
+    p.commands = dict(sub.choices)
     return p
 
 
