@@ -805,6 +805,32 @@ def test_an_op_overflow_of_another_shape_references_the_value_its_hint_names(mod
     assert "reached 96000 " in f.hint, f.hint
 
 
+class _Residuals(nn.Module):
+    """Two float16 residual adds: the first reaches 65504.03 in float32 (rounds to 65504, finite),
+    the second overflows (a Llama's residual stream in float16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.tensor([0.03, 0.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.shift
+        return h + h * 0.5
+
+
+def test_a_float32_value_that_rounds_to_float16s_largest_is_not_the_overflow() -> None:
+    # the reference named the first add (float32 65504.03, failing 65504: finite) as the op that
+    # passed float16's range, while the finding's op and hint named the second (98256)
+    model = _Residuals().half()
+    x = torch.tensor([65504.0, 1.0], dtype=torch.float16)
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(x)
+    f = hunt.first
+    assert f is not None and (f.op, f.verdict, f.index) == ("aten.add.Tensor", "precision", (0,)), f
+    assert f.reference["failing"] == math.inf and f.reference["value"] > 65520, f.reference
+    assert f"{f.reference['value']:.6g}" in f.hint, (f.reference, f.hint)
+
+
 class _InnerAutocast(nn.Module):
     """Enters autocast in its own forward and hands its float16 result on as float32."""
 

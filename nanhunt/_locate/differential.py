@@ -461,7 +461,7 @@ def _value_at(t: torch.Tensor, index: tuple[int, ...] | None, limit: float | Non
     """``t`` at ``index`` when that element is the one that matters, else the largest magnitude."""
     if index is not None and len(index) == t.dim() and all(0 <= i < s for i, s in zip(index, t.shape)):
         v = float(t[index])
-        if limit is None or not math.isfinite(v) or abs(v) > limit:
+        if limit is None or not math.isfinite(v) or abs(v) >= limit:
             return v, tuple(index)
     flat = t.detach().reshape(-1).float()
     fin = torch.where(torch.isfinite(flat), flat.abs(), torch.zeros_like(flat))
@@ -470,19 +470,26 @@ def _value_at(t: torch.Tensor, index: tuple[int, ...] | None, limit: float | Non
     return float(t[idx]), idx
 
 
+def _rounds_to_inf(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds past ``dtype``'s largest value (half a unit in the last
+    place above it: 65520 in float16); a float32 65504.04 rounds to 65504, which is finite."""
+    fi = torch.finfo(dtype)
+    return float(fi.max) + float(fi.eps) * 2.0 ** math.floor(math.log2(fi.max)) / 2
+
+
 def _overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str, torch.Tensor]], low: torch.dtype,
               f: Finding, casts: Sequence[tuple[int, str, torch.Tensor]] = ()) -> dict[str, Any] | None:
     """The first op whose float32 value passes the largest value of the dtype it ran in when the run
     failed (op by op when the two runs line up; else against the failing dtype throughout). A cast
     down to that dtype (autocast's copy of a weight) counts as the op when its input did."""
-    limit = float(torch.finfo(low).max)
+    limit, past = float(torch.finfo(low).max), _rounds_to_inf(low)
     with torch.no_grad():
-        over = [c for c in casts if bool((c[2].abs() > limit).any())]
+        over = [c for c in casts if bool((c[2].abs() >= past).any())]
     got = _computed_overflow(fail, ref, low, f, before=over[0][0] if over else None)
     if got is None and over:
         _, op, src = over[0]
         index = f.index if tuple(src.shape) == tuple(f.shape) else None
-        value, _ = _value_at(src, index, limit)
+        value, _ = _value_at(src, index, past)
         got = {"dtype": str(src.dtype).removeprefix("torch."), "op": op, "value": value, "limit": limit,
                "failing_dtype": str(low).removeprefix("torch."), "failing": math.copysign(math.inf, value)}
     return got
@@ -551,14 +558,14 @@ def _computed_overflow(fail: list[tuple[str, torch.Tensor]], ref: list[tuple[str
         dt = fail[i][1].dtype if aligned else low
         if not dt.is_floating_point or dt.itemsize >= 4:
             continue  # computed in float32 (or wider) when it failed: it cannot have overflowed there
-        limit = float(torch.finfo(dt).max)
-        if not amax[i] > limit:
-            continue
+        limit, past = float(torch.finfo(dt).max), _rounds_to_inf(dt)
+        if not amax[i] >= past:
+            continue  # (rounds to the largest value at most: finite when it failed)
         index = f.index if tuple(t.shape) == tuple(f.shape) else None
         if index is None and aligned and tuple(fail[i][1].shape) == tuple(t.shape):
             bad = (~torch.isfinite(fail[i][1])).nonzero()  # (the op's own first non-finite element: the hint's)
             index = tuple(int(v) for v in bad[0]) if len(bad) else None
-        value, at = _value_at(t, index, limit)
+        value, at = _value_at(t, index, past)
         got: dict[str, Any] = {"dtype": "float32", "op": op, "value": value, "limit": limit,
                                "failing_dtype": str(dt).removeprefix("torch.")}
         if aligned and tuple(fail[i][1].shape) == tuple(t.shape):
