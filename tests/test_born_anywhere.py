@@ -1701,6 +1701,23 @@ def test_an_overflow_with_sane_weights_says_nothing_of_the_learning_rate() -> No
     assert "weights are huge" not in f.hint and "lr=" not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("with_opt", [True, False])
+def test_huge_weights_before_any_update_are_not_said_to_have_grown_by_the_learning_rate(with_opt: bool) -> None:
+    # a float16 model run (T5's tied embedding, loaded huge) overflowing at its first call: the hint
+    # said the weights had "grown step after step" by a learning rate too large, with no step taken
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    with torch.no_grad():
+        m[0].weight.fill_(1.0)
+        m[1].weight.fill_(3e4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1) if with_opt else None
+    with nanhunt.watch(m, optimizer=opt, on_find="record") as hunt:
+        m(torch.ones(2, 4, dtype=torch.float16))
+    f = hunt.first
+    assert f is not None and (f.module, f.cause) == ("1", "created"), f
+    assert "'1.weight' reaches 3e+04" in f.hint and "grown step after step" not in f.hint, f.hint
+    assert ("before any update" if with_opt else "no optimizer is watched") in f.hint, f.hint
+
+
 def _unit_grad(g: torch.Tensor) -> torch.Tensor:
     return g / g.norm(dim=1, keepdim=True)  # a gradient normaliser: 0/0 on a row whose gradient is 0
 

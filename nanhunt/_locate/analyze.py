@@ -427,7 +427,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         hint = _hints.unreplayed_forward_hint(ctx.view.sharded, f.op)
     if f.phase == "forward" and f.cause == "created" and "lr=" not in hint and "weights are huge" not in hint:
         # (whatever op it was born in: the values were huge; an overflow's "a lower learning rate" names no weight or lr)
-        hint += _hints.grown_hint(_grown(ctx))
+        hint += _hints.grown_hint(_grown(ctx), ctx.view.steps_applied if ctx.view.optimizers else None)
     f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True

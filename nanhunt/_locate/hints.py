@@ -830,12 +830,21 @@ def outside_param_hint(name: str) -> str:
             "that holds both (or run the script under `nanhunt run`) to have the op and its line.")
 
 
-def grown_hint(grown: tuple[str, float, str] | None) -> str:
+def grown_hint(grown: tuple[str, float, str] | None, updates: int | None = 1) -> str:
     """The sentence added to a forward finding born from finite values when the model's weights are
-    huge: `analyze._grown`'s (name, magnitude, "SGD lr=2")."""
+    huge: `analyze._grown`'s (name, magnitude, "SGD lr=2"). ``updates``: the watched optimizers'
+    step() calls so far (None: no optimizer watched); none: the weights were that large already."""
     if grown is None:
         return ""
     name, big, lr = grown
+    if updates == 0:
+        return (f" The model's weights are huge ({name!r} reaches {big:.3g}) before any update of the watch: they "
+                "were loaded, initialised or trained this large before it, not grown by its steps; check the "
+                "checkpoint (trained in another dtype?) or the initialisation.")
+    if updates is None:
+        return (f" The model's weights are huge ({name!r} reaches {big:.3g}); no optimizer is watched, so whether "
+                "training grew them (a learning rate too large: lower it, or clip the gradients) or they were "
+                "loaded this large (check the checkpoint) is not known.")
     lr = f", with {lr}" if lr else ""
     return (f" The model's weights are huge ({name!r} reaches {big:.3g}{lr}): grown step after step, which "
             "points to a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients "
