@@ -23,7 +23,7 @@ __all__ = [
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
     "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "read_nan", "real_view",
-    "storage_of",
+    "storage_of", "sum_may_overflow",
 ]
 
 _F32 = torch.float32
@@ -205,6 +205,17 @@ def probe(t: torch.Tensor) -> torch.Tensor:
 
 
 _WIDE = (torch.float64, torch.complex128)
+
+
+def sum_may_overflow(t: torch.Tensor) -> bool:
+    """Whether `probe` of ``t``'s finite values may pass its sum's range in some order of summing:
+    the hot path's probe and a replay's sum of the same values (another kernel, another order) need
+    not agree near the range's end (values of 1e35 in both signs). Reads the host: after a hit only."""
+    v = real_view(values(t)).detach()
+    if not v.numel():
+        return False
+    top = torch.finfo(torch.float64 if v.dtype in _WIDE else _F32).max
+    return float(v.abs().amax()) * v.numel() > top
 
 
 def probe_sum(t: torch.Tensor) -> torch.Tensor:

@@ -1690,6 +1690,29 @@ def test_an_overflow_in_a_module_after_a_one_cycle_lr_too_large_names_the_grown_
     assert "The model's weights are huge" in f.hint and "SGD lr=" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_batchnorm_output_of_huge_finite_values_is_not_the_finding_the_overflow_after_it_is(mode: str) -> None:
+    """OneCycleLR with max_lr=3e38 on a CNN: after one step BatchNorm's output is finite, its values
+    ~3e35 in both signs, so the hot path's probe (a sum) overflowed where the replay's sum of the
+    same values, in another order, stayed finite (1.6e38): full mode reported the BatchNorm, with no
+    element, "from a non-finite parameter or buffer" (none was), "not reproduced". The first
+    non-finite value is the Linear's addmm after it."""
+    m = zoo.cnn()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e38, total_steps=20, pct_start=0.3)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for _ in range(3):
+            x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "fc", 1, "created", "aten.addmm.default"), f
+    assert f.reproducible and "weights are huge" in f.hint and "SGD lr=" in f.hint, f.hint
+
+
 def test_an_overflow_with_sane_weights_says_nothing_of_the_learning_rate() -> None:
     torch.manual_seed(0)
     m = nn.Linear(4, 4)

@@ -41,8 +41,8 @@ from .._tensors import (
     is_bad,
     optimizer_tensors,
     own_tensors,
-    probe,
     shape_of,
+    sum_may_overflow,
     tensors,
     values,
     version,
@@ -475,8 +475,8 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         cause, rc = "input", None
     elif r is not None and (r.error is None or rc is not None):
         again = dict(rc.outputs).get(path) if rc is not None else None
-        if again is not None and not is_bad(again) and not bool(torch.isfinite(probe(again))):
-            return None  # finite values whose sum overflowed: not a finding
+        if again is not None and not is_bad(again) and sum_may_overflow(again):
+            return None  # finite values whose sum overflowed: not a finding (the replay's own sum may not)
         if again is not None and written and rc is not None and not _bad_at_return(rc, path):
             # finite when the call returned, written in place after (the caller's own code: y.mul_(1e39)),
             # and probed only then: not this call's finding; the entries after it tell who wrote it
@@ -914,7 +914,7 @@ def _overflowed_sums(log: StepLog, sbad: list[bool], r: Replay) -> bool:
         return False
     grads = [g for _, g in r.grads]
     return (bool(grads) and not any(is_bad(g) for g in grads)
-            and any(not bool(torch.isfinite(probe(g))) for g in grads))
+            and any(sum_may_overflow(g) for g in grads))
 
 
 def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | None:
