@@ -4,6 +4,7 @@ GradScaler's skipped steps, and several optimizers."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import linecache
 import os
@@ -1239,3 +1240,30 @@ def test_a_weight_decay_that_overflows_by_itself_is_named_with_its_op() -> None:
     f = ei.value.finding
     assert (f.phase, f.tensor, f.step, f.cause, f.op) == ("optimizer", "weight", 0, "created", "aten.mul_.Tensor"), str(f)
     assert "weight_decay=1e+41" in f.hint and "exploding learning rate" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("cls, state", [
+    (torch.optim.Adam, "exp_avg_sq"), (torch.optim.NAdam, "exp_avg_sq"), (torch.optim.RAdam, "exp_avg_sq"),
+    (torch.optim.Adagrad, "sum"), (functools.partial(torch.optim.RMSprop, centered=True), "square_avg")],
+    ids=["adam", "nadam", "radam", "adagrad", "rmsprop-centered"])
+def test_a_coupled_weight_decay_that_overflows_the_squared_state_is_named(cls: Any, state: str, mode: str) -> None:
+    # weight decay added to the gradient (g + wd * w, not AdamW's decoupled mul_): a weight_decay of 1e37
+    # overflows the state of squared gradients at the first step, with every gradient finite and small.
+    # The hint blamed an exploding learning rate (its lr is 0.001) or the denominator at 0: the shadow
+    # step judged only the states it had before its own first step, when this one was made
+    m = zoo.cnn()
+    opt = cls(m.parameters(), lr=1e-3, weight_decay=1e37)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for _ in range(2):
+            F.cross_entropy(m(torch.randn(8, 1, 8, 8, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    # (sentinel reads the optimizer's state on a hit: at step 0, or at step 1 with the window, steps 0 to 1)
+    assert f.step in ((0,) if mode == "full" else (0, 1)), str(f)
+    assert (f.phase, f.tensor, f.cause, f.op) == (
+        "optimizer", f"state[{state!r}]", "created", "aten.addcmul_.default"), str(f)
+    assert "weight_decay=1e+37" in f.hint and "its state non-finite" in f.hint and "learning rate" not in f.hint, f.hint
+

@@ -1109,7 +1109,8 @@ def optimizer_hint(param: str, state: str, fed: bool, eps_zero: str = "", at_sta
     if g.get("settings"):
         return (f"After the optimizer step, {what} is non-finite although the step was given finite "
                 f"gradients: the optimizer's settings alone overflow ({g['settings']}): its update makes "
-                "a weight of 1 non-finite from a gradient of 0.5. Check the values given to the optimizer "
+                f"{'its state' if state else 'a weight of 1'} non-finite from a gradient of 0.5"
+                f"{' and a weight of 1' if state else ''}. Check the values given to the optimizer "
                 "or set by a schedule.")
     # (the group's learning rate, and the division by its own state that a torch.optim class has, if any)
     lr = f" (its lr is {g['lr']:.3g})" if g.get("lr") is not None else ""

@@ -36,13 +36,16 @@ def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
 
 
 class _Writes(TorchDispatchMode):
-    """Notes the aten op that last wrote each target, and the first that made one non-finite."""
+    """Notes the aten op that last wrote each target, and the first that made one non-finite; and,
+    by storage, the first op that made any other tensor it writes non-finite (``fresh``: a state the
+    step creates, Adam's ``exp_avg_sq``, before it is known)."""
 
     def __init__(self, targets: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.ptrs = {t.untyped_storage().data_ptr(): k for k, t in targets.items()}
         self.last: dict[str, str] = {}
         self.made: dict[str, str] = {}
+        self.fresh: dict[int, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -52,14 +55,16 @@ class _Writes(TorchDispatchMode):
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 for x in tree_leaves(v):
                     if isinstance(x, torch.Tensor):
-                        k = self.ptrs.get(x.untyped_storage().data_ptr())
-                        if k is not None:
-                            written.append((k, x, bool(torch.isfinite(x).all())))
+                        ptr = x.untyped_storage().data_ptr()
+                        written.append((self.ptrs.get(ptr), ptr, x, bool(torch.isfinite(x).all())))
         out = func(*args, **kwargs)
-        for k, x, finite in written:
-            self.last[k] = str(func)
-            if finite and k not in self.made and not bool(torch.isfinite(x).all()):
-                self.made[k] = str(func)
+        for k, ptr, x, finite in written:
+            if k is not None:
+                self.last[k] = str(func)
+            if finite and not bool(torch.isfinite(x).all()):
+                if k is not None:
+                    self.made.setdefault(k, str(func))
+                self.fresh.setdefault(ptr, str(func))
         return out
 
 
@@ -105,6 +110,9 @@ def _shadow_writes(opt: torch.optim.Optimizer, p: torch.Tensor) -> _Writes | Non
         targets = {"": q, **{k: v for k, v in shadow.state[q].items() if isinstance(v, torch.Tensor) and v.dim()}}
         w = _Writes(targets)
         w.made.update(first.made)
+        for k, v in targets.items():  # (a state the first step created and overflowed: a weight decay of 1e37 squared)
+            if k and (made := first.fresh.get(v.untyped_storage().data_ptr())) is not None:
+                w.made.setdefault(k, made)
         with w:
             shadow.step()
         return w
