@@ -587,5 +587,7 @@ class StepView:
     step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()
     # per (optimizer, group index): the last step() that ran with a non-finite float lr, and that lr
     bad_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    # per (optimizer, group index): the step of its last step() and the float lr it ran with
+    last_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     probed_at: dict[int, int] = field(default_factory=dict)  # per optimizer: the step of its last probed update
     optimizer_every: int = 1

@@ -1267,3 +1267,26 @@ def test_a_coupled_weight_decay_that_overflows_the_squared_state_is_named(cls: A
         "optimizer", f"state[{state!r}]", "created", "aten.addcmul_.default"), str(f)
     assert "weight_decay=1e+37" in f.hint and "its state non-finite" in f.hint and "learning rate" not in f.hint, f.hint
 
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("schedule", ["one-cycle", "cosine-restarts"])
+def test_the_lr_named_for_an_overflowing_update_is_the_one_its_step_ran_with(schedule: str, mode: str) -> None:
+    # a max_lr of 1e37: the update of step 1 overflows the weight. Sentinel reads the state only on the
+    # next step's hit, after scheduler.step() has moved the lr on: the hint named that next lr (6.6e+35,
+    # 5e+36), not the one the failing update used
+    data = _regression_data(0.2)
+    m = _regression()
+    opt = torch.optim.SGD(m.parameters(), lr=1e37)
+    sched: Any = (torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e37, total_steps=40, pct_start=0.5)
+                  if schedule == "one-cycle" else torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=4))
+    lrs: list[float] = []
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for x, y in data:
+            F.mse_loss(m(x).double(), y.double()).backward()
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.tensor, f.step, f.cause) == ("optimizer", "weight", 1, "created"), str(f)
+    assert f"its lr is {lrs[1]:.3g}" in f.hint, (f.hint, lrs)

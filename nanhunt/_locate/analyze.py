@@ -1532,6 +1532,9 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
         facts = _optim.grad_facts(opt, p) if opt is not None and not fed else None
         if opt is not None and facts is not None and alone:
             facts["settings"] = _optim.settings_text(opt, p)  # (its update overflows from a weight of 1)
+        if opt is not None and facts is not None and "lr" in facts:  # (the step's lr, not the schedule's next one)
+            noted = _optim.lr_at(opt, p, entry.opt, ctx.view.last_lrs, step)
+            facts["lr"] = facts["lr"] if noted is None else noted
         hint = _hints.optimizer_hint(pname, sk, fed, eps, at_start=at_start, setting=setting, grads=facts)
         if not at_start and not named and entry.since is not None and step - entry.since > 1:
             # (a state, read every `optimizer_every` steps, shows only in the window since its last

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "past_bad_lr",
+__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "past_bad_lr", "lr_at",
            "grad_facts"]
 
 
@@ -230,6 +230,17 @@ def past_bad_lr(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, seen: dict[
         if any(q is p for q in group["params"]):
             got = seen.get((i, gi))
             return (f"param_groups[{gi}]['lr'] = {got[1]}", got[0]) if got is not None and since < got[0] <= step else None
+    return None
+
+
+def lr_at(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, noted: dict[tuple[int, int], tuple[int, float]],
+          step: int) -> float | None:
+    """The lr that ``p``'s group of optimizer ``i`` ran its step() of ``step`` with, as the hunt noted
+    it then (``noted``: each group's last), else None: a schedule has moved the group's lr on since."""
+    for gi, group in enumerate(opt.param_groups):
+        if any(q is p for q in group["params"]):
+            got = noted.get((i, gi))
+            return got[1] if got is not None and got[0] == step else None
     return None
 
 

@@ -276,6 +276,9 @@ class Hunt:
         # per (optimizer, group): the last step() it ran with a non-finite float lr, and that lr (a
         # schedule's 1/0 at one step, finite again when a sampled reading finds the weights it poisoned)
         self._bad_lrs: dict[tuple[int, int], tuple[int, float]] = {}
+        # per (optimizer, group): the step of its last step() and the float lr it ran with (the schedule
+        # has moved it on by the time a sampled reading finds the weights that step overflowed)
+        self._last_lrs: dict[tuple[int, int], tuple[int, float]] = {}
         self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
@@ -2057,8 +2060,10 @@ class Hunt:
             lr = g.get("lr")
             if lr.__class__ is torch.Tensor and lr.is_cpu and lr.numel() == 1:
                 lr = lr.item()  # (a tensor lr a schedule fills in place; on a device it would be a sync)
-            if lr.__class__ is float and lr - lr != 0:  # inf or nan (the scheduler steps after this)
-                self._bad_lrs[(i, gi)] = (step, lr)
+            if lr.__class__ is float:
+                self._last_lrs[(i, gi)] = (step, lr)
+                if lr - lr != 0:  # inf or nan (the scheduler steps after this)
+                    self._bad_lrs[(i, gi)] = (step, lr)
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
@@ -2591,6 +2596,7 @@ class Hunt:
             step_clocks=dict(self._step_clocks),
             step_of=dict(self._step_of),
             bad_lrs=dict(self._bad_lrs),
+            last_lrs=dict(self._last_lrs),
             probed_at=dict(self._probed_at),
             optimizer_every=self._optimizer_every,
         )
