@@ -957,6 +957,43 @@ def test_a_float16_underflow_is_precision_with_the_op_that_rounded_to_zero_and_i
     assert "smallest normal value" in text and "65504" not in text and "inputs smaller" not in text, text
 
 
+class _HalfLogSoftmax(nn.Module):
+    """A float32 model's log-probabilities computed in float16 by hand, to save memory."""
+
+    def __init__(self, cast: str) -> None:
+        super().__init__()
+        self.cast = cast
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = z.half() if self.cast == "half" else z.to(torch.float16)
+        return z.softmax(-1).log()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("cast", ["half", "to"])
+def test_a_cast_to_float16_inside_the_forward_is_widened_in_the_float32_reference(mode: str, cast: str) -> None:
+    """``z.half().softmax(-1).log()`` in a float32 model: a probability of 2e-9 rounds to 0 in
+    float16, and log(0) = -inf. The float32 reference ran the module's own ``.half()`` as written,
+    so it made the same -inf and the verdict was "numerics" (the math itself), where float32 gives
+    log(2e-9) = -20: the cast is the reference's to widen, as autocast is, and the verdict is
+    "precision", naming the softmax that rounded to 0."""
+    model = nn.Sequential(nn.Linear(4, 10), _HalfLogSoftmax(cast))
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.copy_(torch.linspace(0.0, -20.0, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, optimizer=opt, on_find="record", mode=mode) as hunt:
+        out = model(torch.randn(3, 4))
+        out.float().sum().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.dtype, f.value) == ("1", "aten.log.default", "float16", -math.inf), f
+    assert f.verdict == "precision", f
+    ref = f.reference
+    assert ref.get("underflow") and ref["op"] == "aten._softmax.default" and ref["failing_dtype"] == "float16", ref
+    assert 0 < ref["value"] < ref["smallest"], ref
+
+
 class _CancelThenTiny(nn.Module):
     """A float16 variance E[x^2] - E[x]^2 below 0 (cancellation) makes the NaN (sqrt or log of it);
     a harmless float16 underflow (exp(-18) rounds to 0) is added after it."""

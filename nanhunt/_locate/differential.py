@@ -155,15 +155,21 @@ class _Scope:
 
 
 class _Trace(TorchDispatchMode):
-    """Every op's floating outputs (detached), to compare two runs op by op."""
+    """Every op's floating outputs (detached), to compare two runs op by op. ``wide``: the float32
+    reference, where a cast the forward makes itself down to a reduced float (``x.half()``,
+    ``.to(torch.bfloat16)``) keeps float32, as its inputs and parameters do."""
 
-    def __init__(self) -> None:
+    def __init__(self, wide: bool = False) -> None:
         super().__init__()
+        self.wide = wide
         self.ops: list[tuple[str, torch.Tensor]] = []
         # casts down to a narrower float (autocast's, .half()): (ops before it, op, its input)
         self.casts: list[tuple[int, str, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if (self.wide and func is torch.ops.aten._to_copy.default and kwargs
+                and str(kwargs.get("dtype")).removeprefix("torch.") in REDUCED):
+            kwargs = {**kwargs, "dtype": torch.float32}
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "").split(".")[0]
         if name in _MOVES or getattr(func, "is_view", False):
@@ -329,7 +335,7 @@ def _alone(top: Top, scope: _Scope, path: Path, *, float32: bool) -> _Run:
     module, rng, inputs = scope.module, scope.rng, scope.inputs
     if module is None or rng is None or inputs is None:
         return _Run(None, None, [])
-    mode = _Trace()
+    mode = _Trace(wide=float32)
     run = copy.copy(top)
     run.module, run.rng, run.cuda_rng = module, rng[0], rng[1]
     prefix = next((n for n, m in top.module.named_modules() if m is module), "")
