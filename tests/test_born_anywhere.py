@@ -1407,6 +1407,33 @@ def test_the_float32_reference_of_loss_code_keeps_a_cast_s_copy_apart_from_its_s
     assert f.verdict == "precision" and math.isfinite(f.reference["value"]) and f.reference["value"] > 65504, f.reference
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_float16_underflow_in_loss_code_names_the_op_that_rounded_to_0(mode: str) -> None:
+    """Log-probabilities computed in float16 in the loss code, ``out.half().softmax(-1).log()``: a
+    probability of 2e-9 rounds to 0 and log(0) = -inf. The verdict was right (precision), but its
+    reference gave log's float32 value against float16's largest value 65504 and the remedy said to
+    keep the inputs smaller, which makes an underflow worse: it names the softmax that rounded to 0,
+    its float32 value below float16's smallest normal one, and a remedy for an underflow."""
+    model = nn.Linear(4, 10)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.copy_(torch.linspace(0.0, -20.0, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        out = model(torch.randn(3, 4))
+        logp = out.half().softmax(-1).log()
+        (-logp * 0.1).float().sum().backward()
+        opt.step()
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.dtype, f.verdict) == ("<outside>", "aten.log.default", "float16",
+                                                                      "precision"), f
+    ref = f.reference
+    assert ref.get("underflow") and not ref.get("cancelled") and ref["op"] == "aten.softmax", ref
+    assert 0 < ref["value"] < ref["smallest"] == torch.finfo(torch.float16).tiny, ref
+    text = str(nanhunt.NonFiniteError(f))
+    assert "smallest normal value" in text and "65504" not in text and "inputs smaller" not in text, text
+
+
 def test_a_float16_value_that_float32_cannot_hold_either_gets_the_numerics_verdict() -> None:
     """log of a zero in float16 loss code is -inf in float32 too: the math itself."""
     torch.manual_seed(0)

@@ -32,7 +32,7 @@ from .._finding import Finding
 from .._steplog import Out, OutRec, StepLog, Top
 from .._tensors import Path, dtype_name, element, get_path, is_bad, shape_of, tensors, values
 from . import hints as _hints
-from .differential import _FROM_ZERO, REDUCED
+from .differential import _FROM_ZERO, REDUCED, _underflow_ref
 from .graph import _source, node_of_frame
 from .nodes import blame_nodes, checked_hook, hook_names, named
 from .oplevel import OpOrigin, _chain, _first, _Recorder
@@ -275,16 +275,18 @@ def reference32(recs: list[OutRec], ri: int, j: int, index: tuple[int, ...] | No
 
 
 def _cancelled(recs: list[OutRec], wide: list[list[torch.Tensor]], ri: int) -> tuple[str, float] | None:
-    """The first recorded subtraction before call ``ri`` whose reduced-precision output holds a 0
-    where its float32 replay does not: its aten name and that float32 value."""
+    """The first recorded call before ``ri`` whose reduced-precision output holds a 0 where its
+    float32 replay does not: a subtraction at any size (``1 - sigmoid(z)`` in bfloat16: both sides
+    round to one value), any other call where that value is below the dtype's smallest normal one
+    (``x.half().softmax(-1)`` of a probability of 1e-9: an underflow). Its aten name and float32 value."""
     with torch.no_grad():
         for r, outs in zip(recs[:ri], wide):
             name = getattr(r.func, "__name__", "").strip("_")
-            if name not in ("sub", "rsub"):
-                continue
             for u, w in zip(_outs(r), outs):
                 if str(u.dtype).removeprefix("torch.") in REDUCED and u.shape == w.shape:
                     lost = (u == 0) & (w != 0)
+                    if name not in ("sub", "rsub"):
+                        lost &= w.abs() < torch.finfo(u.dtype).tiny
                     if bool(lost.any()):
                         return f"aten.{name}", float(w[lost][0])
     return None
@@ -522,8 +524,8 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
                     reference.update(limit=float(torch.finfo(getattr(torch, low)).max), failing_dtype=low)
                 reference["failing"] = value
                 if cut is not None and (got.op or "").split(".")[1:2] in ([z] for z in _FROM_ZERO):  # (fed a 0)
-                    reference = {"dtype": "float32", "op": cut[0], "value": cut[1], "failing_dtype": low,
-                                 "failing": 0.0, "underflow": True, "cancelled": True}
+                    reference = _underflow_ref(cut[0], cut[1], float(torch.finfo(getattr(torch, low)).tiny),
+                                               getattr(torch, low))
     f = Finding(
         phase="forward", module=OUTSIDE, module_type=r.fn or OUTSIDE, tensor=tensor,
         step=step, call=_nth(log.outside, rec_i), index=index, value=value, counts=counts, shape=shape_of(t),
