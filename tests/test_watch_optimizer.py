@@ -258,6 +258,45 @@ def test_steps_the_gradscaler_skipped_count_as_in_the_users_loop(mode: str) -> N
     assert (f.phase, f.step, f.call, f.dtype) == ("forward", bad, 0, "float16"), f
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gradients_clipped_after_unscale_on_a_step_the_gradscaler_skips_are_not_findings(mode: str) -> None:
+    """The AMP recipe with clipping: ``scaler.unscale_(opt)``, then ``clip_grad_norm_``. On a step
+    whose scaled gradients overflowed (the scaler skips it, as expected) the clipping's norm is inf
+    and the clipped gradients inf * 0 = nan: that loop code's values were probed like any, so every
+    skipped step was a hit (a replay analysis each), and sentinel's replay of the backward then
+    reported the scaled gradient at the model's output, raising on a healthy run. Training is the
+    same, bit for bit, as unwatched."""
+
+    def train(watched: bool) -> tuple[list[int], Any, nanhunt.Hunt | None]:
+        torch.manual_seed(0)
+        m = _classifier()
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+        hunt = nanhunt.watch(m, opt, scaler=scaler, mode=mode) if watched else None
+        applied = []
+        try:
+            for x, y in _data(6):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = m(x)
+                scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                before = snapshot(m)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                applied.append(int(not same_state(before, snapshot(m))))
+        finally:
+            if hunt is not None:
+                hunt.close()
+        return applied, snapshot(m), hunt
+
+    applied, state, hunt = train(True)
+    assert applied[:2] == [0, 0] and 1 in applied, "test set-up: the scaler skips the first steps, then applies"
+    assert hunt is not None and hunt.findings == [] and hunt.step == 6
+    assert same_state(state, train(False)[1])
+
+
 def test_without_the_scaler_its_overflowing_gradients_are_findings() -> None:
     hunt, _, applied = _amp_run(_classifier(), pass_scaler=False, init_scale=2.0**24)
     assert applied[0] == 0

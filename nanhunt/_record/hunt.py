@@ -58,7 +58,21 @@ from .._locate.outside import in_place
 from .._profile import span
 from .._report import Report
 from .._steplog import PASSTHROUGH as _PASSTHROUGH
-from .._steplog import TIE_KEY, Bwd, Call, Chk, Fwd, Grads, OptimState, StepLog, StepView, TensorInfo, Top, add_to_group
+from .._steplog import (
+    TIE_KEY,
+    Bwd,
+    Call,
+    Chk,
+    Fwd,
+    Grads,
+    OptimState,
+    Out,
+    StepLog,
+    StepView,
+    TensorInfo,
+    Top,
+    add_to_group,
+)
 from .._tensors import (
     NO_SPECIALS,
     Path,
@@ -2212,9 +2226,13 @@ class Hunt:
                 wrapper.remove()
 
     def _drop_backward(self) -> None:
-        """The scaler skipped this step: its non-finite scaled gradients are expected."""
+        """The scaler skipped this step: its non-finite scaled gradients are expected, and so are
+        the values the loop's code made after the backward (``clip_grad_norm_`` of the unscaled
+        gradients: an inf norm, and inf * 0 = nan in the clipped ones)."""
         log = self._log
-        log.keep([i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)])
+        after = log.bwd_clock  # (0: no gradient reached the model's outputs, no code came after one)
+        log.keep([i for i, m in enumerate(log.meta) if not isinstance(m, Bwd)
+                  and not (after and isinstance(m, Out) and log.outside[m.rec].clock > after)])
         log.vectors = [v for v in log.vectors if not isinstance(v[1], Grads)]
         log.backward = False  # its gradients are the scaler's business: not judged at this step's end either
         log.seeds.clear()  # (nor, with no optimizer watched, the model's gradients its backward() left)
