@@ -428,6 +428,35 @@ def test_a_finfo_min_mask_added_to_negative_scores_in_float16_is_told_as_the_mas
     assert "torch.finfo(float16).min" in f.hint and "masked_fill" in f.hint, f.hint
 
 
+class _MaskedThenBiased(nn.Module):
+    """Scores masked with ``masked_fill(pad, torch.finfo(scores.dtype).min)``, then a position bias
+    added (ALiBi): in float16 the masked scores plus a bias below -16 are -inf."""
+
+    def forward(self, scores: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        scores = scores.masked_fill(pad[:, None, :], torch.finfo(scores.dtype).min)
+        bias = -20.0 * (1 + (torch.arange(4)[None, :] - torch.arange(4)[:, None]).abs())
+        return (scores + bias.to(scores.dtype)).softmax(-1)  # @alibi-add
+
+
+def test_a_finfo_min_fill_is_no_overflow_in_the_reference_the_add_after_it_is() -> None:
+    """The float32 reference fills with float32's lowest value (-3.4e38, past 65504), so the
+    reference named the masked_fill as the op that overflowed, its failing value -65504 (finite):
+    an op finite in the failing run made no overflow; the add after it, -inf there, is named."""
+    model = _MaskedThenBiased()
+    scores = torch.zeros(2, 4, 4, dtype=torch.float16)
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    pad[1] = True  # an empty sequence: every key masked
+    with nanhunt.watch(model, on_find="record") as hunt:
+        model(scores, pad)
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("", "aten.add.Tensor", "precision"), f
+    assert same_source(f.source, line("alibi-add"))
+    ref = f.reference
+    assert ref["op"] == "aten.add.Tensor" and ref["failing"] == -math.inf and ref["limit"] == 65504.0, ref
+    # (the fill was a masked_fill already: the hint's fix is to fill after the bias, not to use one)
+    assert "torch.finfo(float16).min" in f.hint and "after every addition" in f.hint, f.hint
+
+
 class DropExp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

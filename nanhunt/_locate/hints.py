@@ -543,8 +543,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return (f"Overflow: {op} added a mask of {fx['dtype']}'s lowest value ({-fx['limit']:g}, "
                     f"torch.finfo({fx['dtype']}).min) to a negative score: {fx['reached']:.6g} is -inf in "
                     f"{fx['dtype']}, and a row masked at every position is then all -inf, its softmax nan. Apply "
-                    "the mask with masked_fill(mask, torch.finfo(dtype).min) instead of adding it, or clamp the "
-                    "sum at torch.finfo(dtype).min.")
+                    "the mask last, with masked_fill(mask, torch.finfo(dtype).min) after every addition (not a "
+                    "mask added, nor a bias such as ALiBi's added after the fill), or clamp the sum at "
+                    "torch.finfo(dtype).min.")
         if fx.get("scalar"):
             return (f"Overflow in a cast: {op} computes in {fx['dtype']}, so its 0-dim operand {fx['reached']:.6g} "
                     f"(a wider scalar tensor, which does not promote the other's dtype) became inf, past "
