@@ -519,6 +519,39 @@ def test_poisoned_batchnorm_buffer_is_cause_parameter() -> None:
                    call=0, cause="parameter", expected=rec.out("bn"))
 
 
+class _QSample(nn.Module):
+    """A diffusion model's q_sample with its schedule precomputed in __init__, as a buffer: a cosine
+    schedule gone below 0 at its last timestep, so that entry of sqrt(alpha_bar) is nan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 1, 1))
+        self.register_buffer("sqrt_ab", torch.tensor([0.99, 0.8, 0.5, 0.1, -0.15]).sqrt())
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        xt = self.sqrt_ab[t][:, None, None, None] * x0 + noise
+        return F.mse_loss(self.net(xt), noise)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_the_parent_made_of_its_own_buffer_is_the_parents_not_the_child_it_fed(mode: str) -> None:
+    # the root's own code (between its children's calls) read the nan of its schedule buffer and fed it
+    # to net.0, whose weights are finite: the finding was net.0, cause "parameter", with the hint "an
+    # earlier optimizer step poisoned it"; the weight to look at is the root's buffer
+    torch.manual_seed(0)
+    model = _QSample()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        for t in ([0, 1], [2, 4]):
+            x0 = torch.randn(2, 1, 4, 4)
+            model(x0, torch.tensor(t), torch.randn_like(x0)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause) == ("forward", "", 1, "parameter"), f
+    assert "'sqrt_ab' of `_QSample`" in f.hint and "optimizer step" not in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- names
 def test_submodule_called_directly_is_named_relative_to_the_watched_model() -> None:
     m = zoo.gpt2(dropout=0.0)

@@ -700,8 +700,8 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
         pc = r.calls[p]
         if not fed(pc):
             bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
-            if pc.params_bad:
-                return "parameter", rc, path
+            if pc.params_bad and bad_out:  # its own code made it of its own weight or buffer (a schedule's
+                return "parameter", pc, bad_out[0][0]  # table holding nan): that module, not the child fed it
             if bad_out:  # the enclosing module's own code made it; report its output
                 return "created", pc, bad_out[0][0]
             # the enclosing code made it and fed it in, but returns finite values (tanh(inf) = 1):
