@@ -983,6 +983,35 @@ def test_a_division_by_a_noise_schedules_sqrt_at_0_is_told_so(mode: str) -> None
     assert "clamp(min=1)" not in f.hint, f.hint
 
 
+class _QSampleOnTheFly(nn.Module):
+    """A diffusion model's q_sample reading alpha_bar[t] from a cosine schedule run one step past T: its
+    last entry is below 0 (a beta above 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 4))
+        self.register_buffer("alpha_bar", torch.tensor([0.98, 0.76, 0.35, 0.02, -0.16]))
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ab = self.alpha_bar[t][:, None]
+        return self.net(ab.sqrt() * x0 + (1 - ab).sqrt() * torch.randn_like(x0))  # @q-sample
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_sqrt_of_a_noise_schedules_negative_entry_is_told_to_fix_the_schedule(mode: str) -> None:
+    # the hint led with "a variance computed as E[x^2] - E[x]^2 ... by cancellation" for a sqrt whose input
+    # is a table's entry, -0.16: the schedule is what must be fixed
+    model = _QSampleOnTheFly()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt, mode=mode):
+        model(torch.randn(3, 4), torch.tensor([1, 4, 2])).pow(2).mean().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.cause, f.index[0]) == ("", "aten.sqrt.default", "created", 1), f
+    assert same_source(f.source, line("q-sample")), f
+    assert "alpha_bar[t]" in f.hint and "clamp(0, 0.999)" in f.hint and "E[x^2]" not in f.hint, f.hint
+
+
 def test_a_division_by_the_sqrt_of_an_isolated_nodes_degree_names_the_degree() -> None:
     # 1 / deg.sqrt() of a node with no edge (aten.reciprocal): the hint was reciprocal's bare "1/0 gives inf."
     adj = torch.zeros(4, 4)

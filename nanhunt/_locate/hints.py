@@ -152,6 +152,8 @@ _MASK_WRITERS = frozenset({"fill", "masked_fill", "index_put", "index_fill", "fu
 
 # ops whose values underflow to exactly 0 (and saturate to 1): a one-hot they made is a probability, not a mask
 _SATURATING = frozenset({"_softmax", "softmax", "_safe_softmax", "sigmoid", "exp"})
+# ops that read entries of a table by index (a noise schedule's alpha_bar[t], an embedding)
+_LOOKUPS = frozenset({"index", "gather", "index_select", "take", "embedding"})
 
 # fused attention ops (nn.MultiheadAttention's fast path, SDPA): a softmax inside, over their mask
 _ATTENTION = frozenset({"_native_multi_head_attention", "_masked_softmax", "scaled_dot_product_attention",
@@ -205,6 +207,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["log_of"] = log_of
             if log_of in ("sub", "rsub") and _made_by(rec, arg, "tanh"):
                 out["log_tanh"] = True  # log(1 - tanh(u) ** 2) with tanh(u) rounded to ±1: a squashed policy's correction
+        if "negative" in out:  # the op that made sqrt's negative input: a table's entry (a schedule's alpha_bar[t])
+            neg_of, _ = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
+            if neg_of is not None:
+                out["neg_of"] = neg_of
         if _op_key(first.op).split(".")[0] == "exp":  # the op that made exp's argument: a difference is a ratio's log
             exp_of, _ = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
             if exp_of is not None:
@@ -478,6 +484,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "model a fresh tensor (or buf.clone()) to have the op, line and element.")
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
+    if "negative" in fx and fx.get("neg_of") in _LOOKUPS:
+        return (f"{_cap(_op_key(op))} of a negative number, {fx['negative']:.3g}, gives nan: its input was read by "
+                f"{fx['neg_of']} from a table that holds a negative value there (alpha_bar[t] of a noise schedule "
+                "whose alphas_cumprod went below 0: betas above 1, a cosine schedule's betas not clipped to 0.999, "
+                "or its t running past T). Fix the table where it is built (betas.clamp(0, 0.999), alpha_bar "
+                "within (0, 1]), not the sqrt.")
     if "negative" in fx:
         return (f"{_cap(_op_key(op))} of a negative number, {fx['negative']:.3g}, gives nan. A variance computed as "
                 "E[x^2] - E[x]^2 (a LayerNorm or RMSNorm written by hand) comes out slightly below 0 by cancellation "
