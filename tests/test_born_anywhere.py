@@ -1009,6 +1009,52 @@ def test_a_nan_fed_to_a_no_grad_training_pass_is_found_at_the_model_not_in_batch
     assert (f.phase, f.module, f.step, f.cause, f.index) == ("forward", "0", 1, "input", (3, 0)), f
 
 
+def _hand_bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # @hand-bce
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("loss", ["BCELoss", "by hand"])
+def test_a_gan_discriminator_saturated_to_0_or_1_is_no_finding_under_bce_loss_and_log_of_0_by_hand(
+        mode: str, loss: str) -> None:
+    """A GAN whose over-confident discriminator's Sigmoid rounds to exactly 0 and 1: nn.BCELoss clamps its
+    log at -100 (no finding), a hand-written BCE takes log(0) in the discriminator's step. The hint told of
+    a softmax or sigmoid and F.logsigmoid, no word of the usual fix: BCE on the logits."""
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    d = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+    with torch.no_grad():
+        d[2].weight.mul_(500.0)
+    og, od = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    bce = nn.BCELoss() if loss == "BCELoss" else _hand_bce
+    with nanhunt.watch(g, og, mode=mode, on_find="record") as hg, nanhunt.watch(d, od, mode=mode) as hd:
+        for _ in range(2):
+            fake = g(torch.randn(6, 4))
+            pr, pf = d(torch.randn(6, 8) * 3), d(fake.detach())
+            assert bool(((pr == 0) | (pr == 1) | (pf == 0) | (pf == 1)).any())  # saturated
+            ld = bce(pr, torch.ones_like(pr)) + bce(pf, torch.zeros_like(pf))
+            od.zero_grad()
+            ld.backward()
+            before = [p.detach().clone() for p in d.parameters()]
+            try:
+                od.step()
+            except nanhunt.NonFiniteError:
+                assert all(torch.equal(a, b) for a, b in zip(before, d.parameters()))  # not applied
+                break
+            pg = d(fake)
+            og.zero_grad()
+            bce(pg, torch.ones_like(pg)).backward()
+            og.step()
+    if loss == "BCELoss":
+        assert hd.first is None and hg.first is None, (hd.first, hg.first)
+        return
+    f = hd.first
+    assert f is not None and (f.phase, f.module, f.op, f.step, f.cause) == (
+        "forward", "<outside>", "aten.log.default", 0, "created"), f
+    assert same_source(f.source, line("hand-bce")) and f.value == -math.inf, f
+    assert "binary_cross_entropy_with_logits" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_gradient_penalty_whose_norm_is_zero_is_found_at_its_sqrt(mode: str) -> None:
     """WGAN-GP with a hand-written norm: an interpolate where every ReLU of the critic is dead has

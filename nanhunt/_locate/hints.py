@@ -648,7 +648,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "
                 "softplus: Normal(loc, scale).log_prob takes log(scale)). Keep it positive (clamp_min(eps); "
-                "F.softplus(x) + eps for a scale) or compute it in log space (F.log_softmax, F.logsigmoid).")
+                "F.softplus(x) + eps for a scale) or compute it in log space (F.log_softmax, F.logsigmoid; a binary "
+                "cross-entropy y * log(p) + (1 - y) * log(1 - p) of a sigmoid's output: drop the sigmoid and take "
+                "F.binary_cross_entropy_with_logits of the logits).")
     if "log_negative" in fx:
         return (f"Log of a negative number, {fx['log_negative']:.3g}, gives nan: {op}'s input went below 0 (a box's "
                 "width or height, a scale or a ratio predicted without a constraint, a difference that crossed 0). "
