@@ -552,6 +552,35 @@ def test_a_nan_the_parent_made_of_its_own_buffer_is_the_parents_not_the_child_it
     assert "'sqrt_ab' of `_QSample`" in f.hint and "optimizer step" not in f.hint, f.hint
 
 
+class _MaskedThenLog(nn.Module):
+    """A causal -inf mask buffer (intended) beside the parent's own log of a dead ReLU's 0, fed to a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.triu(torch.full((4, 4), float("-inf")), 1))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        att = torch.softmax(h[:, None, :] + self.mask, -1).sum(1)
+        return self.b(torch.log(h) + att)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_parents_intended_minus_inf_mask_does_not_make_its_own_log_of_0_a_poisoned_buffer(mode: str) -> None:
+    # the parent's buffer holds -inf by design (a mask, as the watch began): its own log(0) that fed b is
+    # born there from finite values; it was told as cause "parameter" with the mask named
+    torch.manual_seed(0)
+    model = _MaskedThenLog()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause, f.op) == ("forward", "", "created", "aten.log.default"), f
+    assert "'mask'" not in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- names
 def test_submodule_called_directly_is_named_relative_to_the_watched_model() -> None:
     m = zoo.gpt2(dropout=0.0)

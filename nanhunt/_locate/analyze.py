@@ -691,6 +691,13 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
     def fed(c: ReplayCall) -> bool:
         return any(c.in_fed) if nan else any(c.in_bad)
 
+    def fed_by_params(c: ReplayCall) -> bool:
+        """Does a weight or buffer of ``c``'s module hold NaN or +inf as the call began (a -inf alone is
+        an intended mask's, as for `ReplayCall.in_fed`)?"""
+        before = c.before
+        held = [before[id(t)] if id(t) in before else t for n, t in own_tensors(c.module) if n in c.params_bad]
+        return any(bool(torch.isnan(v).any() or (v == float("inf")).any()) for v in (values(h) for h in held if h is not None))
+
     if rc.params_bad:
         return "parameter", rc, path
     if not fed(rc):
@@ -700,7 +707,7 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
         pc = r.calls[p]
         if not fed(pc):
             bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
-            if pc.params_bad and bad_out:  # its own code made it of its own weight or buffer (a schedule's
+            if bad_out and fed_by_params(pc):  # its own code made it of its own weight or buffer (a schedule's
                 return "parameter", pc, bad_out[0][0]  # table holding nan): that module, not the child fed it
             if bad_out:  # the enclosing module's own code made it; report its output
                 return "created", pc, bad_out[0][0]
