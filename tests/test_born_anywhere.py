@@ -2071,3 +2071,39 @@ def test_an_inf_atan_hides_in_forward_is_found_where_its_gradient_is_nan(mode: s
     f = run_steps(model(), loss_fn, mode=mode)
     assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "DivBackward0", "created"), f
     assert same_source(f.source, line("ciou-atan")), f
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_infonce_written_with_exp_at_a_tiny_temperature_is_told_as_the_temperature_not_as_exploding_weights(mode: str) -> None:
+    """SimCLR's InfoNCE by hand, exp(sim / T) / exp(sim / T).sum(1) of normalised embeddings at T =
+    0.001: a cosine of 1 is 1000, past exp's 88.72. The hint said to clamp what goes into exp (a
+    VAE's logvar) or to look for exploding weights, which a cosine cannot have; the fix is the
+    loss's form, F.cross_entropy(sim / T) or logsumexp, which is healthy at the same T."""
+    model = zoo.mlp(d_out=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+
+    def loss_of(how: str) -> torch.Tensor:
+        x = torch.randn(8, 4, generator=g)
+        z1 = F.normalize(model(x), dim=-1)
+        z2 = F.normalize(model(x + 0.01 * torch.randn(8, 4, generator=g)), dim=-1)
+        sim = z1 @ z2.t() / 0.001
+        if how == "cross_entropy":
+            return F.cross_entropy(sim, torch.arange(8))
+        e = torch.exp(sim)  # @infonce-exp
+        return -torch.log(e.diag() / e.sum(1)).mean()
+
+    with nanhunt.watch(model, opt, mode=mode) as hunt:  # the same loss at the same T, stable: no finding
+        for _ in range(2):
+            loss_of("cross_entropy").backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.first is None, hunt.first
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        loss_of("exp").backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("forward", "<outside>", "aten.exp.default", "created"), f
+    assert same_source(f.source, line("infonce-exp")) and f.value == math.inf, f
+    assert "small temperature" in f.hint and "F.cross_entropy(sim / T" in f.hint, f.hint
+    assert "exploding weights" not in f.hint and "logvar" not in f.hint, f.hint

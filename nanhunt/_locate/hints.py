@@ -212,9 +212,14 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             if neg_of is not None:
                 out["neg_of"] = neg_of
         if _op_key(first.op).split(".")[0] == "exp":  # the op that made exp's argument: a difference is a ratio's log
-            exp_of, _ = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
+            exp_of, arg = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
             if exp_of is not None:
                 out["exp_of"] = exp_of.split(".")[0]
+                made = rec.recs[arg.prod[0]]  # (a Python number is no recorded input: one input left)
+                sim, _ = _maker(rec, next((i for i in made.ins if i.shape), None))
+                if (out["exp_of"] in ("div", "mul") and sim in ("mm", "bmm")  # (z1 @ z2.T: no Linear's addmm, a VAE's logvar)
+                        and (len(made.ins) == 1 or any(i.shape == () for i in made.ins))):
+                    out["exp_scaled"] = True  # exp(sim / T): a similarity at a temperature (InfoNCE by hand)
         for ri in path:
             r = rec.recs[ri]
             name = r.op.split(".")[1] if r.op.startswith("aten.") else r.op
@@ -524,8 +529,16 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                             "exp(logp - old_logp), an importance weight), and a policy that moved far from the one "
                             "that collected the data (a large update, a stale old_logp) overflows it; clamp the "
                             "difference before exp ((logp - old_logp).clamp(max=20)), or take smaller updates per batch")
-                remedy = (f"its input, {arg:.4g}, is past {math.log(fx['limit']):.4g}, where exp passes "
-                          f"{fx['dtype']}'s largest value: {what}; or " + remedy)
+                if fx.get("exp_scaled"):  # (a bounded similarity times 1/T: no weight grew, the loss's form is wrong)
+                    remedy = (f"its input, {arg:.4g}, is past {math.log(fx['limit']):.4g}, where exp passes "
+                              f"{fx['dtype']}'s largest value: a similarity divided by a small temperature (or times a "
+                              "large scale) before exp, as in an InfoNCE or SimCLR loss written by hand, "
+                              "exp(sim / T) / exp(sim / T).sum(1): at T = 0.001 a cosine of 1 is 1000. Compute the loss "
+                              "from the logits sim / T with F.cross_entropy(sim / T, targets) or torch.logsumexp, which "
+                              "subtract each row's max, never exp(sim / T) itself")
+                else:
+                    remedy = (f"its input, {arg:.4g}, is past {math.log(fx['limit']):.4g}, where exp passes "
+                              f"{fx['dtype']}'s largest value: {what}; or " + remedy)
             if f.module_type in ("RNN", "RNNCell") and f.phase == "forward":  # (its hidden state, times weight_hh at every step)
                 remedy = ("the hidden state of this recurrent layer is multiplied by its recurrent weights at every "
                           "time step: with recurrent weights whose largest eigenvalue is past 1 (a large init, "
