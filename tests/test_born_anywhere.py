@@ -2107,3 +2107,25 @@ def test_an_infonce_written_with_exp_at_a_tiny_temperature_is_told_as_the_temper
     assert same_source(f.source, line("infonce-exp")) and f.value == math.inf, f
     assert "small temperature" in f.hint and "F.cross_entropy(sim / T" in f.hint, f.hint
     assert "exploding weights" not in f.hint and "logvar" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_simclr_loss_with_one_row_masked_entirely_names_that_row_not_every_masked_diagonal(mode: str) -> None:
+    """SimCLR's NT-Xent: the similarity's diagonal filled with -inf (an anchor is not its own
+    negative), and one anchor's row masked entirely (a bad mask of positives): its log_softmax row
+    is nan, and cross_entropy's mean is nan. The hint's row sentence named every row (each held its
+    diagonal's -inf, an intended mask), not row 3, the one to look at."""
+    model = zoo.mlp(d_out=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        z = F.normalize(model(torch.cat([x, x + 0.01])), dim=-1)
+        mask = torch.eye(16, dtype=torch.bool)
+        mask[3] = True
+        sim = (z @ z.t() / 0.1).masked_fill(mask, float("-inf"))  # @simclr-mask
+        F.cross_entropy(sim, torch.cat([torch.arange(8, 16), torch.arange(8)])).backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.cause) == ("forward", "<outside>", "created") and math.isnan(f.value), f
+    assert same_source(f.source, line("simclr-mask")) and "fully masked row" in f.hint, f
+    assert "non-finite at row 3 " in f.hint, f.hint

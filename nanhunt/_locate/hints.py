@@ -262,7 +262,12 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             if inp is not None and oshape and oshape[0] == inp.shape[0]:
                 break  # it reduced within each row (sum(-1)): every row kept its own value, none was summed away
             if inp is not None and inp.code is not None:
-                rows = inp.code.reshape(inp.shape[0], -1).ne(0).any(1).nonzero().flatten().tolist()
+                flat = inp.code.reshape(inp.shape[0], -1)
+                bad = flat.ne(0).any(1)
+                worse = (flat.eq(1) | flat.eq(2)).any(1)  # (a row whose only non-finite values are -inf holds a mask:
+                if bool(worse.any()):  # a contrastive loss's masked diagonal, beside the one row masked entirely)
+                    bad = worse
+                rows = bad.nonzero().flatten().tolist()
                 if rows:
                     out.update(reduction=last.op, rows=rows[:8], nrows=inp.shape[0], nbad=len(rows))
                 break
