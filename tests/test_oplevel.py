@@ -716,6 +716,31 @@ def test_acosh_has_a_hint_of_its_own() -> None:
     assert f.op == "aten.acosh.default" and f.hint.startswith("Acosh below 1 gives nan"), f
 
 
+class _AngularHead(nn.Module):
+    """ArcFace's angle, unclamped: acos of the cosine between a normalised embedding and its class centre."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(3, 8, generator=torch.Generator().manual_seed(9)))
+
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        return torch.acos(F.normalize(e, dim=-1) @ F.normalize(self.W, dim=-1).t())
+
+
+def test_acos_of_a_cosine_rounded_past_1_names_the_clamp_short_of_1() -> None:
+    # an embedding on its class centre (W's row times 2): its cosine, through two normalisations,
+    # is 1.0000001, and acos of it is nan. The hint was "acos outside [-1, 1] gives nan", with no
+    # remedy; the usual one, clamp(-1, 1), would trade it for acos's infinite gradient at 1
+    head = _AngularHead()
+    e = torch.cat([head.W.detach()[:1] * 2, torch.randn(5, 8, generator=torch.Generator().manual_seed(1))])
+    cos = F.normalize(e, dim=-1) @ F.normalize(head.W.detach(), dim=-1).t()
+    assert float(cos.abs().max()) > 1.0, cos  # (the rounding this scenario is about)
+    model = nn.Sequential(nn.Identity(), head)
+    f = train_step(model, e)
+    assert (f.phase, f.module, f.op, f.cause) == ("forward", "1", "aten.acos.default", "created"), f
+    assert "1 - eps" in f.hint and "not to [-1, 1]" in f.hint and "ArcFace" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("norm", [nn.LayerNorm(4, eps=0.0), nn.GroupNorm(2, 4, eps=0.0)])
 def test_a_norm_with_eps_0_over_a_constant_row_has_a_hint_of_its_own(norm: nn.Module) -> None:
     # a zero input row: its variance is 0 and eps=0, so the norm divides 0 by 0. The hint was the

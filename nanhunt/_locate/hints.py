@@ -61,8 +61,12 @@ _OPS = {
     "linalg_vector_norm": "a norm of large values overflows: its sum of squares passes the dtype's largest value",
     "sub": "inf - inf gives nan",
     "add": "inf + -inf gives nan, and a sum can overflow",
-    "acos": "acos outside [-1, 1] gives nan",
-    "asin": "asin outside [-1, 1] gives nan",
+    "acos": ("acos outside [-1, 1] gives nan: most often a cosine of normalised vectors (an ArcFace or CosFace head's "
+             "F.normalize(x) @ F.normalize(W).T) that comes out a rounding past ±1 (1.0000001); clamp it to "
+             "[-1 + eps, 1 - eps] (eps = 1e-7 in float32), not to [-1, 1], whose ±1 still has an infinite gradient"),
+    "asin": ("asin outside [-1, 1] gives nan: most often a cosine or sine of normalised vectors that comes out a rounding past ±1; "
+             "clamp it to [-1 + eps, 1 - eps] (eps = 1e-7 in float32), not to [-1, 1], whose ±1 still has an "
+             "infinite gradient"),
     "atanh": "atanh at ±1 gives ±inf",
     "native_layer_norm": "a normalisation with eps=0 over a constant row: its variance is 0, so (x - mean) / sqrt(0) "
                          "is 0/0 = nan (use a positive eps, the default 1e-5); or values so large (near the dtype's "
