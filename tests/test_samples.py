@@ -232,3 +232,23 @@ def test_every_row_of_a_nan_born_in_the_backward_is_named(mode: str) -> None:
     back = {f.step: f.samples for f in hunt.findings if f.phase == "backward"}
     assert back == {0: (1, 2, 3), 2: (9,)}, hunt.findings
     assert hunt.report.bad_samples == sorted(same)
+
+
+@pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
+def test_an_inference_loop_names_the_batch_that_holds_the_nan_not_the_one_before(grad_off: str) -> None:
+    """watch(model, loader=...) with no optimizer over a validation set whose record 13 holds a NaN.
+    Between two forwards no step() turns the outside recorder off: the DataLoader's collate
+    (torch.stack of the next batch) was recorded as loss code of the step before, an '<outside>'
+    finding at step 0 naming row 5 of the clean first batch, and bad_samples held 5."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 6, generator=g)
+    x[13, 2] = float("nan")
+    loader = DataLoader(torch.utils.data.TensorDataset(x), batch_size=8)
+    model = zoo.bnmlp().eval()
+    with nanhunt.watch(model, on_find="record", loader=loader) as hunt:
+        for (xb,) in loader:
+            with getattr(torch, grad_off)():
+                model(xb).softmax(-1)
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.cause, f.step, f.samples) == ("forward", "fc1", "input", 1, (13,)), f
+    assert hunt.report.bad_samples == [13]

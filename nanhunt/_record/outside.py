@@ -69,6 +69,7 @@ _OP_TYPES = frozenset(type(f) for f in _UNRECORDED)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _NANHUNT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIR = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_LOADER_DIR = os.path.join(_TORCH_DIR, "utils", "data") + os.sep
 _lib: dict[str, bool] = {}
 
 
@@ -165,6 +166,29 @@ def _user_frame(depth: int) -> Any:
     while f is not None:
         if not is_lib(f.f_code.co_filename):
             return f
+        f = f.f_back
+    return None
+
+
+_loader: dict[str, bool] = {}
+
+
+def _caller(depth: int) -> Any:
+    """`_user_frame`'s frame, or False when a ``DataLoader``'s own code (its fetch and collate: the
+    ``torch.stack`` of the next batch) lies on the way to it: the data pipeline is not the user's
+    outside code. Run between two root calls when no ``step()`` ends them (a validation or
+    inference loop), it was recorded into the step before it: a NaN of the next batch was that
+    step's, with its rows. The batch is judged where it enters the model, as its input."""
+    f: Any = sys._getframe(depth)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not is_lib(name):
+            return f
+        k = _loader.get(name)
+        if k is None:
+            k = _loader[name] = os.path.abspath(name).startswith(_LOADER_DIR)
+        if k:
+            return False
         f = f.f_back
     return None
 
@@ -550,7 +574,9 @@ class Outside(TorchFunctionMode):
         recs = [m for m in _SWITCH.active if not m.busy()]
         if not recs:
             return func(*args, **kwargs)
-        frame = _user_frame(1)
+        frame = _caller(1)
+        if frame is False:
+            return func(*args, **kwargs)
         call = _from_user_line(frame) if frame is not None else _plain_call
         if func in _BACKWARD:
             src, _ = user_line()
