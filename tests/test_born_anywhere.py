@@ -2129,3 +2129,23 @@ def test_a_simclr_loss_with_one_row_masked_entirely_names_that_row_not_every_mas
     assert (f.phase, f.module, f.cause) == ("forward", "<outside>", "created") and math.isnan(f.value), f
     assert same_source(f.source, line("simclr-mask")) and "fully masked row" in f.hint, f
     assert "non-finite at row 3 " in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_perplexity_that_overflows_in_the_loop_names_the_metric_not_a_learned_temperature(mode: str) -> None:
+    """perplexity = exp(loss) in the loop's code, of a large loss: the hint told to clamp a learned
+    temperature or logit scale as CLIP does, which this run has none of."""
+    model = zoo.mlp(d_out=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        logits = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(0))) * 1e3
+        loss = F.cross_entropy(logits, logits.argmin(-1))  # every target the least likely class: a large loss
+        with torch.no_grad():
+            ppl = torch.exp(loss)  # @perplexity
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    f = hunt.first
+    assert not torch.isfinite(ppl) and f is not None, "test set-up: the perplexity overflows"
+    assert (f.module, f.op, f.source, f.value) == ("<outside>", "aten.exp.default", line("perplexity"), math.inf), f
+    assert f.hint is not None and "perplexity" in f.hint and "CLIP" not in f.hint, f.hint

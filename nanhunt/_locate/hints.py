@@ -392,6 +392,7 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
     flat = int(nz[0, 0])
     if name in ("exp", "exp_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 1:
         out["exp_scalar"] = True  # exp of one number: a learned temperature or logit scale (CLIP's logit_scale.exp())
+        out["exp_param"] = isinstance(args[0], torch.nn.Parameter)  # (else a value: perplexity = exp(loss))
     if r.pointwise and len(args) >= 2:  # a 0-dim operand of a wider dtype is cast to the other's: 65758.9 * x in float16
         wide = [t for t in args[:2] if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
         narrow = [t.dtype for t in args[:2] if isinstance(t, torch.Tensor) and t.dim() and t.is_floating_point()]
@@ -568,6 +569,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = (f"the exponent of a learned temperature or logit scale grew past {math.log(fx['limit']):.4g}: clamp "
                       "it as CLIP does, logit_scale.data.clamp_(0, math.log(100)) after each step (or "
                       "logit_scale.exp().clamp(max=100))")
+            if f.module == "<outside>" and not fx.get("exp_param"):  # (metric code: a perplexity of a loss)
+                remedy = (f"the exp of one number past {math.log(fx['limit']):.4g} in the loop's code, as a perplexity "
+                          "exp(loss) of a large loss (an early or diverged step) is: compute the metric from the "
+                          "number (math.exp(min(loss.item(), 20))) or clamp the loss first (loss.detach().clamp(max=20).exp()), and log the loss itself")
         if fx.get("exp_ratio") and fx["reached"] > 0:  # (a division after it made inf / inf: no max subtracted)
             remedy = ("a softmax written by hand, exp(x) / exp(x).sum(-1), makes inf / inf = nan of it: use "
                       "torch.softmax(x, -1) (F.log_softmax for its log), which subtracts each row's max first, "
