@@ -872,12 +872,16 @@ def test_loss_code_fed_a_nan_nothing_watched_made_is_reported_as_fed(mode: str, 
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-@pytest.mark.parametrize("micro", [1, 3])
-def test_a_nan_target_taken_apart_by_indexing_is_fed_also_in_a_later_micro_batch(mode: str, micro: int) -> None:
+@pytest.mark.parametrize("micro", [1, 3, "view"])
+def test_a_nan_target_taken_apart_by_indexing_is_fed_also_in_a_later_micro_batch(mode: str, micro: Any) -> None:
     """The batch's targets are indexed per micro-batch (``Y[k]``: a view the loss code made from
     the data) and the NaN sits in the last micro-batch, after the step's earlier backward()
     calls. Still fed from the data: cause 'input' at the loss line (it was 'created', at the
-    loss or at MseLossBackward0)."""
+    loss or at MseLossBackward0). "view": one micro-batch, its target then reshaped to the shape
+    it has (``y.view(-1, 1)`` of an (n, 1) target: an alias that the records cannot tell from its
+    input); it was a backward finding, 'created' in PowBackward0, with a hint about x ** p at 0."""
+    view = micro == "view"
+    micro = 1 if view else micro
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -887,13 +891,16 @@ def test_a_nan_target_taken_apart_by_indexing_is_fed_also_in_a_later_micro_batch
     with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
         for xs, ys in data:
             for k in range(micro):
-                loss = F.mse_loss(m(xs[k]), ys[k]) / micro  # @fed-indexed
+                if view:
+                    loss = ((m(xs[k]) - ys[k].view(-1, 1)) ** 2).mean()  # @fed-view
+                else:
+                    loss = F.mse_loss(m(xs[k]), ys[k]) / micro  # @fed-indexed
                 loss.backward()
             opt.step()
             opt.zero_grad()
     f = err.value.finding
     assert (f.phase, f.module, f.step, f.cause, f.call) == ("forward", "<outside>", 1, "input", micro - 1), f
-    assert same_source(f.source, line("fed-indexed")) and "holds nan at index (5, 0)" in f.hint, f
+    assert same_source(f.source, line("fed-view" if view else "fed-indexed")) and "holds nan at index (5, 0)" in f.hint, f
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])

@@ -600,6 +600,9 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
     if x.grad_fn is not None or id(x) in grads or any(r() is x for r in log.grads_out):
         return False
     got = producer(log.outside, x)
+    while got is not None and any(isinstance(a, torch.Tensor) and a is not x and same(a, x)
+                                  for a in tree_leaves((log.outside[got[0]].args, log.outside[got[0]].kwargs))):
+        got = producer(log.outside[:got[0]], x)  # an alias of its own input (y.view(-1, 1) of an (n, 1) y): x is that input
     if got is not None:  # made by this code from what it was fed: foreign if all of that was
         if depth >= 8:
             return False
