@@ -903,6 +903,68 @@ def test_a_nan_target_taken_apart_by_indexing_is_fed_also_in_a_later_micro_batch
     assert same_source(f.source, line("fed-view" if view else "fed-indexed")) and "holds nan at index (5, 0)" in f.hint, f
 
 
+class _LogTargets(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A regression set whose targets are log-transformed in __getitem__; one target is 0."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randn(16, 8, generator=g)
+        self.y = torch.rand(16, generator=g).mul(5).add(0.5)
+        self.y[13] = 0.0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], torch.log(self.y[i:i + 1])  # log(0) = -inf for sample 13
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("loss", ["mse_loss", "by hand"])
+def test_a_minus_inf_target_from_the_datas_log_of_0_is_fed_not_a_mask(mode: str, loss: str) -> None:
+    """A log-transformed target with a 0 gives -inf in the data; the loss makes +inf of it. A -inf
+    among other finite values than 0 is no additive mask: fed from the data, cause 'input' at the
+    loss line, the argument's element and log of 0 in the hint. (It was 'created' at mse_loss, with
+    a hint about a -inf mask: use torch.finfo(dtype).min instead of -inf.)"""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(_LogTargets(), batch_size=8)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for x, y in loader:
+            pred = m(x)
+            if loss == "mse_loss":
+                l_ = F.mse_loss(pred, y)  # @fed-log-target
+            else:
+                l_ = ((pred - y.view(-1, 1)) ** 2).mean()  # @fed-log-target-by-hand
+            l_.backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.value) == ("forward", "<outside>", 1, "input", math.inf), f
+    assert same_source(f.source, line("fed-log-target" if loss == "mse_loss" else "fed-log-target-by-hand")), f
+    assert "holds -inf at index (5, 0)" in f.hint and "log of 0" in f.hint and "mask" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_bias_with_a_minus_inf_slot_made_before_the_loop_is_no_finding(mode: str) -> None:
+    """The loss code adds a bias built once before the loop, -inf at a class never to predict, among
+    other finite values than 0: the sum carries the -inf on, the cross entropy is finite. Not the
+    data's log of 0 (that is a -inf turned into +inf or NaN), and no finding."""
+    torch.manual_seed(0)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    bias = torch.tensor([0.3, -0.2, 0.5])
+    bias[2] = float("-inf")
+    with nanhunt.watch(m, opt, mode=mode) as hunt:
+        for _ in range(2):
+            loss = F.cross_entropy(m(torch.randn(6, 4)) + bias, torch.tensor([0, 1, 0, 1, 1, 0]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.first is None, hunt.first
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_the_models_own_minus_inf_turned_into_nan_by_loss_code_is_the_models(mode: str) -> None:
     """A model returns log(1 - sigmoid(z)), -inf where the sigmoid saturates; the loss code's

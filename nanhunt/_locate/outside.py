@@ -468,6 +468,11 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     if bad_in:
         fed = [x for x in bad_in if _feeds(x)]
         if not fed:
+            data = next((x for x in bad_in if not _mask_like(x) and _foreign(log, x, grads, minus=True)), None)
+            if data is not None and _feeds(t):
+                # a -inf among values other than 0, from nothing this step made: the data's log of 0
+                # (a log-transformed target with a 0), no mask; fed, as a NaN in the batch is
+                return _fed_finding(log, step, rec_i, out_i, t, data)
             # only -inf went in, a mask's value by design: born here if this op turned it into a
             # NaN (softmax of a fully masked row) or reduced a row to nothing but it (logsumexp,
             # max over a fully masked row), else it only carries the mask on
@@ -591,12 +596,24 @@ def _feeds(x: torch.Tensor) -> bool:
     return bool(torch.isnan(x).any()) or bool((x == float("inf")).any())
 
 
-def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 0) -> bool:
+def _mask_like(x: torch.Tensor) -> bool:
+    """Its finite values are all 0 (an additive mask of 0 and -inf), or it has none."""
+    x = values(x)
+    return bool(x[torch.isfinite(x)].eq(0).all())
+
+
+def _aliases(a: torch.Tensor, x: torch.Tensor) -> bool:
+    """``x`` is a view of ``a`` (the same storage)."""
+    return a.layout == x.layout == torch.strided and a.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+
+
+def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 0, minus: bool = False) -> bool:
     """``x`` came from nothing this step made: the data, an unwatched module's weights, a tensor
     kept from an earlier step; also through code here that only took it apart (``Y[k]``, a
     ``.view``). Not an output of a watched or ignored module, not anything autograd tracks (the
     model's own outputs in sentinel mode, unprobed), not a gradient (``grads``: ids of ``.grad``
-    tensors; what ``torch.autograd.grad`` returned)."""
+    tensors; what ``torch.autograd.grad`` returned). ``minus``: a -inf followed too, not only a
+    NaN or +inf, where the code only took it apart (a view of it; a sum with a bias is made here)."""
     if x.grad_fn is not None or id(x) in grads or any(r() is x for r in log.grads_out):
         return False
     got = producer(log.outside, x)
@@ -608,7 +625,8 @@ def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 
             return False
         r = log.outside[got[0]]
         ins = [a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
-        return bool(ins) and all(_feeds(a) and _foreign(log, a, grads, depth + 1) for a in ins)
+        return bool(ins) and all((_feeds(a) or (minus and _aliases(a, x))) and _foreign(log, a, grads, depth + 1, minus)
+                                 for a in ins)
     key = (id(x), -1 if x.is_inference() else x._version)
     ref = log.probed.get(key)
     if log.is_ignored(x) or (ref is not None and ref() is x):
@@ -722,7 +740,9 @@ def _fed_finding(log: StepLog, step: int, rec_i: int, out_i: int, t: torch.Tenso
              f"{arg} (shape {tuple(x.shape)}) holds {bad} at index {where}. It came from outside the watched model: "
              "the data (a NaN in the batch or its targets), an unwatched module's weights (an EMA or teacher "
              "model updated after step()), or a tensor kept from an earlier step. Check the data, or watch that "
-             "module too, to see where it was born.",
+             "module too, to see where it was born." + (
+                 " A -inf in the data is most often log of 0: a log-transformed target or feature that holds a 0 "
+                 "(take log1p, or clamp_min(eps) before the log, where the data is made)." if bad == float("-inf") else ""),
     )
 
 
