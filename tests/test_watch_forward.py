@@ -701,7 +701,10 @@ def test_a_nan_the_loop_made_before_the_forward_is_told_as_the_models_named_inpu
             opt.zero_grad()
     f = ei.value.finding
     assert (f.phase, f.step, f.cause) == ("forward", 2, "input"), f
-    want = "input[0]" if how == "std" else "mask"
+    # which element, and for a table the column (a constant feature standardised by a std of 0):
+    # the hint said only "input[0]", leaving the user to search a (4, 5, 8) batch for the NaN
+    want = ("input[0] holding nan at [0, 0, 1], only in column 1 of its last dimension" if how == "std"
+            else "mask holding nan at [0, 0]")
     assert f"The model was given a non-finite input ({want})" in f.hint, f.hint
     assert "made before the model" in f.hint
 

@@ -47,6 +47,7 @@ from .._tensors import (
     values,
     version,
 )
+from .._words import fmt
 from . import bundle as _bundle
 from . import debug as _debug
 from . import differential as _differential
@@ -573,9 +574,25 @@ def _top_inputs_fed(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, str] | 
     out = dict(rc.outputs).get(path)
     nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
     fed = top.in_fed if nan else top.in_bad
-    names = [format_path(p[1], p[2:]) if len(p) > 1 and p[0] == 1 and isinstance(p[1], str)
-             else format_path("input", p[1:]) for (p, _), b in zip(top.inputs, fed) if b]
-    return (top.name, ", ".join(names)) if names else None
+    names = [(format_path(p[1], p[2:]) if len(p) > 1 and p[0] == 1 and isinstance(p[1], str)
+              else format_path("input", p[1:])) + _where_bad(t) for (p, t), b in zip(top.inputs, fed) if b]
+    return (top.name, "; ".join(names)) if names else None
+
+
+def _where_bad(t: torch.Tensor) -> str:
+    """`` holding nan at [0, 3], only in column 3 of its last dimension``: the first non-finite
+    element of a tensor the model was fed and, for a table, the few columns that hold them (a
+    feature standardised by a std of 0)."""
+    index, value, _ = element(t)
+    if index is None or value is None:
+        return ""
+    got = f" holding {fmt(value)} at [{', '.join(map(str, index))}]"
+    if t.dim() >= 2 and not t.is_nested and t.layout == torch.strided and t.shape[-1] > 1:
+        with torch.no_grad():
+            cols = (~torch.isfinite(t.detach())).reshape(-1, t.shape[-1]).any(0).nonzero().flatten().tolist()
+        if 0 < len(cols) <= 3 and len(cols) < t.shape[-1]:
+            got += f", only in column{'s' if len(cols) > 1 else ''} {', '.join(map(str, cols))} of its last dimension"
+    return got
 
 
 def _returned(ctx: _Ctx) -> dict[int, torch.Tensor]:
