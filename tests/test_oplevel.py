@@ -927,6 +927,36 @@ def test_a_softmax_written_by_hand_without_its_max_subtracted_is_told_as_such(dt
     assert "softmax written by hand" in f.hint and "x.amax(-1, keepdim=True)" in f.hint, f.hint
 
 
+
+class _HandSigmoid(nn.Module):
+    """A gate exp(x) / (1 + exp(x)) by hand, or a softmax whose denominator has an eps added."""
+
+    def __init__(self, eps: bool) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = torch.exp(x)
+        return e / (e.sum(-1, keepdim=True) + 1e-6) if self.eps else e / (1 + e)
+
+
+@pytest.mark.parametrize("eps", [False, True])
+def test_a_sigmoid_written_by_hand_is_not_told_to_be_a_softmax(eps: bool) -> None:
+    # exp(x) / (1 + exp(x)) (also a custom Function's backward of logsigmoid, e / (1 + e)) overflows
+    # to inf / inf = nan: the hint told of a softmax by hand and torch.softmax; a softmax whose sum
+    # has an eps added (its denominator also made by an add) is still a softmax
+    x = torch.tensor([[1.0, 2.0, 95.0, 3.0]])
+    model = nn.Sequential(nn.Linear(4, 4), _HandSigmoid(eps))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    f = train_step(model, x)
+    assert (f.module, f.op) == ("1", "aten.exp.default") and math.isnan(f.value), f
+    if eps:
+        assert "softmax written by hand" in f.hint and "sigmoid" not in f.hint, f.hint
+    else:
+        assert "sigmoid written by hand" in f.hint and "torch.sigmoid(x)" in f.hint and "softmax" not in f.hint, f.hint
+
 class _BiasedVar(nn.Module):
     def __init__(self, correction: int) -> None:
         super().__init__()

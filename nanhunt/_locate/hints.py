@@ -246,10 +246,14 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["masked_row"] = True
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
-        if _op_key(first.op).split(".")[0] == "exp" and any(
-                _op_key(r.op).split(".")[0] == "div" and len(r.ins) == 2 and r.ins[1].code is not None
-                and bool(r.ins[1].code.ne(0).any()) for r in (rec.recs[ri] for ri in path[1:])):
-            out["exp_ratio"] = True  # exp(x) / exp(x).sum(): a softmax by hand, inf / inf
+        if _op_key(first.op).split(".")[0] == "exp":
+            div = next((r for r in (rec.recs[ri] for ri in path[1:]) if _op_key(r.op).split(".")[0] == "div"
+                        and len(r.ins) == 2 and r.ins[1].code is not None and bool(r.ins[1].code.ne(0).any())), None)
+            if div is not None:  # exp(x) / exp(x).sum(): a softmax by hand, inf / inf
+                den, made = _maker(rec, div.ins[1])
+                out["exp_ratio"] = True
+                if den == "add" and any(_maker(rec, i)[0] == "exp" for i in rec.recs[made.prod[0]].ins):
+                    out["exp_ratio"] = "sigmoid"  # exp(x) / (1 + exp(x)): a sigmoid (or its derivative) by hand
         code0 = first.outs[0][1] if first.outs else None
         if (len(path) > 1 and (mask_write(first.op) or out.get("log_mask")) and code0 is not None
                 and bool((code0[code0 != 0] == 3).all())):
@@ -577,6 +581,10 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = ("a softmax written by hand, exp(x) / exp(x).sum(-1), makes inf / inf = nan of it: use "
                       "torch.softmax(x, -1) (F.log_softmax for its log), which subtracts each row's max first, "
                       "or subtract it yourself, exp(x - x.amax(-1, keepdim=True))")
+        if fx.get("exp_ratio") == "sigmoid" and fx["reached"] > 0:  # (1 + exp(x) in the denominator: no sum)
+            remedy = ("a sigmoid written by hand, exp(x) / (1 + exp(x)) (or a hand-written backward's "
+                      "e / (1 + e) with e = exp(-x)), makes inf / inf = nan of it: use torch.sigmoid(x) "
+                      "(F.logsigmoid for its log), or the form that cannot overflow, 1 / (1 + exp(-x))")
         wide = "" if fx["dtype"] in ("float32", "float64") else " (computed wider in the failing run, then rounded)"
         if fx.get("min_mask"):
             return (f"Overflow: {op} added a mask of {fx['dtype']}'s lowest value ({-fx['limit']:g}, "
