@@ -216,6 +216,36 @@ def test_a_nan_made_by_a_users_forward_hook_is_found_at_its_op_and_line(mode: st
         handle.remove()
 
 
+def _standardize(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+    x = args[0]
+    return ((x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True),)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_by_a_users_forward_pre_hook_is_the_hooked_modules(mode: str) -> None:
+    """A forward pre-hook that standardises a layer's input, (x - mean) / std: a LayerNorm whose
+    weight went to 0 makes every feature equal, std 0, 0/0. The replay judged the layer's inputs
+    as its pre-hook passed them on (non-finite: "fed in") and blamed the enclosing encoder layer;
+    the NaN was born in the hooked layer's call, from the finite inputs it was called with."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(4, 8), layer, nn.Linear(8, 2))
+    handle = layer.linear1.register_forward_pre_hook(_standardize)
+    with torch.no_grad():
+        layer.norm1.weight.zero_()
+        layer.norm1.bias.fill_(0.5)  # the feed-forward's input: all features equal
+    try:
+        with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+            model(torch.randn(2, 3, 4)).sum().backward()
+        f = hunt.first
+        assert f is not None
+        assert (f.phase, f.module, f.cause, f.op) == ("forward", "1.linear1", "created", "aten.div.Tensor"), f
+        assert f.source is not None and f.source.endswith(f":{_standardize.__code__.co_firstlineno + 2}")
+        assert list(layer.linear1._forward_pre_hooks) == [handle.id]
+    finally:
+        handle.remove()
+
+
 # ---------------------------------------------------------------------------- models that change
 class Growing(nn.Module):
     def __init__(self) -> None:

@@ -493,6 +493,7 @@ def _replay_top(
 ) -> Replay:
     calls: list[ReplayCall] = []
     came_in: dict[int, dict[Path, torch.Tensor]] = {}  # per call in keep_given: its inputs as they came in
+    hooked: dict[int, list[tuple[Path, torch.Tensor]]] = {}  # per call of a module with pre-hooks of its own: its args before them
     order: list[int] = []
     stack: list[int] = []
     keys: dict[int, int] = {}
@@ -525,6 +526,8 @@ def _replay_top(
             c.given = bool(c.params_bad)
         ins = list(tensors((args, {})))
         c.in_versions = {p: version(t) for p, t in ins}
+        if module._forward_pre_hooks:  # (a user's: they run after this global hook and may replace the args)
+            hooked[c.ordinal] = ins
         if c.ordinal in keep_given:  # it writes an input in place (see replay_top): keep it as it comes in
             with torch.no_grad():
                 came_in[c.ordinal] = {p: strided(t).detach().clone() for p, t in ins}
@@ -561,6 +564,9 @@ def _replay_top(
         if copies:  # (after its gradient keys: those are the tensors the graph holds)
             c.inputs = [(p, copies.get(p, t)) for p, t in c.inputs]
             c.in_versions = {}
+        elif c.ordinal in hooked:  # judged as they came in: a NaN its own pre-hook made (x / x.std() of a
+            # constant input) was born in this call, not fed to it (the kwargs as the pre-hooks left them)
+            c.inputs = [(p, strided(t)) for p, t in hooked.pop(c.ordinal)] + [(p, t) for p, t in c.inputs if p[0] == 1]
 
     hooks = ReplayHooks(pre, post)
     result = Replay(calls, order, None)
