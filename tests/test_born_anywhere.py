@@ -2024,6 +2024,25 @@ def test_a_log_of_a_negative_box_width_is_told_with_its_value_and_remedy(mode: s
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_of_a_zero_ground_truth_width_in_loss_code_names_the_target_encoding(mode: str) -> None:
+    """The loss code encodes the box targets itself, log(w_gt / w_anchor), and one ground-truth box has
+    width 0: found at that log, whose hint spoke of a softmax or sigmoid that underflowed and of
+    F.binary_cross_entropy_with_logits, none of which is in a value computed from the data alone."""
+    gt_w = torch.tensor([3.0, 0.0, 4.0, 1.0, 2.0, 5.0])  # box 1: width 0
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        target = torch.log(gt_w / 2.0)  # @log-gt-width
+        return F.smooth_l1_loss(out[:, 0], target)
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.index, f.value) == (
+        "forward", "<outside>", "aten.log.default", "created", (1,), -math.inf), f
+    assert same_source(f.source, line("log-gt-width")), f.source
+    assert "computed from the data alone" in f.hint and "log(w_gt / w_anchor)" in f.hint, f.hint
+    assert "sigmoid" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_condition_number_of_a_rank_deficient_weight_names_its_singular_value_of_0(mode: str) -> None:
     """A condition-number regulariser s_max / s_min on the first layer's weight, one of whose columns is
     0: its smallest singular value is 0, the term inf. The hint was the generic "dividing by a count that is

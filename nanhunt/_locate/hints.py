@@ -679,6 +679,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "about -104 in float32) that it is 0 (a log_std or log-variance head that fell that far, exp'd into a "
                 "Normal's scale: Normal(loc, scale).log_prob takes log(scale)). Clamp the exponent before exp "
                 "(log_std.clamp(-20, 2), as SAC does), or use it directly where its log is needed (log(exp(x)) = x).")
+    if fx.get("log_zero") and fx.get("log_data"):
+        return (f"Log of exactly 0 in a value computed from the data alone, not from the model's outputs: {op}'s "
+                "input is 0 there (a box regression target log(w_gt / w_anchor) of a ground-truth box of width or "
+                "height 0, a log of a count of 0). Drop such boxes or clamp_min(eps) the value where the targets "
+                "are encoded.")
     if fx.get("log_zero"):
         return (f"Log of exactly 0: {op}'s input reached 0 there, and log(0) = -inf (a probability a softmax or "
                 "sigmoid underflowed to, a ReLU output, or a distribution's scale from relu or an underflowed "

@@ -352,6 +352,9 @@ def forward_origin(recs: list[OutRec], ri: int, j: int,
         # (replayed under no_grad: a value the loss code computed from the model's outputs is no constant)
         rec.graded = {id(rep.sub[id(o)]) for o in rep.keep if o.requires_grad and id(o) in rep.sub}
         facts = _hints.facts(rec, got)
+        if (facts.get("log_zero") and first.op.split(".")[1:2] == ["log"] and first.call is not None
+                and id(first.call[1][0]) not in rec.graded and any(o.requires_grad for r in recs for o in _outs(r))):
+            facts["log_data"] = True  # loss code that trains the model, this log of nothing it made: a target from the data
         return OpOrigin(first.op, first.src, _chain(rec, got), facts), facts
     except Exception:
         return None, facts
