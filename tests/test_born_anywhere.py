@@ -2086,6 +2086,30 @@ def test_an_iou_of_zero_area_boxes_names_it_in_its_hint() -> None:
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_dice_loss_of_an_empty_mask_names_its_smoothing_term(mode: str) -> None:
+    """A Dice loss without a smoothing term, of a prediction clipped at 0 (relu) on images whose mask is
+    empty: intersection 0 and both sums 0, 0/0. The hint named an IoU and a zero vector's norm, not the
+    Dice score's own remedy; with the smoothing term the same run is healthy."""
+
+    def dice(out: torch.Tensor, smooth: float) -> torch.Tensor:
+        p, t = F.relu(out - 10.0), torch.zeros_like(out)  # nothing predicted, nothing in the mask
+        return 1 - (2 * (p * t).sum(1) + smooth) / (p.sum(1) + t.sum(1) + smooth)  # @dice
+
+    f = run_steps(model(), lambda out, y, step: dice(out, 0.0).mean(), mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.index) == ("forward", "<outside>", "aten.div.Tensor", "created", (0,)), f
+    assert same_source(f.source, line("dice")) and math.isnan(f.value), f
+    assert "Dice score of an empty mask" in f.hint and "smoothing term" in f.hint, f.hint
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
+        for _ in range(2):
+            dice(m(torch.randn(6, 4)), 1.0).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert hunt.findings == [], hunt.findings
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("op", [torch.atan, torch.tanh, torch.sigmoid])
 def test_an_inf_a_saturating_function_makes_finite_again_is_no_finding(mode: str, op: Any) -> None:
     """A detection metric's aspect-ratio angle atan(w / h) of a box of height 0: w / 0 is inf and

@@ -734,9 +734,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
-                    "all-padding sequence's pooled embedding), an IoU of zero-area boxes (intersection / union = 0/0) "
-                    "or a sum over nothing by a count of 0; keep a positive eps (F.normalize's default 1e-12, or "
-                    "clamp_min(eps) on the denominator) or skip such rows.")
+                    "all-padding sequence's pooled embedding), an IoU of zero-area boxes (intersection / union = 0/0), "
+                    "a Dice score of an empty mask and an empty prediction (2 * intersection / (sum(p) + sum(t)) = 0/0: "
+                    "add a smoothing term to both, (2 * inter + 1) / (sum(p) + sum(t) + 1)) or a sum over nothing by a "
+                    "count of 0; keep a positive eps (F.normalize's default 1e-12, or clamp_min(eps) on the "
+                    "denominator) or skip such rows.")
         return ("A division by 0: x/0 gives inf and 0/0 gives nan (e.g. dividing by a count "
                 "that is 0, or by a learned temperature or scale that reached 0); "
                 "guard the denominator: clamp(min=1) for a count, + eps or clamp_min(eps) for anything else.")
