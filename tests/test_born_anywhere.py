@@ -966,6 +966,30 @@ def test_a_bias_with_a_minus_inf_slot_made_before_the_loop_is_no_finding(mode: s
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("form", ["smooth_l1", "hand_l1", "target_minus_out"])
+def test_a_minus_inf_box_target_from_the_data_pipeline_is_fed_not_a_mask(mode: str, form: str) -> None:
+    """Box regression targets log(w_gt / w_anchor) encoded in the data pipeline, one ground-truth box
+    of width 0: its target is -inf, and the regression loss is +inf. Written |target - out| by hand,
+    the -inf went through the subtraction with the model's output and only abs made +inf of it: no
+    finding at all (the gradients finite), the loss inf."""
+    gt = torch.tensor([[0.0, 0.0, 3.0, 3.0], [1.0, 1.0, 1.0, 2.0], [0.0, 0.0, 4.0, 5.0]] * 2)  # box 1: width 0
+    anchor = torch.tensor([2.0, 2.0, 4.0] * 2)
+    target = torch.log((gt[:, 2] - gt[:, 0]) / anchor)  # the data pipeline's encoding, before the step
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        if form == "smooth_l1":
+            return F.smooth_l1_loss(out[:, 0], target)  # @box-target-smooth_l1
+        if form == "hand_l1":
+            return (out[:, 0] - target).abs().mean()  # @box-target-hand_l1
+        return (target - out[:, 0]).abs().mean()  # @box-target-target_minus_out
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.step, f.cause, f.value) == ("forward", "<outside>", 0, "input", math.inf), f
+    assert same_source(f.source, line(f"box-target-{form}")), f.source
+    assert "holds -inf at index (1,)" in f.hint and "log of 0" in f.hint and "finfo" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_the_models_own_minus_inf_turned_into_nan_by_loss_code_is_the_models(mode: str) -> None:
     """A model returns log(1 - sigmoid(z)), -inf where the sigmoid saturates; the loss code's
     ``(1 - y) * lq`` turns 0 * -inf into NaN. The -inf was born in the model (its log line), not

@@ -472,6 +472,12 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         fed = [x for x in bad_in if _feeds(x)]
         if not fed:
             data = next((x for x in bad_in if not _mask_like(x) and _foreign(log, x, grads, minus=True)), None)
+            if (data is None and _loss_bad(log) and bool((values(t) == math.inf).any()) and not bool(torch.isnan(t).any())
+                    and all(_foreign(log, x, grads, through=True) for x in bad_in)):
+                # a -inf the data brought through this code's arithmetic with the model's outputs
+                # (|target - out| of a -inf target: the box regression target log(w_gt / w_anchor) of a
+                # box of width 0) made +inf here on the way to the loss: no mask is used so
+                data = bad_in[0]
             if data is not None and _feeds(t):
                 # a -inf among values other than 0, from nothing this step made: the data's log of 0
                 # (a log-transformed target with a 0), no mask; fed, as a NaN in the batch is
@@ -610,26 +616,31 @@ def _aliases(a: torch.Tensor, x: torch.Tensor) -> bool:
     return a.layout == x.layout == torch.strided and a.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
 
 
-def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 0, minus: bool = False) -> bool:
+def _foreign(log: StepLog, x: torch.Tensor, grads: frozenset[int], depth: int = 0, minus: bool = False,
+             through: bool = False) -> bool:
     """``x`` came from nothing this step made: the data, an unwatched module's weights, a tensor
     kept from an earlier step; also through code here that only took it apart (``Y[k]``, a
     ``.view``). Not an output of a watched or ignored module, not anything autograd tracks (the
     model's own outputs in sentinel mode, unprobed), not a gradient (``grads``: ids of ``.grad``
     tensors; what ``torch.autograd.grad`` returned). ``minus``: a -inf followed too, not only a
-    NaN or +inf, where the code only took it apart (a view of it; a sum with a bias is made here)."""
-    if x.grad_fn is not None or id(x) in grads or any(r() is x for r in log.grads_out):
+    NaN or +inf, where the code only took it apart (a view of it; a sum with a bias is made here).
+    ``through``: a -inf followed also through this code's arithmetic with the model's outputs
+    (``target - out``: every non-finite value in it came from the target)."""
+    if (x.grad_fn is not None and not through) or id(x) in grads or any(r() is x for r in log.grads_out):
         return False
     got = producer(log.outside, x)
     while got is not None and any(isinstance(a, torch.Tensor) and a is not x and same(a, x)
                                   for a in tree_leaves((log.outside[got[0]].args, log.outside[got[0]].kwargs))):
         got = producer(log.outside[:got[0]], x)  # an alias of its own input (y.view(-1, 1) of an (n, 1) y): x is that input
+    if got is None and x.grad_fn is not None:
+        return False  # (``through``: made by the model, or by autograd-tracked code this step did not record)
     if got is not None:  # made by this code from what it was fed: foreign if all of that was
         if depth >= 8:
             return False
         r = log.outside[got[0]]
         ins = [a for a in tree_leaves((r.args, r.kwargs)) if isinstance(a, torch.Tensor) and a is not x and is_bad(a)]
-        return bool(ins) and all((_feeds(a) or (minus and _aliases(a, x))) and _foreign(log, a, grads, depth + 1, minus)
-                                 for a in ins)
+        return bool(ins) and all((_feeds(a) or through or (minus and _aliases(a, x)))
+                                 and _foreign(log, a, grads, depth + 1, minus, through) for a in ins)
     key = (id(x), -1 if x.is_inference() else x._version)
     ref = log.probed.get(key)
     if log.is_ignored(x) or (ref is not None and ref() is x):
