@@ -35,6 +35,15 @@ def _group_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
     return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
 
 
+def _noted(opt: torch.optim.Optimizer, p: torch.Tensor, i: int,
+           noted: dict[tuple[int, int], tuple[int, float]]) -> tuple[int, tuple[int, float]] | None:
+    """``p``'s group index in optimizer ``i`` and what the hunt noted for that group (``noted``, keyed
+    by (optimizer, group)), else None."""
+    gi = next((gi for gi, g in enumerate(opt.param_groups) if any(q is p for q in g["params"])), None)
+    got = noted.get((i, gi)) if gi is not None else None
+    return (gi, got) if gi is not None and got is not None else None
+
+
 class _Writes(TorchDispatchMode):
     """Notes the aten op that last wrote each target, and the first that made one non-finite; and,
     by storage, the first op that made any other tensor it writes non-finite (``fresh``: a state the
@@ -226,22 +235,19 @@ def past_bad_lr(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, seen: dict[
     """``("param_groups[g]['lr'] = inf", s)`` when ``p``'s group of optimizer ``i`` ran its step() of
     step ``s`` (``since < s <= step``) with a non-finite lr (``seen``: as the hunt noted it then), else
     None: a schedule's lr finite again by the reading that found the weights it poisoned."""
-    for gi, group in enumerate(opt.param_groups):
-        if any(q is p for q in group["params"]):
-            got = seen.get((i, gi))
-            return (f"param_groups[{gi}]['lr'] = {got[1]}", got[0]) if got is not None and since < got[0] <= step else None
-    return None
+    got = _noted(opt, p, i, seen)
+    if got is None or not since < got[1][0] <= step:
+        return None
+    gi, (s, lr) = got
+    return f"param_groups[{gi}]['lr'] = {lr}", s
 
 
 def lr_at(opt: torch.optim.Optimizer, p: torch.Tensor, i: int, noted: dict[tuple[int, int], tuple[int, float]],
           step: int) -> float | None:
     """The lr that ``p``'s group of optimizer ``i`` ran its step() of ``step`` with, as the hunt noted
     it then (``noted``: each group's last), else None: a schedule has moved the group's lr on since."""
-    for gi, group in enumerate(opt.param_groups):
-        if any(q is p for q in group["params"]):
-            got = noted.get((i, gi))
-            return got[1] if got is not None and got[0] == step else None
-    return None
+    got = _noted(opt, p, i, noted)
+    return got[1][1] if got is not None and got[1][0] == step else None
 
 
 # the division that eps guards in each torch.optim update, named by the optimizer's own state; that

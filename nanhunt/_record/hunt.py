@@ -262,13 +262,14 @@ class Hunt:
         self.replay = o.replay
         self.history = o.history
         self.rank = o.rank if o.rank is not None else _dist.rank()
-        if self._report_path is not None and self.rank and _dist.world() > 1:
-            # each rank its own file, rank 0's at the path given: ranks that share the path wrote over
-            # each other's report, the last to close winning (a clean rank's "no NaN/Inf found" over
+        if self.rank and _dist.world() > 1:
+            # each rank its own report and bundle, rank 0's at the path given: ranks that share the path
+            # wrote over each other's, the last to close winning (a clean rank's "no NaN/Inf found" over
             # the finding of a rank whose findings were never merged: no optimizer, or a silent rank)
-            self._report_path = rank_path(self._report_path, self.rank)
-        if self._bundle_path is not None and self.rank and _dist.world() > 1:
-            self._bundle_path = rank_path(self._bundle_path, self.rank)  # (the same: each rank's first finding its own)
+            if self._report_path is not None:
+                self._report_path = rank_path(self._report_path, self.rank)
+            if self._bundle_path is not None:
+                self._bundle_path = rank_path(self._bundle_path, self.rank)
         # all ranks stop at the same step: on by default when torch.distributed runs several ranks
         self.distributed = (_dist.world() > 1) if o.distributed is None else o.distributed
         # torch.compile(model) given itself: sentinel catches its calls from the first step (see _catch_wrapper)
