@@ -291,6 +291,30 @@ def test_a_fused_probe_flags_each_tensor_in_whichever_piece_it_lies(threads):
         assert all(sum(ts[i].numel() for i in g) < GRAIN for g in plan.groups)
 
 
+def test_a_fused_probe_leaves_its_tensors_as_they_were():
+    """The small tensors are checked by a kernel that writes each one back in place: the bits, the
+    version counters (a tensor saved for a backward still to run stays valid) and a NaN's payload
+    are as before, and a tensor that overlaps itself (an expanded gradient) is still judged."""
+    from nanhunt._record.probe import fused_probe
+
+    torch.manual_seed(0)
+    w = torch.randn(8, requires_grad=True)
+    ts = [torch.randn(16, 4) for _ in range(6)] + [torch.randn(5, requires_grad=True) * 2]
+    ts[2].view(torch.int32)[1, 1] = 0x7FC0_1234  # a NaN with a payload
+    ts[4] = ts[4].t()  # not contiguous
+    pending = (w[:4] * ts[3][0]).sum()  # ts[3] is saved for this backward
+    before = [(t.clone().view(torch.int32), t._version) for t in ts]
+    got = fused_probe(ts)
+    assert [i for i, b in enumerate(got.flags()) if b] == [2]
+    for t, (bits, version) in zip(ts, before, strict=True):
+        assert t._version == version and torch.equal(t.view(torch.int32), bits)
+    pending.backward()  # (a moved version counter fails here)
+    assert torch.equal(w.grad[:4], ts[3][0])
+    ts[2][1, 1] = 0.0
+    ts.append(torch.tensor([1.0, float("inf")]).expand(3, 2))  # (its elements overlap: summed instead)
+    assert [i for i, b in enumerate(fused_probe(ts).flags()) if b] == [7]
+
+
 # ------------------------------------ a NaN from a parent's own code, through a passthrough child
 
 
