@@ -1076,6 +1076,67 @@ def test_a_hand_written_optimizer_dividing_by_a_zero_gradient_norm_is_named() ->
     assert f.chain[0] == f"aten.div.Tensor @ {f.source}" and f.chain[-1].startswith("aten.sub_"), f.chain
 
 
+class _ListLARS(torch.optim.Optimizer):
+    """LARS with momentum as many repositories write it: its state kept outside ``self.state``, the
+    momentum buffers in a list by position, a step counter tensor and a log of trust ratios."""
+
+    def __init__(self, params: Any, lr: float = 0.1, eta: float = 1e-3, momentum: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "eta": eta, "momentum": momentum})
+        self.bufs = [torch.zeros_like(p) for g in self.param_groups for p in g["params"]]
+        self.t = torch.zeros(())
+        self.trusts: list[float] = []
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.t.add_(1)
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                trust = group["eta"] * p.norm() / p.grad.norm()
+                self.trusts.append(float(trust))
+                self.bufs[i].mul_(group["momentum"]).add_(p.grad * trust)
+                p.sub_(self.bufs[i], alpha=group["lr"])
+
+
+@pytest.mark.parametrize("on_find", ["raise", "record"])
+def test_the_shadow_step_of_a_hand_written_optimizer_never_writes_the_state_it_keeps_outside_self_state(on_find: str) -> None:
+    # ReZero (the residual branch scaled by a gate initialised to 0): the branch's weights get an all-zero
+    # gradient at step 0 and LARS's trust ratio is ||w|| / 0. The shadow step that looks for the op ran the
+    # user's step() on the user's own list of momentum buffers (the shadow's one parameter is at index 0:
+    # the buffer of `0.weight`, stepped a second time with the shadow's NaN), its step counter and its log
+    class ReZero(nn.Module):
+        def __init__(self, f: nn.Module) -> None:
+            super().__init__()
+            self.f, self.gate = f, nn.Parameter(torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.gate * self.f(x)
+
+    def run(watch: bool) -> tuple[_ListLARS, list[nanhunt.Finding]]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 16), ReZero(nn.Sequential(nn.Linear(16, 16), nn.GELU())), nn.Linear(16, 3))
+        opt = _ListLARS(m.parameters())
+        g = torch.Generator().manual_seed(0)
+        hunt = nanhunt.watch(m, opt, on_find=on_find) if watch else None
+        try:
+            F.cross_entropy(m(torch.randn(8, 16, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
+            opt.step()
+        except nanhunt.NonFiniteError:
+            pass
+        finally:
+            findings = hunt.findings if hunt is not None else []
+            if hunt is not None:
+                hunt.close()
+        return opt, findings
+
+    ref, _ = run(False)
+    opt, findings = run(True)
+    f = findings[0]
+    assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("optimizer", "1.f.0", "weight", 0, "created"), f
+    assert "0 everywhere" in f.hint and "trust ratio" in f.hint, f.hint
+    assert all(bit_equal(a, b) for a, b in zip(opt.bufs, ref.bufs)), "the user's momentum buffers stepped again"
+    assert bit_equal(opt.t, ref.t) and len(opt.trusts) == len(ref.trusts), (opt.t, len(opt.trusts))
+
+
 
 
 def test_state_already_non_finite_is_carried_not_made_again_by_each_step() -> None:

@@ -11,7 +11,10 @@ to 0: what it held before the step is gone), with the parameter's gradient and a
 its state, is stepped once under the op-level recorder (without step hooks; the RNG put back; not
 under torch.distributed, where a step may call collectives); the op that made a non-finite value
 from finite ones on the path to the reported element is the answer. Its step runs user code once
-more, as every replay does; nothing it touches is the user's (fresh tensors, a fresh instance).
+more, as every replay does; nothing it touches is the user's (fresh tensors, a fresh instance, the
+instance's plain containers rebuilt): a write into any other tensor (state kept outside
+``self.state``: moments in a list by position, a dict by name, a step counter tensor) stops the
+shadow before it is made, and the op is then not found.
 """
 
 from __future__ import annotations
@@ -42,6 +45,44 @@ def _noted(opt: torch.optim.Optimizer, p: torch.Tensor, i: int,
     gi = next((gi for gi, g in enumerate(opt.param_groups) if any(q is p for q in g["params"])), None)
     got = noted.get((i, gi)) if gi is not None else None
     return (gi, got) if gi is not None and got is not None else None
+
+
+class _Foreign(Exception):
+    """The shadow step was about to write a tensor it was not given and did not make."""
+
+
+class _OwnWrites(TorchDispatchMode):
+    """Lets the shadow step write only the tensors it owns (storages in ``own``: its parameter,
+    gradient and state, and whatever it makes); a write into any other (the user's) raises
+    `_Foreign` before it happens."""
+
+    def __init__(self, own: set[int]) -> None:
+        super().__init__()
+        self.own = own
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                if any(isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in self.own
+                       for x in tree_leaves(v)):
+                    raise _Foreign(str(func))
+        out = func(*args, **kwargs)
+        self.own.update(x.untyped_storage().data_ptr() for x in tree_leaves(out) if isinstance(x, torch.Tensor))
+        return out
+
+
+def _unshared(v: Any) -> Any:
+    """``v`` with its plain containers (list, tuple, set, dict) rebuilt all the way down, anything
+    else as it is: what the shadow step appends or sets there is its own."""
+    if type(v) in (list, tuple, set):
+        return type(v)(_unshared(x) for x in v)
+    if isinstance(v, dict):
+        c = copy.copy(v)
+        c.update((k, _unshared(x)) for k, x in v.items())
+        return c
+    return v
 
 
 class _Writes(TorchDispatchMode):
@@ -162,7 +203,7 @@ def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
         # the shadow: the optimizer's own attributes, its own hook dicts (empty), one group of q
         # (its __init__ is not run again: it may log or count)
         shadow = object.__new__(type(opt))
-        shadow.__dict__.update(opt.__dict__)
+        shadow.__dict__.update((k, _unshared(v)) for k, v in opt.__dict__.items())
         shadow.__dict__.update(
             param_groups=[{**group, "params": [q]}], state=collections.defaultdict(dict),
             _optimizer_step_pre_hooks=collections.OrderedDict(), _optimizer_step_post_hooks=collections.OrderedDict(),
@@ -176,9 +217,10 @@ def custom_origin(opt: torch.optim.Optimizer, p: torch.Tensor, key: str,
         rec = _Recorder()
         mode = _Mode(rec)
         mode.on = True
+        own = {t.untyped_storage().data_ptr() for t in tree_leaves((q, q.grad, state)) if isinstance(t, torch.Tensor)}
         rng = torch.get_rng_state()
         try:
-            with mode:
+            with _OwnWrites(own), mode:
                 if step is not None:
                     step(shadow)
                 else:
