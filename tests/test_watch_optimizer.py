@@ -3,6 +3,7 @@ GradScaler's skipped steps, and several optimizers."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -457,6 +458,63 @@ def test_sam_watched_through_its_wrapper_counts_the_base_optimizers_steps() -> N
     assert (f.module, f.step, f.op, f.cause) == ("<outside>", 2, "aten.reciprocal.default", "created"), f
     path, line = (f.source or ":0").rsplit(":", 1)
     assert "@sam-scale" in linecache.getline(path, int(line)), f
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """Lookahead as pytorch_optimizer writes it: it never runs ``Optimizer.__init__`` (so torch never
+    patches its ``step`` to run the step hooks) but sets the hook dicts by hand, steps ``optimizer``
+    and pulls the weights towards slow copies every ``k`` steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, hooks: type = dict, k: int = 2, alpha: float = 0.5) -> None:
+        self.optimizer, self.k, self.alpha = optimizer, k, alpha
+        self._optimizer_step_pre_hooks: dict[int, Any] = hooks()
+        self._optimizer_step_post_hooks: dict[int, Any] = hooks()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = hooks()
+        self.defaults = optimizer.defaults
+        self.state = collections.defaultdict(dict)
+        self.counter = 0
+        for p in (p for g in self.param_groups for p in g["params"]):
+            self.state[p]["slow_params"] = p.detach().clone()
+
+    @property
+    def param_groups(self) -> Any:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self.optimizer.step(closure)
+        self.counter += 1
+        if self.counter % self.k == 0:
+            for p in (p for g in self.param_groups for p in g["params"]):
+                slow = self.state[p]["slow_params"]
+                p.lerp_(slow, weight=1.0 - self.alpha)
+                slow.copy_(p)
+        return loss
+
+
+@pytest.mark.parametrize("hooks", [dict, collections.OrderedDict])
+def test_a_lookahead_that_sets_the_step_hooks_by_hand_is_watched_through_the_optimizer_it_steps(hooks: type) -> None:
+    # watch(model, lookahead): nanhunt hooked the wrapper, whose hooks never run (its step() is not the
+    # one torch patches). With dicts watch() failed ("cannot create weak reference to 'dict' object");
+    # with OrderedDicts no step was counted: an update that overflowed at step 3 was "forward, step 0,
+    # cause 'parameter': look for a finding in phase 'optimizer'", which never came
+    model = zoo.cnn()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _Lookahead(inner, hooks)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
+        for i in range(6):
+            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            F.cross_entropy(model(x), y).mul(100).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
+    assert "its lr is 1e+38" in f.hint, f.hint
 
 
 def test_optimizer_hooks_do_not_change_the_update() -> None:

@@ -2853,7 +2853,7 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
                 f"optimizer must be a torch.optim.Optimizer or a list of them; got {type(o).__name__}"
             )
         inner = _stepping(o)
-        if not hasattr(inner, "_optimizer_step_pre_hooks"):
+        if not _hooked(inner):
             raise TypeError(
                 f"optimizer {type(o).__name__} was never set up by torch.optim.Optimizer.__init__ (its "
                 "__init__ does not call super().__init__, and it wraps no optimizer that was): nanhunt "
@@ -2862,9 +2862,16 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return out
 
 
+def _hooked(opt: torch.optim.Optimizer) -> bool:
+    """Does ``opt.step()`` run the step hooks? Only a class whose ``step`` torch patched (in
+    ``Optimizer.__init__``) does: a wrapper that sets the hook dicts by hand and never runs it
+    (pytorch_optimizer's ``Lookahead``) has hooks that never run."""
+    return hasattr(opt, "_optimizer_step_pre_hooks") and bool(getattr(type(opt).step, "hooked", False))
+
+
 def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A wrapper optimizer (accelerate's ``AcceleratedOptimizer``, which never runs
-    ``Optimizer.__init__`` and steps the optimizer it holds; SAM, whose ``first_step()`` and
+    """A wrapper optimizer (accelerate's ``AcceleratedOptimizer`` and pytorch_optimizer's
+    ``Lookahead``, which never run ``Optimizer.__init__`` and step the optimizer they hold; SAM, whose ``first_step()`` and
     ``second_step()`` step its ``base_optimizer`` over the same param_groups and whose own ``step()``
     the loop may never call) -> the torch optimizer that steps."""
     for _ in range(8):
@@ -2872,7 +2879,7 @@ def _stepping(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(base, torch.optim.Optimizer) and base is not opt and getattr(opt, "param_groups", None) is base.param_groups:
             opt = base
             continue
-        if hasattr(opt, "_optimizer_step_pre_hooks"):
+        if _hooked(opt):
             break  # set up by torch: its own step hooks run
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
