@@ -11,6 +11,7 @@ gradient from finite ones). The referee uses no nanhunt code.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import math
 import os
@@ -148,6 +149,45 @@ def test_loss_function_outside_the_model() -> None:
     assert f.index == () and math.isnan(f.value)
     assert f.chain[0].startswith("aten.div.Tensor")
     assert "0/0" in f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_ignore_outside_silences_a_metric_that_overflows_but_not_the_loss_gradient(mode: str) -> None:
+    """A perplexity logged from a summed loss (exp(230) = inf in float32) is a metric, not a bug of
+    training: ``ignore=("<outside>",)`` lets a raise-mode run go on with weights exactly as without
+    nanhunt. Without it, the metric is found at its op; with it, a loss-code gradient that goes
+    non-finite (log at 0) is still found."""
+    def train(watch: dict[str, Any] | None, poison: bool = False) -> tuple[nn.Module, Any]:
+        m = zoo.transformer_encoder(dropout=0.0)
+        head = nn.Linear(16, 50)
+        opt = torch.optim.SGD([*m.parameters(), *head.parameters()], lr=0.01)
+        g = torch.Generator().manual_seed(1)
+        hunt = nanhunt.watch(m, opt, **watch) if watch is not None else contextlib.nullcontext()
+        with hunt:
+            for _ in range(3):
+                x, y = torch.randn(4, 6, 16, generator=g), torch.randint(0, 50, (4, 6), generator=g)
+                logits = head(m(x))
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+                ppl = torch.exp(loss.detach())  # @ppl
+                assert math.isinf(ppl.item())
+                if poison:
+                    loss = loss + torch.log(logits.softmax(-1).amax() * 0).mul(0)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return m, hunt
+
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        train({"mode": mode})
+    f = ei.value.finding
+    assert (f.module, f.op, f.step) == ("<outside>", "aten.exp.default", 0) and same_source(f.source, line("ppl"))
+    plain, _ = train(None)
+    quiet, hunt = train({"mode": mode, "ignore": ("<outside>",)})
+    assert hunt.findings == [] and all(map(zoo.bit_equal, plain.parameters(), quiet.parameters()))
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        train({"mode": mode, "ignore": ("<outside>",)}, poison=True)
+    f = ei.value.finding
+    assert f.step == 0 and f.phase in ("backward", "grad") and f.value != 0, f
 
 
 def test_loss_code_inside_record_function_under_the_profiler_is_found_at_its_line() -> None:

@@ -54,7 +54,7 @@ from .._hooks import MODULE_REGISTRATION, OPTIMIZER_STEP, REPLAYING, GlobalHooks
 from .._hooks import tick as _tick
 from .._locate import locate
 from .._locate.damage import bad_state, damage
-from .._locate.outside import in_place
+from .._locate.outside import OUTSIDE, in_place
 from .._profile import span
 from .._report import Report
 from .._steplog import PASSTHROUGH as _PASSTHROUGH
@@ -300,6 +300,9 @@ class Hunt:
         scaler = o.scaler if o.scaler is not None else _wrapper_scaler(optimizer)
         self._scaler = scaler
         self._ignore = o.ignore
+        # "<outside>" matched: values the loss and metric code make are not probed (a perplexity
+        # that may overflow); their gradients still are, as every module's
+        self._quiet_outside = any(fnmatch.fnmatchcase(OUTSIDE, p) for p in o.ignore)
         self._names: dict[int, tuple[str, Any]] | None = None  # see _build_names
         self._ignored: set[int] = set()  # ids of modules matching `ignore`
         self._cnames: dict[nn.Module, int | None] | None = None  # for compiled graphs: _compiled_names

@@ -652,6 +652,8 @@ class Outside(TorchFunctionMode):
             if self.fresh:
                 rng, self.fresh = rng_before, False
             log.outside.append(OutRec(func, args, kwargs, out, src, fn, rng, _autocast(), _tick()))
+            if h._quiet_outside:  # (ignore="<outside>": recorded for the chains, not judged)
+                return
             writes = name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
             for j, t in enumerate(outs):
                 if not writes and any(t is a for a in args):

@@ -54,7 +54,9 @@ def watch(
         raise and skip, buffers written during the failing step (BatchNorm running statistics) are
         put back.
       scaler: a ``torch.amp.GradScaler``; the steps it skips are expected overflows, not findings.
-      ignore: glob patterns of module names whose outputs may legitimately hold Inf/NaN.
+      ignore: glob patterns of module names whose outputs may legitimately hold Inf/NaN;
+        ``"<outside>"`` covers the values of the code outside every module (a perplexity that
+        may overflow), not the gradients it makes.
       history: how many sampled steps of per-module magnitude statistics the report keeps.
       report: a ``.json``/``.html``/``.txt`` path written at the first finding and on close.
       mode: ``"full"`` (every module's outputs, gradients, parameters, optimizer state),
