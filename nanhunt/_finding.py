@@ -42,6 +42,7 @@ class Finding:
     verdict: str | None = None
     reference: dict[str, Any] = dataclasses.field(default_factory=dict)
     samples: tuple[int, ...] = ()  # dataset indices of the batch rows holding NaN/Inf (watch(loader=...))
+    evaluation: bool = False  # a forward call in evaluation: the model in eval mode, gradients off
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -68,6 +69,7 @@ class Finding:
         v = d.get("value")
         kw["value"] = float(v) if v is not None else None
         kw["counts"] = dict(d.get("counts", {}))
+        kw["evaluation"] = d.get("evaluation") is True
         kw["reference"] = {k: _from_json_float(v) for k, v in (d.get("reference") or {}).items()}
         f = cls(**kw)
         _check_values(f)

@@ -143,6 +143,8 @@ def headline(f: Finding, first: bool = True) -> str:
     s = f"{'First ' + kind if first else kind}: {phase} {_where(f)} at step {f.step}"
     if f.call:
         s += f" (call {f.call})"
+    if f.evaluation:
+        s += ", in evaluation (eval mode, gradients off)"
     s += f" — {element_text(f)}"
     tail = CAUSE_WORDS.get(f.cause, f.cause)
     if f.op:
@@ -187,7 +189,7 @@ def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str
         ("module", f"{f.module or '<model>'} ({f.module_type})" if f.phase != "check" else f.module),
         ("tensor", f"{f.tensor}  shape {shape_text(f.shape)}  {f.dtype}" if f.dtype
          else f"{f.tensor}  (shape and dtype unknown: gone before the analysis, and no replay reproduced it)"),
-        ("step", f"{f.step}  (call {f.call})"),
+        ("step", f"{f.step}  (call {f.call}{', in evaluation' if f.evaluation else ''})"),
     ]
     if f.index is not None:
         rows.append(("element", f"[{', '.join(map(str, f.index))}] = {fmt(f.value)}"))

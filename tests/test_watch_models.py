@@ -140,6 +140,51 @@ def test_watch_on_a_model_in_eval_and_no_grad() -> None:
     assert bit_equal(ref, out) and hunt.findings == []
 
 
+class _MaskedMeanPool(nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.unsqueeze(-1).float()
+        return (x * m).sum(1) / m.sum(1)  # 0/0 for a sequence of length 0
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pool, self.head = nn.Linear(4, 8), _MaskedMeanPool(), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.embed(x), mask))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_born_in_a_validation_pass_says_it_was_in_evaluation(mode: str) -> None:
+    """Training batches all have tokens; a validation batch holds a sequence of length 0 (masked
+    mean pooling: 0/0). The finding is the pooling's forward in the validation call, and says it ran
+    in evaluation; a training step's finding does not."""
+    torch.manual_seed(0)
+    m = _Classifier()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, mask = torch.randn(4, 5, 4), torch.ones(4, 5, dtype=torch.bool)
+    with nanhunt.watch(m, opt, on_find="record", mode=mode) as hunt:
+        for _ in range(2):
+            F.cross_entropy(m(x, mask), torch.tensor([0, 1, 2, 0])).backward()
+            opt.step()
+            opt.zero_grad()
+        m.eval()
+        with torch.no_grad():
+            val_mask = mask.clone()
+            val_mask[2] = False
+            m(x, val_mask)
+        m.train()
+    f = hunt.first
+    assert (f.phase, f.module, f.step, f.index[0], f.cause) == ("forward", "pool", 2, 2, "created"), f
+    assert f.evaluation and "in evaluation" in str(f)
+    assert nanhunt.Finding.from_dict(f.to_dict()) == f
+    with nanhunt.watch(m, opt, on_find="record", mode=mode) as hunt:
+        F.cross_entropy(m(x, val_mask), torch.tensor([0, 1, 2, 0])).backward()
+    f = hunt.first
+    assert (f.phase, f.module) == ("forward", "pool") and not f.evaluation and "evaluation" not in str(f)
+
+
 # ---------------------------------------------------------------------------- intended -inf
 class MaskedModel(nn.Module):
     def __init__(self) -> None:

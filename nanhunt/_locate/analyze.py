@@ -429,7 +429,9 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     if f.phase == "forward" and f.cause == "created" and "lr=" not in hint and "weights are huge" not in hint:
         # (whatever op it was born in: the values were huge; an overflow's "a lower learning rate" names no weight or lr)
         hint += _hints.grown_hint(_grown(ctx), ctx.view.steps_applied if ctx.view.optimizers else None)
-    f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank)
+    evaluation = where is not None and where[0] == "forward" and 0 <= where[1] < len(ctx.log.tops) and _evaluation(
+        ctx.log.tops[where[1]])
+    f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank, evaluation=evaluation)
     if ctx.view.breakpoint and not ctx.stopped:  # on_find="breakpoint": once, at the first finding
         ctx.stopped = True
         _debug.stop_for(ctx.view, f, where)
