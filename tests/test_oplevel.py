@@ -457,6 +457,41 @@ def test_a_finfo_min_fill_is_no_overflow_in_the_reference_the_add_after_it_is() 
     assert "torch.finfo(float16).min" in f.hint and "after every addition" in f.hint, f.hint
 
 
+class _WideMaskAttention(nn.Module):
+    """A half() attention whose extended key mask is made in float32, ``pad * torch.finfo(
+    torch.float32).min`` (or ``pad * -1e9``), and cast to the scores' dtype before the add."""
+
+    def __init__(self, fill: float, d: int = 8) -> None:
+        super().__init__()
+        self.q, self.k, self.fill = nn.Linear(d, d), nn.Linear(d, d), fill
+        self.half()
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) * x.shape[-1] ** -0.5
+        mask = pad[:, None, :].float() * self.fill
+        return (scores + mask.to(scores.dtype)).softmax(-1)  # @wide-mask-cast
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9])
+def test_a_float32_mask_cast_to_float16_is_told_as_the_mask_made_in_the_wrong_dtype(fill: float, mode: str) -> None:
+    # the cast makes -inf of the mask's value, and a sequence of padding only softmaxes to nan. The
+    # op and line were right (the cast), but the hint was a large value's: "keep this module in
+    # float32/bfloat16 or scale before it", where the fix is a mask made in the scores' dtype
+    torch.manual_seed(0)
+    model = _WideMaskAttention(fill)
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    with nanhunt.watch(model, mode=mode, on_find="record") as hunt:
+        model(torch.randn(2, 4, 8, dtype=torch.float16), pad)
+        pad[1] = True  # an empty sequence: every key masked
+        model(torch.randn(2, 4, 8, dtype=torch.float16), pad)
+    f = hunt.first
+    assert f is not None and (f.module, f.step, f.op, f.index) == ("", 1, "aten._to_copy.default", (1, 0, 0)), f
+    assert same_source(f.source, line("wide-mask-cast")) and math.isnan(f.value), f
+    assert ("torch.finfo(torch.float32).min" if fill < -1e30 else "-1e+09") in f.hint, f.hint
+    assert "torch.finfo(scores.dtype).min" in f.hint and "scale before it" not in f.hint, f.hint
+
+
 class DropExp(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -386,6 +386,12 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
             limit = float(torch.finfo(to).max)
             if math.isfinite(v) and abs(v) > limit:
                 out.update(reached=v, limit=limit, dtype=str(to).removeprefix("torch."), cast=True)
+                # (a mask's fill value: the source dtype's lowest, torch.finfo(torch.float32).min, or a
+                # tensor of 0s and that one value, (1 - mask) * -1e9, made before the cast to the scores' dtype)
+                if v < 0 and src.is_floating_point() and v == -float(torch.finfo(src.dtype).max):
+                    out["cast_mask"] = f"torch.finfo({src.dtype}).min"
+                elif v < 0 and bool(((src == 0) | (src == v)).all()):
+                    out["cast_mask"] = f"{v:g}"
                 return out
     code = r.outs[0][1] if r.outs else None
     if code is None:
@@ -597,6 +603,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return (f"Overflow in a cast: {op} computes in {fx['dtype']}, so its 0-dim operand {fx['reached']:.6g} "
                     f"(a wider scalar tensor, which does not promote the other's dtype) became inf, past "
                     f"{fx['dtype']}'s largest finite value {fx['limit']:g}; {remedy}.")
+        if fx.get("cast_mask"):
+            return (f"Overflow in a cast: a mask value, {fx['cast_mask']}, cast by {op} to {fx['dtype']} is -inf, "
+                    f"past {fx['dtype']}'s lowest value {-fx['limit']:g}, and a row masked at every position is "
+                    "then all -inf, its softmax nan (-inf * 0 and inf - inf are nan too). Make the mask in the dtype "
+                    "it is added to, torch.finfo(scores.dtype).min, or fill the scores with "
+                    "scores.masked_fill(mask, torch.finfo(scores.dtype).min).")
         if fx.get("cast"):
             return (f"Overflow in a cast: {fx['reached']:.6g} is past {fx['dtype']}'s largest finite value "
                     f"{fx['limit']:g}, so {op} made it inf (and the arithmetic after it, inf - inf or inf * 0, "
