@@ -410,6 +410,23 @@ def test_fp16_attention_overflow_behind_a_finfo_min_mask_blames_the_matmul() -> 
     assert "aten.bmm.default" in (f.hint or "") and "65504" in (f.hint or "")
     assert "-inf" not in (f.hint or "")
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_fp16_attention_scores_past_65504_in_the_matmul_are_told_to_scale_q_before_it(mode: str) -> None:
+    # q @ k.T overflows float16 before the scores are scaled after it, and the softmax of the row
+    # is nan. The hint was any overflow's "keep this module in float32/bfloat16 or scale before it":
+    # the matmul's output goes into a softmax, so it names the attention scores and the usual fixes
+    model = HalfMaskedAttention()
+    x = torch.zeros(1, 4, 8, dtype=torch.float16)
+    x[0, 2] = 30000.0  # score 240000 in float32: +inf in float16
+    with nanhunt.watch(model, mode=mode, on_find="record") as hunt:
+        model(x, torch.zeros(1, 4, 4, dtype=torch.float16))
+    f = hunt.first
+    assert f is not None and (f.module, f.op, f.verdict) == ("", "aten.bmm.default", "precision"), f
+    assert same_source(f.source, line("half-scores"))
+    assert "attention scores" in f.hint and "head_dim ** -0.5 before the matmul" in f.hint, f.hint
+    assert "QK-norm" in f.hint and "scale before it" not in f.hint, f.hint
+
+
 def test_a_finfo_min_mask_added_to_negative_scores_in_float16_is_told_as_the_mask_overflowing() -> None:
     # an HF-style extended mask, (1 - mask) * torch.finfo(float16).min, added to scores that are
     # negative: the sum passes float16's lowest value and is -inf, and the fully masked row (a query

@@ -571,6 +571,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
+        if (_op_key(op) in ("bmm", "mm", "matmul", "baddbmm") and fx["dtype"] != "float32" and abs(fx["reached"]) <= _F32_MAX
+                and any("softmax" in c.split(" @ ")[0] for c in f.chain[1:5])):  # (q @ k^T, scaled, masked, softmax)
+            remedy = (f"these are attention scores, q @ k^T before a softmax: scale q by head_dim ** -0.5 before "
+                      "the matmul (not the scores after it: the matmul itself overflowed), normalise q and k "
+                      f"(QK-norm), or compute the scores in float32{'' if fx['dtype'] == 'bfloat16' else '/bfloat16'}")
         if _op_key(op) in ("arange", "linspace") and fx["dtype"] != "float32":  # (positions: rotary, sinusoidal)
             remedy = (f"positions (a rotary or sinusoidal embedding's torch.arange(n, dtype=x.dtype)) past "
                       f"{fx['limit']:g} cannot be held in {fx['dtype']}: make them and their angles in float32 "
