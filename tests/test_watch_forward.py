@@ -846,6 +846,37 @@ def test_a_sparse_or_nested_output_is_judged_by_its_values(layout: str, mode: st
     assert (f.index, f.shape) == (want, shape)
 
 
+class _SparseGCN(nn.Module):
+    """A GCN over a sparse COO adjacency the data gives (edge weights from preprocessing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 8)
+        self.l2 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(torch.sparse.mm(adj, self.l1(x))))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_a_sparse_input_is_told_at_its_dense_index(mode: str) -> None:
+    # an edge weight of a sparse adjacency is nan in the data: fed in, and the hint named the element
+    # at its place among the adjacency's values ("input[1] holding nan at [3]"), not at the [row, col]
+    # a user looks up in it
+    idx = torch.tensor([[0, 1, 1, 2, 2, 3, 4], [1, 0, 2, 1, 3, 4, 3]])
+    w = torch.rand(7)
+    w[3] = float("nan")  # the edge 2 -> 1
+    adj = torch.sparse_coo_tensor(idx, w, (5, 5), check_invariants=True).coalesce()
+    model = _SparseGCN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, optimizer=opt, mode=mode):
+        F.cross_entropy(model(torch.randn(5, 4), adj), torch.tensor([0, 1, 0, 1, 1])).backward()
+        opt.step()
+    f = _first(ei.value)
+    assert (f.phase, f.cause) == ("forward", "input"), f
+    assert "input[1] holding nan at [2, 1]" in f.hint, f.hint
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.parametrize("layout", ["nested", "jagged"])
 def test_an_op_on_a_nested_tensor_is_named_with_its_line(layout: str) -> None:

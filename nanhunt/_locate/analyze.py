@@ -577,7 +577,8 @@ def _top_inputs_fed(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, str] | 
     nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
     fed = top.in_fed if nan else top.in_bad
     names = [(format_path(p[1], p[2:]) if len(p) > 1 and p[0] == 1 and isinstance(p[1], str)
-              else format_path("input", p[1:])) + _where_bad(t) for (p, t), b in zip(top.inputs, fed) if b]
+              else format_path("input", p[1:])) + _where_bad(top.wrapped_in.get(p, t))  # (a sparse one: at its dense index)
+             for (p, t), b in zip(top.inputs, fed) if b]
     return (top.name, "; ".join(names)) if names else None
 
 

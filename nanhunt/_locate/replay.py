@@ -70,6 +70,7 @@ class ReplayCall:
     inputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
     outputs: list[tuple[Path, torch.Tensor]] = field(default_factory=list)
     wrapped: dict[Path, torch.Tensor] = field(default_factory=dict)  # sparse or nested outputs as returned (for `element`'s index)
+    wrapped_in: dict[Path, torch.Tensor] = field(default_factory=dict)  # sparse or nested inputs as given (the same)
     in_keys: list[tuple[int, Path]] = field(default_factory=list)
     out_keys: list[tuple[int, Path]] = field(default_factory=list)
     done: int = -1  # completion order
@@ -541,7 +542,9 @@ def _replay_top(
         c.done = len(order)
         order.append(c.ordinal)
         # a sparse or nested tensor is judged by its values (flat: an element is its place among them)
-        c.inputs = [(p, strided(t)) for p, t in tensors((args, kwargs if isinstance(kwargs, dict) else {}))]
+        ins = list(tensors((args, kwargs if isinstance(kwargs, dict) else {})))
+        c.inputs = [(p, strided(t)) for p, t in ins]
+        c.wrapped_in = {p: t for p, t in ins if t.is_nested or t.layout is not torch.strided}
         outs = list(tensors(output))
         c.outputs = [(p, strided(t)) for p, t in outs]
         c.wrapped = {p: t for p, t in outs if t.is_nested or t.layout is not torch.strided}
