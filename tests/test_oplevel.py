@@ -1139,6 +1139,32 @@ def test_an_rsqrt_of_an_isolated_nodes_degree_names_the_degree() -> None:
     assert "deg.rsqrt() of a node with no edge" in f.hint and "self-loops" in f.hint, f.hint
 
 
+class _MeanAggregation(nn.Module):
+    """A GraphSAGE-style layer: each node's mean over its in-neighbours, sum and count by index_add_."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+        self.register_buffer("src", torch.tensor([0, 1, 1, 2]))
+        self.register_buffer("dst", torch.tensor([1, 0, 2, 1]))  # node 3: no incoming edge
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cnt = torch.zeros(x.shape[0]).index_add_(0, self.dst, torch.ones(self.dst.shape[0]))
+        agg = torch.zeros_like(x).index_add_(0, self.dst, x[self.src]) / cnt[:, None]  # @mean-agg
+        return self.lin(torch.cat([x, agg], -1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_mean_over_a_nodes_in_neighbours_of_a_node_with_none_names_the_count(mode: str) -> None:
+    # index_add_(sum) / index_add_(count) at a node no edge goes into is 0/0. The hint led with a zero
+    # vector's norm, an IoU and a Dice score, and its remedy was an eps, not clamp(min=1) on the count
+    f = train_step(nn.Sequential(nn.Linear(4, 4), _MeanAggregation()), torch.randn(4, 4), mode=mode)
+    assert (f.module, f.op, f.cause, f.index[0]) == ("1", "aten.div.Tensor", "created", 3) and math.isnan(f.value), f
+    assert same_source(f.source, line("mean-agg")), f
+    assert f.hint.startswith("A division by a count of 0 made by a scatter (index_add)"), f.hint
+    assert "clamp(min=1)" in f.hint and "IoU" not in f.hint, f.hint
+
+
 class _Rotary(nn.Module):
     """Rotary position embedding whose positions are made in the model's dtype (float16)."""
 

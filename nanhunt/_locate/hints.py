@@ -156,6 +156,8 @@ _MASK_WRITERS = frozenset({"fill", "masked_fill", "index_put", "index_fill", "fu
 
 # ops whose values underflow to exactly 0 (and saturate to 1): a one-hot they made is a probability, not a mask
 _SATURATING = frozenset({"_softmax", "softmax", "_safe_softmax", "sigmoid", "exp"})
+# ops that add values into rows by index: a count or degree made this way is 0 for a row nothing went into
+_SCATTERS = frozenset({"index_add", "scatter_add", "scatter_reduce", "index_reduce"})
 # ops that read entries of a table by index (a noise schedule's alpha_bar[t], an embedding)
 _LOOKUPS = frozenset({"index", "gather", "index_select", "take", "embedding"})
 
@@ -737,6 +739,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "zero row or two equal rows, a covariance of fewer samples than dimensions), so a condition "
                     "number s_max / s_min or a 1 / s is x/0. Add an eps to the denominator (s_min + eps) or a ridge "
                     "term eps * I to the matrix, or penalise s_max alone (torch.linalg.matrix_norm(W, ord=2)).")
+        if fx.get("zero_over_zero") and fx.get("den_op") in _SCATTERS:
+            return (f"A division by a count of 0 made by a scatter ({fx['den_op']}): a mean aggregation over a graph "
+                    "node with no incoming edge, or a segment or group that received nothing, divides its sum over "
+                    "nothing by a count of 0 (0/0 = nan). Divide by count.clamp(min=1), or aggregate with "
+                    "scatter_reduce(..., reduce='mean', include_self=False), which leaves such rows as they were.")
         if fx.get("count_zero"):
             return ("A division by a count of 0: a sum over nothing divided by the number of its elements is 0/0 = "
                     "nan (a loss summed over its targets and divided by their count, as transformers' "
