@@ -1165,6 +1165,39 @@ def test_a_mean_over_a_nodes_in_neighbours_of_a_node_with_none_names_the_count(m
     assert "clamp(min=1)" in f.hint and "IoU" not in f.hint, f.hint
 
 
+class _MaskedGAT(nn.Module):
+    """A GAT layer's attention written by hand: a softmax over each node's incoming edges, the max per
+    node by scatter_reduce("amax"), masked edges' scores set to -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.att = nn.Linear(8, 1)
+        self.register_buffer("src", torch.tensor([0, 1, 1, 2, 3, 3]))
+        self.register_buffer("dst", torch.tensor([1, 0, 2, 1, 0, 2]))
+        self.register_buffer("keep", torch.tensor([True, True, False, True, True, False]))  # node 2: none kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, src, dst = self.lin(x), self.src, self.dst
+        e = F.leaky_relu(self.att(torch.cat([h[src], h[dst]], -1)).squeeze(-1), 0.2)
+        e = e.masked_fill(~self.keep, float("-inf"))  # @gat-mask
+        m = torch.full((x.shape[0],), float("-inf")).scatter_reduce(0, dst, e, "amax")
+        a = torch.exp(e - m[dst])
+        alpha = a / torch.zeros(x.shape[0]).index_add_(0, dst, a)[dst]
+        return torch.zeros_like(h).index_add_(0, dst, h[src] * alpha[:, None])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_scatter_softmax_over_a_node_whose_edges_are_all_masked_is_told_so(mode: str) -> None:
+    # every edge into node 2 is masked: its max is -inf and e - max[dst] = -inf - (-inf) = nan. The hint
+    # was the generic one of a -inf mask's arithmetic (p * log p, label smoothing, kl_div's target)
+    f = train_step(_MaskedGAT(), torch.randn(4, 4), mode=mode)
+    assert (f.module, f.op, f.cause, f.index[0]) == ("", "aten.masked_fill.Scalar", "created", 2), f
+    assert same_source(f.source, line("gat-mask")) and chain_ops(f.chain)[1] == "aten.sub.Tensor", f
+    assert f.hint.startswith("A softmax over each node's edges") and "every incoming edge is masked" in f.hint, f.hint
+    assert "label smoothing" not in f.hint, f.hint
+
+
 class _Rotary(nn.Module):
     """Rotary position embedding whose positions are made in the model's dtype (float16)."""
 

@@ -243,6 +243,8 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                   and r.ins[1].code is not None and bool((r.ins[0].code == 3).all(-1).any())
                   and bool((r.ins[1].code == 3).any())):  # x - logsumexp(x) or x - x.amax(): -inf - -inf
                 out["masked_row"] = "sub"
+            elif name == "sub" and mask_write(first.op) and _segment_max_sub(rec, r):
+                out["masked_row"] = "segment"
             elif name in _ATTENTION and any(i.code is not None and i.code.dim() and bool((i.code == 3).all(-1).any())
                                             for i in r.ins):  # (its mask: a row all -inf)
                 out["masked_row"] = True
@@ -284,6 +286,19 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+def _segment_max_sub(rec: Any, r: Any) -> bool:
+    """Is ``r`` (a sub) ``e - m[dst]`` with ``m`` a scatter's max per row (a scatter softmax over each
+    node's edges, a GAT's) and both -inf at one place: every edge into that node was masked?"""
+    if len(r.ins) != 2 or r.ins[0].code is None or r.ins[1].code is None:
+        return False
+    read, inp = _maker(rec, r.ins[1])
+    if read not in _LOOKUPS or inp is None or inp.prod is None:
+        return False
+    made, _ = _maker(rec, next((i for i in rec.recs[inp.prod[0]].ins if i.pos == 0), None))
+    a, b = torch.broadcast_tensors(r.ins[0].code, r.ins[1].code)
+    return made in _SCATTERS and bool(((a == 3) & (b == 3)).any())
 
 
 def _maker(rec: Any, inp: Any, through: tuple[str, ...] = ()) -> tuple[str | None, Any]:
@@ -649,6 +664,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "and its logsumexp is -inf (an anchor with no positive in a contrastive loss, a sequence with no valid "
                 "position); a loss that takes it is inf. Leave at least one position unmasked, or drop such rows from "
                 "the loss (torch.where(has_any, lse, 0.), then a mean over the rows kept).")
+    if fx.get("masked_row") == "segment":
+        return ("A softmax over each node's edges (a scatter softmax, a GAT's attention: exp(e - max[dst]) with the "
+                "max by scatter_reduce 'amax') at a node whose every incoming edge is masked with -inf: that node's "
+                "max is -inf, so e - max[dst] is -inf - (-inf) = nan. Drop the masked edges (edge_index[:, keep]) "
+                "instead of masking their scores, or mask with torch.finfo(dtype).min instead of -inf.")
     if fx.get("masked_row") == "sub":
         return ("A fully masked row normalised by a subtraction: every position of that row is -inf, so x - "
                 "logsumexp(x) (Categorical(logits=...)'s normalisation, a log_softmax by hand) or x - x.amax() is "
