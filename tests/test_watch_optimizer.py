@@ -1348,6 +1348,45 @@ def test_an_optimizer_that_stepped_earlier_in_the_round_is_not_blamed_for_the_st
     assert all(x.step == 2 and x.cause == "input" and x.op is None for x in opt if x.step <= 2), [str(x) for x in opt]
 
 
+class _MatrixFactorisation(nn.Module):
+    """A recommender's user and item tables (sparse gradients, SparseAdam) and an L2 penalty on the
+    item vectors written as sqrt(sum of squares): its gradient at a zero vector is nan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(10, 4, sparse=True)
+        self.item = nn.Embedding(12, 4, sparse=True)
+        with torch.no_grad():
+            self.item.weight[7].zero_()  # a cold-start item initialised to 0
+
+    def forward(self, u: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        ie = self.item(i)
+        return (self.user(u) * ie).sum(-1) - 0.01 * torch.sqrt((ie * ie).sum(-1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_an_unread_update_poisoned_with_nan_gradients_is_told_as_fed(mode: str) -> None:
+    # on_find="record" lets step 1 apply the nan gradient of item 7's row. Sentinel mode reads the
+    # weights every 10 steps, at close here: its finding said "created", "although the step was given
+    # finite gradients: an update that overflowed or divided by 0", though a gradient of that very
+    # step window had been recorded non-finite
+    torch.manual_seed(0)
+    model = _MatrixFactorisation()
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    with nanhunt.watch(model, opt, mode=mode, on_find="record") as hunt:
+        for step in range(3):
+            i = torch.tensor([1, 7, 3, 5] if step == 1 else [1, 2, 3, 4])
+            F.mse_loss(model(torch.tensor([1, 2, 3, 4]), i), torch.rand(4)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not bool(torch.isfinite(model.item.weight[7]).all()), "set-up: the nan gradient was applied"
+    grad = next(f for f in hunt.findings if f.phase == "grad")
+    assert (grad.module, grad.tensor, grad.step, grad.index) == ("item", "weight.grad", 1, (7, 0)), grad
+    upd = next(f for f in hunt.findings if f.phase == "optimizer")
+    assert (upd.module, upd.tensor, upd.index, upd.cause) == ("item", "weight", (7, 0), "input"), upd
+    assert "non-finite gradients" in upd.hint and "finite gradients:" not in upd.hint, upd.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("how", ["at watch()", "load_state_dict", "written before step()"])
 def test_an_optimizer_state_non_finite_before_the_update_is_the_finding_not_the_weight_it_poisons(

@@ -1513,6 +1513,8 @@ def _written_state(ctx: _Ctx, p: torch.Tensor, sk: str, t: torch.Tensor, line: s
 
 def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Finding | None:
     step, fed = entry.step, entry.fed
+    if not fed and entry.since is not None:  # read every `optimizer_every` steps: given non-finite gradients at
+        fed = entry.since < ctx.view.bad_grads_step <= step  # a step since its last reading (record or warn mode)
     rows = [(p, sk, t) for (p, sk), t, b in zip(entry.items, entry.tensors, flags) if b]
     # what was non-finite before the update (loaded so, or written by the loop's code since
     # backward) goes first: a state that carried its NaN into the parameter, not the parameter
