@@ -1165,6 +1165,33 @@ def test_a_mean_over_a_nodes_in_neighbours_of_a_node_with_none_names_the_count(m
     assert "clamp(min=1)" in f.hint and "IoU" not in f.hint, f.hint
 
 
+class _PNAScalers(nn.Module):
+    """PNA's degree scalers by hand: amplification log(deg + 1) / avg_log, attenuation avg_log / log(deg + 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 3)
+        self.register_buffer("src", torch.tensor([0, 1, 1, 2]))
+        self.register_buffer("dst", torch.tensor([1, 0, 2, 1]))  # node 3: no incoming edge
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        deg = torch.zeros(x.shape[0]).index_add_(0, self.dst, torch.ones(self.dst.shape[0]))
+        agg = torch.zeros_like(x).index_add_(0, self.dst, x[self.src])
+        amp = agg * (torch.log(deg + 1) / 1.5)[:, None]
+        att = agg * (1.5 / torch.log(deg + 1))[:, None]  # @pna-att
+        return self.lin(torch.cat([agg, amp, att], -1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_attenuation_by_the_log_of_an_isolated_nodes_degree_is_told_so(mode: str) -> None:
+    # avg_log / log(deg + 1) at a node with no edge is 1.5 / log(1) = inf (then inf * 0 = nan). The hint was
+    # the generic "dividing by a count that is 0 ... clamp(min=1) for a count": the denominator is a log
+    f = train_step(nn.Sequential(nn.Linear(4, 4), _PNAScalers()), torch.randn(4, 4), mode=mode)
+    assert (f.module, f.op, f.cause, f.index[0]) == ("1", "aten.reciprocal.default", "created", 3), f
+    assert same_source(f.source, line("pna-att")), f
+    assert f.hint.startswith("A division by a log of 1") and "log(deg.clamp(min=1) + 1)" in f.hint, f.hint
+
+
 class _MaskedGAT(nn.Module):
     """A GAT layer's attention written by hand: a softmax over each node's incoming edges, the max per
     node by scatter_reduce("amax"), masked edges' scores set to -inf."""

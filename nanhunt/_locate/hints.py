@@ -748,6 +748,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "is 0/0 = nan (an RL batch's advantages or returns that are constant, a constant feature or "
                     "channel); add an eps to the denominator, (x - x.mean()) / (x.std() + 1e-8), or skip the "
                     "normalisation for such a batch.")
+        if fx.get("den_op") in ("log", "log1p"):
+            return ("A division by a log of 1: the denominator is log(1) = 0 there (log1p(0)), as PNA's attenuation "
+                    "scaler avg_log / log(deg + 1) is at a graph node with no edge (deg 0), or a log of a count or "
+                    "length that is 1; keep what goes into the log above 1 (log(deg.clamp(min=1) + 1), as PyG's "
+                    "PNAConv does) or add an eps to the denominator.")
         if fx.get("den_op") == "sqrt":
             return ("A division by a square root of 0: the denominator is sqrt(0) there (a noise schedule's "
                     "sqrt(1 - alpha_bar) at alpha_bar = 1, its first step t = 0, or 1 / sqrt(alpha) where a "
