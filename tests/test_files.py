@@ -297,6 +297,21 @@ def test_nanhunt_run_checks_its_report_path_the_same_way(tmp_path, cli, monkeypa
     assert rc == 2 and "does not exist" in err and "ran" not in out
 
 
+def test_nanhunt_run_never_says_it_wrote_a_report_it_could_not_write(tmp_path, cli, monkeypatch) -> None:
+    """A report path that takes nothing when the run ends (a full disk; here a FIFO nobody reads):
+    `nanhunt run` said it could not write the report, then ``report written to`` that path."""
+    script = tmp_path / "s.py"
+    script.write_text("import torch\ntorch.nn.Linear(2, 2)(torch.tensor([[float('inf'), 0.0]]))\n")
+    os.mkfifo(tmp_path / "r.json")
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the report at the first finding is not written either: said)
+        rc, out, err = cli("run", "--on-find", "record", "--report", "r.json", str(script))
+    assert rc == 3 and "First" in err, err
+    assert "cannot write the report to" in err and "nobody reads" in err, err
+    assert "report written to" not in err, err
+
+
 # ---------------------------------------------------------------- report paths that are links
 def _record_a_finding(model: nn.Module, report: Any) -> None:
     hunt = nanhunt.watch(model, report=report, on_find="record")

@@ -448,6 +448,7 @@ def _cmd_run(ns: argparse.Namespace) -> int:
             report.save(report_path)
         except OSError as e:
             _err(f"cannot write the report to {report_path!r}: {e}")
+            report_path = None  # (not said to be written below)
     if report.findings:
         code = EXIT_FOUND
         if lead:
