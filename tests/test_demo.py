@@ -82,3 +82,22 @@ def test_demo_page_goes_to_the_temp_folder_by_default(tmp_path, monkeypatch):
     assert main(["demo"]) == 0
     assert got["out"] == str(tmp_path / "nanhunt-demo.html")
     assert "nanhunt-demo.html" in (Path(__file__).resolve().parents[1] / ".gitignore").read_text()
+
+
+def test_demo_that_cannot_write_its_page_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """A page path that takes nothing once the demo has run (a full disk; here a FIFO nobody reads):
+    the demo ended in a traceback from nanhunt's own report writer."""
+    from nanhunt import Finding
+    from nanhunt._cli import demo
+
+    found = Finding(phase="forward", module="blocks.0", module_type="Block", tensor="output", step=3, call=0,
+                    index=(0,), value=float("inf"), counts={"nan": 0, "+inf": 1, "-inf": 0}, shape=(1,),
+                    dtype="float16", cause="created")
+    monkeypatch.setattr(demo, "train", lambda steps, progress=None: Report([found]))
+    os.mkfifo(tmp_path / "page.html")
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err
+    assert "nanhunt: cannot write" in err and "nobody reads" in err and "Traceback" not in err, err
+    assert main(["demo", "--steps", "3", "--out", str(tmp_path / "d.html"), "--report", str(tmp_path / "page.html")]) == 2
+    err = capsys.readouterr().err
+    assert "HTML report:" in err and "nanhunt: cannot write" in err, err

@@ -179,7 +179,8 @@ def train(steps: int = 300, *, progress: Any = None) -> Any:
 
 def main(out: str | None = None, steps: int | None = None, report: str | None = None) -> int:
     """Run the demo: the report on stdout, progress on stderr, the HTML page at ``out`` (default:
-    ``nanhunt-demo.html`` in the temp folder). 0 when it caught the blow-up, 1 when it did not."""
+    ``nanhunt-demo.html`` in the temp folder). 0 when it caught the blow-up, 1 when it did not, 2 when a
+    page or report could not be written (said in one line)."""
     if out is None:
         out = os.path.join(tempfile.gettempdir(), "nanhunt-demo.html")
     if steps is None:
@@ -198,8 +199,12 @@ def main(out: str | None = None, steps: int | None = None, report: str | None = 
     if result.first is None:
         print(f"\nNo NaN/Inf in {steps} steps: the demo needs more steps to blow up.", file=err)
         return 1
-    path = result.save(out)
-    print(f"\nHTML report: {os.path.abspath(path)}", file=err)
-    if report:
-        print(f"report: {os.path.abspath(result.save(report))}", file=err)
+    for label, path in (("\nHTML report", out), ("report", report)):
+        if not path:
+            continue
+        try:  # (checked when given; a full disk, or a FIFO nobody reads, fails only now)
+            print(f"{label}: {os.path.abspath(result.save(path))}", file=err)
+        except OSError as e:
+            print(f"nanhunt: cannot write {path!r}: {e}", file=err)
+            return 2
     return 0
