@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import os
@@ -1011,3 +1012,32 @@ def test_run_m_runs_a_module_of_a_package_as_python_m_does(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "nanhunt", "run", "-m", "trainer.nosuch"],
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert missing.returncode == 2 and "no module named 'trainer.nosuch'" in missing.stderr, missing.stderr
+
+
+def test_run_reads_the_started_processes_findings_when_one_was_stopped_while_writing_them(tmp_path, monkeypatch, capsys):
+    """A started process stopped in the middle of writing its findings for the run (a second Ctrl-C,
+    torch's spawn terminating the others when one fails) left half a JSON file, and `nanhunt run`
+    ended in a JSONDecodeError traceback instead of the other processes' findings."""
+    cli_main = importlib.import_module("nanhunt._cli.main")  # (the package's `main` is the function)
+    folder = tmp_path / "spawned"
+    folder.mkdir()
+    options = {"on_find": "record", "mode": "full", "history": 32, "dist_timeout": 300.0}
+
+    def train():
+        nn.Linear(2, 2)(torch.tensor([[float("inf"), 0.0]]))
+
+    def stopped(data, fh):
+        fh.write(json.dumps(data)[:20])
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(json, "dump", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            cli_main._watched(str(folder / "spawn-0.json"), options, train)
+    cli_main._watched(str(folder / "spawn-1.json"), options, train)
+    spawned = object.__new__(cli_main._Spawned)
+    spawned.folder = str(folder)
+    report = spawned.report(Report())
+    assert [(f.phase, f.module_type, f.cause) for f in report.findings] == [("forward", "Linear", "input")]
+    assert "spawn-0" not in capsys.readouterr().err  # (no half file was left to read)
+    assert not folder.exists()

@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import runpy
 import shutil
 import sys
@@ -530,12 +531,15 @@ class _Spawned:
             kind, _, i = name.partition(".")[0].partition("-")
             return kind, int(i)
 
-        try:
-            names = sorted(os.listdir(self.folder), key=order)
+        try:  # (a process stopped while writing leaves only a temporary file of atomic_write's: not read)
+            names = sorted((n for n in os.listdir(self.folder) if _CHILD_FILE.fullmatch(n)), key=order)
             theirs = []
             for name in names:
-                with open(os.path.join(self.folder, name), encoding="utf-8") as fh:
-                    theirs.append(json.load(fh))
+                try:
+                    with open(os.path.join(self.folder, name), encoding="utf-8") as fh:
+                        theirs.append(json.load(fh))
+                except (OSError, ValueError) as e:
+                    _err(f"the findings of a started process ({name}) could not be read: {_one_line(e)}")
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         if not any(theirs):
@@ -544,6 +548,7 @@ class _Spawned:
         return Report(found, history=own.history, warnings=own.warnings, meta=own.meta)
 
 
+_CHILD_FILE = re.compile(r"(spawn|process)-[0-9]+\.json")  # what `_watched` leaves for `_Spawned.report`
 _RUNNING: Any = None  # the script's AutoWatch while `nanhunt run` runs it (a forked process inherits it)
 _LIBRARIES = ("torch", "multiprocessing", "concurrent", "nanhunt", "accelerate", "lightning", "pytorch_lightning")
 
@@ -584,9 +589,15 @@ def _watched(path: str, options: dict[str, Any], run: Any) -> Any:
         if inherited is None:
             auto.close(leaving=leaving)
         found = [f.to_dict() for f in auto.findings()[before:]]
-        if found:
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(found, fh)
+        if found:  # (atomically: a process stopped while writing, by a second Ctrl-C, leaves no half file)
+            from .._files import atomic_write
+
+            atomic_write(path, ".json", lambda tmp: _dump(found, tmp))
+
+
+def _dump(data: Any, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh)
 
 
 def _script_traceback(e: BaseException) -> None:
