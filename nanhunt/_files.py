@@ -23,6 +23,7 @@ a renderer or a rebuild.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -67,7 +68,8 @@ def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str
     stays a link); a device or a FIFO (``/dev/null``, ``/dev/stdout``) is written in place by
     ``write(path)``, never replaced by a file. The file gets the permissions ``open()`` would give
     it (0666 less the umask: 0644 usually; not the 0600 of a private temporary file); a file it
-    replaces keeps its own, but never more than a fresh file would get.
+    replaces keeps its own, but never more than a fresh file would get. A file that ``open()``
+    could not write (read-only) is refused with `PermissionError`, never replaced.
     """
     p = os.fspath(path)
     try:
@@ -83,6 +85,8 @@ def atomic_write(path: str | os.PathLike[str], suffix: str, write: Callable[[str
         write(p)  # in place, as open() would: /dev/null stays /dev/null
         return p
     target = os.path.realpath(p) if os.path.islink(p) else p  # a link is written through, never replaced
+    if st is not None and not os.access(target, os.W_OK):  # open() refuses a read-only file; a rename would not
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), p)
     folder = os.path.dirname(target) or os.curdir  # as the OS resolves it: "missing/.." is no folder
     try:
         tmp = _create(folder, suffix)

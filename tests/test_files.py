@@ -349,6 +349,26 @@ def test_a_report_path_that_is_a_link_writes_the_link_target(tmp_path, monkeypat
         nanhunt.watch(zoo.expnet(), report=tmp_path / "nowhere.json")
 
 
+def test_a_read_only_file_is_never_replaced_by_a_report(tmp_path, monkeypatch) -> None:
+    """A report path onto a file that open() may not write (chmod 444, someone else's file in a
+    folder of ours), directly or through a link: the write is refused and the file stays as it was.
+    The rename replaced it, as it needs only the folder's permission. (The test runs as root, which
+    may write anything: os.access answers as an unprivileged user's would.)"""
+    keep = tmp_path / "keep.json"
+    keep.write_text('{"precious": 1}')
+    os.chmod(keep, 0o444)
+    link = tmp_path / "latest.json"
+    link.symlink_to(keep)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: not (mode & os.W_OK and os.path.realpath(p) == str(keep))
+                        and access(p, mode, **kw))
+    for path in (keep, link):
+        with pytest.raises(PermissionError, match="Permission denied"):
+            Report([_finding()]).save(path)
+        assert keep.read_text() == '{"precious": 1}' and link.is_symlink()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".nanhunt-")] == []
+
+
 def test_a_replaced_report_is_never_more_permissive_than_a_fresh_file(tmp_path) -> None:
     report = Report([_finding()])
     path = tmp_path / "r.json"
