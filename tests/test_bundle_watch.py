@@ -56,3 +56,31 @@ def test_no_bundle_for_a_first_finding_outside_every_module_says_why(tmp_path):
             torch.log(out - out).sum()  # log(0) in the loop's own code
     assert hunt.first is not None and hunt.first.module == "<outside>"
     assert not path.exists()
+
+
+def test_a_bundle_that_cannot_be_written_names_its_path_in_the_warning_and_the_log(tmp_path, monkeypatch, caplog):
+    """A bundle whose write fails at the finding (a full disk: torch's own words are 'unexpected pos
+    3712 vs 3600'): the warning named neither the file nor the error, and the "nanhunt" logger had
+    nothing. The finding is raised as ever and no half file is left."""
+    from nanhunt._locate import bundle as bundle_mod
+
+    path = tmp_path / "first.pt"
+    model = nn.Sequential(nn.Linear(4, 8), Block())
+    with torch.no_grad():
+        model[1].norm.weight[2] = float("inf")
+
+    def full(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"PK")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3712 vs 3600")
+
+    monkeypatch.setattr(bundle_mod.torch, "save", full)
+    with pytest.warns(UserWarning, match="could not write the repro bundle") as said:
+        with pytest.raises(nanhunt.NonFiniteError) as ei:
+            with nanhunt.watch(model, bundle=path):
+                model(torch.randn(3, 4))
+    assert ei.value.finding.module == "1.norm"
+    msg = str(next(w.message for w in said if "repro bundle" in str(w.message)))
+    assert str(path) in msg and "RuntimeError" in msg, msg
+    assert any(str(path) in r.getMessage() for r in caplog.records if r.name == "nanhunt")
+    assert not path.exists() and not list(tmp_path.glob(".nanhunt-*"))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import warn_unwritten
 from .._finding import Finding
 from .._steplog import (
     PASSTHROUGH,
@@ -446,8 +447,8 @@ def _save_bundle(ctx: _Ctx, where: tuple[str, int, int, Path], f: Finding) -> No
     try:
         _bundle.save_from_top(ctx.view.bundle or "", top=ctx.log.tops[where[1]], names=ctx.names,
                               ordinal=where[2], finding=f)
-    except Exception as e:  # never break the user's run over a bundle
-        warnings.warn(f"nanhunt could not write the repro bundle: {e}", stacklevel=2)
+    except Exception as e:  # never break the user's run over a bundle; said and logged as for a report
+        warn_unwritten(f"nanhunt could not write the repro bundle to {ctx.view.bundle}: {type(e).__name__}: {e}")
 
 
 # ---------------------------------------------------------------- forward
