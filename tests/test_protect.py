@@ -950,3 +950,31 @@ def test_ctrl_c_during_the_analysis_still_puts_the_buffers_back(tmp_path: Any) -
         assert all(torch.equal(before[k], after[k]) for k in before)  # weights never updated, statistics back
         torch.save(model.state_dict(), tmp_path / "interrupted.pt")  # the user's emergency save is clean
         assert not hunt.closed
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_half_cnns_running_var_overflowing_names_float16_and_keeping_batchnorm_in_float32(mode: str) -> None:
+    # a model.half() CNN on CPU, one batch of unnormalised pixels (x 3000): the convolution's outputs stay
+    # finite in float16, their variance (past 65504) does not, and BatchNorm's running_var is inf while the
+    # step's outputs are finite. The hint spoke of a bad sample only, not of float16's range and the usual
+    # remedy (BatchNorm in float32); raise mode puts the running statistics back
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(6, 3, 8, 8, generator=g).half() for _ in range(3)]
+    xs[2] = xs[2] * 3000
+    y = torch.randint(0, 5, (6,), generator=g)
+    kept = None
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for x in xs:
+            kept = model[1].running_var.clone()
+            F.cross_entropy(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.tensor, f.step, f.cause, f.dtype) == (
+        "forward", "1", "running_var", 2, "created", "float16"), f
+    assert "running statistic" in f.hint and "float16" in f.hint and ".float() each BatchNorm" in f.hint, f.hint
+    assert torch.equal(model[1].running_var, kept)

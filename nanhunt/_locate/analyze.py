@@ -1312,7 +1312,7 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
             phase="forward", module=mname, module_type=mtype, tensor=bname, step=ctx.step,
             call=_nth_call(ctx, ti, module, 0) if module is not None and ti >= 0 else 0,
             index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t), cause="created",
-            hint=_hints.buffer_hint(bname, mtype, largest),
+            hint=_hints.buffer_hint(bname, mtype, largest, t.dtype),
         )
     return None
 

@@ -957,9 +957,16 @@ def grown_hint(grown: tuple[str, float, str] | None, updates: int | None = 1) ->
             "(torch.nn.utils.clip_grad_norm_ before step()).")
 
 
-def buffer_hint(buffer: str, module_type: str, largest: tuple[str, float] | None = None) -> str:
+# a float16 running variance passes 65504 once the values pass about 256 (a model.half() CNN)
+_HALF_NORM = (" In float16 a variance passes 65504 once the values pass about 256: keep the normalisation layers "
+              "in float32 (after model.half(), .float() each BatchNorm and cast its input), or train in float32 "
+              "under torch.autocast, which runs batch norm in float32.")
+
+
+def buffer_hint(buffer: str, module_type: str, largest: tuple[str, float] | None = None,
+                dtype: torch.dtype | None = None) -> str:
     """A buffer written non-finite by a forward whose outputs stayed finite. ``largest``: the
-    model's largest weight and its magnitude."""
+    model's largest weight and its magnitude; ``dtype``: the buffer's."""
     if (buffer.startswith("running_") or "Norm" in module_type) and largest is not None and largest[1] > HUGE_WEIGHT:
         return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: its "
                 "input held huge (but finite) values, whose variance is past the dtype's largest value, and the "
@@ -970,7 +977,7 @@ def buffer_hint(buffer: str, module_type: str, largest: tuple[str, float] | None
         return (f"The running statistic {buffer!r} overflowed while this step's outputs stayed finite: a batch "
                 "with huge (but finite) values, whose variance is past the dtype's largest value. Training goes "
                 "on, but evaluation (model.eval()) will use it: find the bad sample (watch(loader=...)), clip or "
-                "normalise the inputs.")
+                "normalise the inputs." + _HALF_NORM * (dtype is torch.float16))
     return (f"The buffer {buffer!r} became non-finite during this step's forward while its outputs stayed "
             "finite: the module wrote it in place; whatever reads it later (evaluation, the next step) gets it.")
 
