@@ -1332,3 +1332,36 @@ def test_an_inverse_of_a_singular_gram_matrix_is_told_as_singular(how: str, mode
                 if text.endswith("# @ridge") and how in text)
     assert f.source is not None and f.source.endswith(f"test_watch_forward.py:{want}"), str(f)
     assert "singular matrix" in f.hint and "lstsq" in f.hint and "masked row" not in f.hint, f.hint
+
+
+class _SEBlock(nn.Module):
+    """A strided conv, BatchNorm, a crop of the border (a 'valid' block) and a squeeze-and-excitation gate."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout)
+        self.pool, self.fc1, self.fc2 = nn.AdaptiveAvgPool2d(1), nn.Conv2d(cout, cout // 4, 1), nn.Conv2d(cout // 4, cout, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))[:, :, 1:-1, 1:-1]
+        return h * torch.sigmoid(self.fc2(F.relu(self.fc1(self.pool(h)))))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_global_pool_of_a_feature_map_of_size_0_names_images_too_small_for_the_strides(mode: str) -> None:
+    # 16 x 16 images train; a batch of 8 x 8 ones shrinks to 2 x 2 after the first block and to 0 x 0
+    # after the second, whose squeeze-and-excitation pool is then a mean over nothing, 0/0. The hint
+    # said "skip such batches, or divide by max(count, 1)", which hides the real fault: the input size
+    torch.manual_seed(0)
+    model = nn.Sequential(_SEBlock(3, 8), _SEBlock(8, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = torch.randint(0, 5, (4,))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for size in (16, 16, 8):
+            F.cross_entropy(model(torch.randn(4, 3, size, size)), y).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "1.pool", 2, "created", "aten.mean.dim"), f
+    assert "spatial size 0 (shape (4, 16, 0, 0))" in f.hint and "too small for the network's downsampling" in f.hint, f.hint
+    assert "max(count, 1)" not in f.hint, f.hint

@@ -335,6 +335,8 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
     shapes = [i.shape for i in r.ins]
     if name in ("mean", "nanmean") and any(0 in s for s in shapes):
         out["empty_mean"] = True
+        if shapes and len(shapes[0]) >= 4 and 0 not in shapes[0][:2]:  # (N, C, H, W) with no H or no W: a global pool
+            out["empty_map"] = tuple(shapes[0])
     if name.startswith(("std", "var")) and r.ins and r.outs:
         n_in = math.prod(r.ins[0].shape) if r.ins[0].shape else 1
         n_out = math.prod(r.outs[0][0]) if r.outs[0][0] else 1
@@ -693,6 +695,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
         return ("A weighted mean over zero weight: every target of the batch not ignored is of a class whose weight "
                 "(the loss's weight=) is 0, so the mean divides by a total weight of 0, 0/0 = nan; give every class "
                 "a weight > 0, or use reduction='sum' and divide by max(total weight, eps).")
+    if fx.get("empty_map"):
+        return (f"A mean over zero elements: a feature map of spatial size 0 (shape {fx['empty_map']}) averaged "
+                "(a global pool, a squeeze-and-excitation block), 0/0 = nan: the images are too small for the "
+                "network's downsampling (its strided convs, pools and crops shrank them to nothing). Feed larger "
+                "images (resize or pad them to at least the network's total stride) or use fewer downsampling stages.")
     if fx.get("all_ignored") or fx.get("empty_mean"):
         what = "every target is ignored (ignore_index)" if fx.get("all_ignored") else "the selection is empty"
         return (f"A mean over zero elements: {what}, so the mean is 0/0 = nan; skip such batches, or "
