@@ -589,5 +589,7 @@ class StepView:
     bad_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     # per (optimizer, group index): the step of its last step() and the float lr it ran with
     last_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    # per (optimizer, group index): the step() that ran with the largest finite float lr, and that lr
+    peak_lrs: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     probed_at: dict[int, int] = field(default_factory=dict)  # per optimizer: the step of its last probed update
     optimizer_every: int = 1

@@ -1487,3 +1487,31 @@ def test_the_lr_named_for_an_overflowing_update_is_the_one_its_step_ran_with(sch
     f = ei.value.finding
     assert (f.phase, f.tensor, f.step, f.cause) == ("optimizer", "weight", 1, "created"), str(f)
     assert f"its lr is {lrs[1]:.3g}" in f.hint, (f.hint, lrs)
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_warm_up_that_starts_at_a_huge_lr_names_that_steps_lr_not_the_lr_of_now(mode: str, nesterov: bool) -> None:
+    """A warm-up bug: the schedule gives 1e38 times the base lr at step 0 and the base lr after. That
+    one update makes the last Linear's weights ~1e36, and step 1's forward overflows in it. The hint
+    said "with SGD lr=0.1: grown step after step", the lr of now, which is not the one to fix."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten(), nn.Linear(8, 5))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=nesterov, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1e38 if s == 0 else 1.0)
+    g = torch.Generator().manual_seed(1)
+    before = None
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        for _ in range(4):
+            x, y = torch.randn(8, 3, 8, 8, generator=g) * 10, torch.randint(0, 5, (8,), generator=g)
+            before = snapshot(m)
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "5", 1, "created", "aten.addmm.default"), f
+    assert "with SGD lr=0.1 now), and step 0's step() ran with lr=1e+37" in f.hint, f.hint
+    assert "grown step after step" not in f.hint, f.hint
+    assert same_state(snapshot(m), before)

@@ -1317,18 +1317,24 @@ def _buffer_finding(ctx: _Ctx, entry: Buffers, flags: list[bool]) -> Finding | N
     return None
 
 
-def _grown(ctx: _Ctx) -> tuple[str, float, str] | None:
+def _grown(ctx: _Ctx) -> tuple[str, float, str, tuple[int, float] | None] | None:
     """The watched model's largest weight when it is huge (past `hints.HUGE_WEIGHT`: grown by the
-    updates), with its optimizer and lr as "SGD lr=2" ("" when no watched optimizer holds it)."""
+    updates), with its optimizer and lr as "SGD lr=2" ("" when no watched optimizer holds it), and
+    the step and lr of its group's largest lr so far when that was 1 or more and far larger (a
+    warm-up that began at 1e38: the schedule has brought the lr down since)."""
     largest = _largest_weight_up_to(ctx.view.root, None)
     if largest is None or largest[1] <= _hints.HUGE_WEIGHT:
         return None
     p = ctx.view.root.get_parameter(largest[0]) if ctx.view.root is not None else None
-    for opt in ctx.view.optimizers:
-        for g in opt.param_groups:
+    for i, opt in enumerate(ctx.view.optimizers):
+        for gi, g in enumerate(opt.param_groups):
             if any(q is p for q in g["params"]) and isinstance(g.get("lr"), (int, float)):
-                return largest[0], largest[1], f"{type(opt).__name__} lr={float(g['lr']):g}"
-    return largest[0], largest[1], ""
+                lr = float(g["lr"])
+                peak = ctx.view.peak_lrs.get((i, gi))
+                # (an lr of 1 or more: a schedule that decayed 0.1 to 1e-5 has no step to name)
+                return (largest[0], largest[1], f"{type(opt).__name__} lr={lr:g}",
+                        peak if peak is not None and peak[1] >= 1.0 and peak[1] > 100 * abs(lr) else None)
+    return largest[0], largest[1], "", None
 
 
 def _largest_weight_up_to(root: nn.Module | None, mname: str | None) -> tuple[str, float] | None:

@@ -943,13 +943,14 @@ def outside_param_hint(name: str) -> str:
             "that holds both (or run the script under `nanhunt run`) to have the op and its line.")
 
 
-def grown_hint(grown: tuple[str, float, str] | None, updates: int | None = 1) -> str:
+def grown_hint(grown: tuple[str, float, str, tuple[int, float] | None] | None, updates: int | None = 1) -> str:
     """The sentence added to a forward finding born from finite values when the model's weights are
-    huge: `analyze._grown`'s (name, magnitude, "SGD lr=2"). ``updates``: the watched optimizers'
-    step() calls so far (None: no optimizer watched); none: the weights were that large already."""
+    huge: `analyze._grown`'s (name, magnitude, "SGD lr=2", (step, lr) of a far larger lr earlier).
+    ``updates``: the watched optimizers' step() calls so far (None: no optimizer watched); none: the
+    weights were that large already."""
     if grown is None:
         return ""
-    name, big, lr = grown
+    name, big, lr, peak = grown
     if updates == 0:
         return (f" The model's weights are huge ({name!r} reaches {big:.3g}) before any update of the watch: they "
                 "were loaded, initialised or trained this large before it, not grown by its steps; check the "
@@ -958,6 +959,11 @@ def grown_hint(grown: tuple[str, float, str] | None, updates: int | None = 1) ->
         return (f" The model's weights are huge ({name!r} reaches {big:.3g}); no optimizer is watched, so whether "
                 "training grew them (a learning rate too large: lower it, or clip the gradients) or they were "
                 "loaded this large (check the checkpoint) is not known.")
+    if peak is not None:
+        return (f" The model's weights are huge ({name!r} reaches {big:.3g}, with {lr} now), and step {peak[0]}'s "
+                f"step() ran with lr={peak[1]:g}, far above it: an lr that large blows the weights up in a few "
+                "updates (a warm-up or schedule that starts at, or jumps to, a huge value: check what it computes "
+                "at that step); fix the schedule, or clip the gradients (torch.nn.utils.clip_grad_norm_ before step()).")
     lr = f", with {lr}" if lr else ""
     return (f" The model's weights are huge ({name!r} reaches {big:.3g}{lr}): grown step after step, which "
             "points to a learning rate (or lr * weight_decay) too large; lower it, or clip the gradients "

@@ -115,6 +115,7 @@ __all__ = ["Hunt", "NonFiniteWarning"]
 _logger = logging.getLogger("nanhunt")
 
 _NO = object()
+_NO_PEAK = (-1, float("-inf"))  # (no lr noted yet: see Hunt._peak_lrs)
 _F32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
@@ -294,6 +295,9 @@ class Hunt:
         # per (optimizer, group): the step of its last step() and the float lr it ran with (the schedule
         # has moved it on by the time a sampled reading finds the weights that step overflowed)
         self._last_lrs: dict[tuple[int, int], tuple[int, float]] = {}
+        # per (optimizer, group): the step() that ran with the largest finite float lr so far, and that lr
+        # (a warm-up that starts at 1e3: the schedule has brought it down by the time the weights overflow)
+        self._peak_lrs: dict[tuple[int, int], tuple[int, float]] = {}
         self.judging_since = 0  # when the step judged last began (`_hooks.tick`; 0: no call in it)
         self._root: nn.Module | None = model
         self._opts: list[torch.optim.Optimizer] = opts
@@ -2082,6 +2086,8 @@ class Hunt:
                 self._last_lrs[(i, gi)] = (step, lr)
                 if lr - lr != 0:  # inf or nan (the scheduler steps after this)
                     self._bad_lrs[(i, gi)] = (step, lr)
+                elif lr > self._peak_lrs.get((i, gi), _NO_PEAK)[1]:
+                    self._peak_lrs[(i, gi)] = (step, lr)
         ps = [p for g in opt.param_groups for p in g["params"]]
         self._after_step[i] = (ps, list(map(_VERSION, ps)))  # (C-level: a dict built here cost ~20 us a step)
         self._judged.discard(i)
@@ -2619,6 +2625,7 @@ class Hunt:
             step_of=dict(self._step_of),
             bad_lrs=dict(self._bad_lrs),
             last_lrs=dict(self._last_lrs),
+            peak_lrs=dict(self._peak_lrs),
             probed_at=dict(self._probed_at),
             optimizer_every=self._optimizer_every,
         )
