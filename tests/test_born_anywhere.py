@@ -2107,6 +2107,25 @@ def test_a_log_of_a_zero_ground_truth_width_in_loss_code_names_the_target_encodi
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_of_a_mixup_lam_of_exactly_1_names_the_lam_not_a_box_target(mode: str) -> None:
+    """Mixup's lam = np.random.beta(a, a) is exactly 1.0 now and then for a small a (more often as a
+    float32): a loss that weighs a term by -log(1 - lam) is -inf there. The hint spoke of a box
+    regression target log(w_gt / w_anchor) and of dropping such boxes: there is no box, only the lam."""
+    lams = [0.3, 1.0]
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        lam = torch.tensor(lams[step])
+        perm = torch.arange(5, -1, -1)
+        return lam * F.cross_entropy(out, y) - torch.log(1 - lam) * F.cross_entropy(out, y[perm])  # @mixup-log
+
+    f = run_steps(model(), loss_fn, steps=2, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause, f.step, f.value) == (
+        "forward", "<outside>", "aten.log.default", "created", 1, -math.inf), f
+    assert same_source(f.source, line("mixup-log")), f.source
+    assert "a scalar coefficient of the loop (mixup's" in f.hint and "box" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_condition_number_of_a_rank_deficient_weight_names_its_singular_value_of_0(mode: str) -> None:
     """A condition-number regulariser s_max / s_min on the first layer's weight, one of whose columns is
     0: its smallest singular value is 0, the term inf. The hint was the generic "dividing by a count that is

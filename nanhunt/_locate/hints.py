@@ -725,6 +725,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "about -104 in float32) that it is 0 (a log_std or log-variance head that fell that far, exp'd into a "
                 "Normal's scale: Normal(loc, scale).log_prob takes log(scale)). Clamp the exponent before exp "
                 "(log_std.clamp(-20, 2), as SAC does), or use it directly where its log is needed (log(exp(x)) = x).")
+    if fx.get("log_zero") and fx.get("log_scalar"):
+        return (f"Log of exactly 0 of a single number computed outside the model: {op}'s input, a scalar "
+                "coefficient of the loop (mixup's or cutmix's lam = np.random.beta(a, a) is exactly 0 or 1 for a "
+                "small a, more often once cast to float32: log(lam) or log(1 - lam) is -inf) or a count that is 0, "
+                "is 0. Clip it (lam = min(max(lam, eps), 1 - eps); a count: clamp(min=1)) or leave out the term it "
+                "weighs when it is 0.")
     if fx.get("log_zero") and fx.get("log_data"):
         return (f"Log of exactly 0 in a value computed from the data alone, not from the model's outputs: {op}'s "
                 "input is 0 there (a box regression target log(w_gt / w_anchor) of a ground-truth box of width or "

@@ -355,6 +355,8 @@ def forward_origin(recs: list[OutRec], ri: int, j: int,
         if (facts.get("log_zero") and first.op.split(".")[1:2] == ["log"] and first.call is not None
                 and id(first.call[1][0]) not in rec.graded and any(o.requires_grad for r in recs for o in _outs(r))):
             facts["log_data"] = True  # loss code that trains the model, this log of nothing it made: a target from the data
+            if getattr(first.call[1][0], "ndim", None) == 0:
+                facts["log_scalar"] = True  # one number: a coefficient of the loop's (mixup's lam), no target
         return OpOrigin(first.op, first.src, _chain(rec, got), facts), facts
     except Exception:
         return None, facts
