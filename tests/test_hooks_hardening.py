@@ -885,6 +885,34 @@ def test_a_child_run_on_non_finite_adapted_weights_inside_the_forward_names_them
     assert "'net.0.weight', given to torch.func.functional_call" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_overflow_on_fast_weights_an_inner_learning_rate_blew_up_names_them_not_the_outer_lr(mode: str) -> None:
+    # MAML with an inner learning rate gone wrong: the inner updates p - lr * g make fast weights
+    # of 1e20 and more, the query's Linear overflows. The hint said "a lower learning rate", which
+    # sends the user to the outer optimizer, whose weights are small: the fast weights are the cause
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(6):
+            a, ph = torch.rand(1, generator=g) * 4 + 0.1, torch.rand(1, generator=g) * 3  # a sine task
+            xs, xq = torch.rand(10, 1, generator=g) * 10 - 5, torch.rand(10, 1, generator=g) * 10 - 5
+            ys, yq = a * torch.sin(xs + ph), a * torch.sin(xq + ph)
+            fast = dict(model.named_parameters())
+            for _ in range(3):
+                gs = torch.autograd.grad((functional_call(model, fast, (xs,)) - ys).pow(2).mean(),
+                                         list(fast.values()), create_graph=True)
+                fast = {n: p - 0.01 * 10 ** step * gr for (n, p), gr in zip(fast.items(), gs)}
+            (functional_call(model, fast, (xq,)) - yq).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.cause, f.op) == ("forward", "created", "aten.addmm.default"), f
+    assert "given through torch.func.functional_call are huge" in f.hint and "inner learning rate" in f.hint, f.hint
+    assert "weights are huge" not in f.hint, f.hint  # (the model's own are not)
+
+
 class _Amplified(torch.Tensor):
     """A subclass whose linear is 1e30 times larger (a scaled tensor type): its semantics matter."""
 

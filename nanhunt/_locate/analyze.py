@@ -429,7 +429,9 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         hint = _hints.unreplayed_forward_hint(ctx.view.sharded, f.op)
     if f.phase == "forward" and f.cause == "created" and "lr=" not in hint and "weights are huge" not in hint:
         # (whatever op it was born in: the values were huge; an overflow's "a lower learning rate" names no weight or lr)
-        hint += _hints.grown_hint(_grown(ctx), ctx.view.steps_applied if ctx.view.optimizers else None)
+        given_big = _given_huge(ctx, where)
+        hint += (_hints.given_huge_hint(*given_big) if given_big else
+                 _hints.grown_hint(_grown(ctx), ctx.view.steps_applied if ctx.view.optimizers else None))
     evaluation = where is not None and where[0] == "forward" and 0 <= where[1] < len(ctx.log.tops) and _evaluation(
         ctx.log.tops[where[1]])
     f = dataclasses.replace(f, hint=hint, rank=ctx.view.rank, evaluation=evaluation)
@@ -1335,6 +1337,21 @@ def _grown(ctx: _Ctx) -> tuple[str, float, str, tuple[int, float] | None] | None
                 return (largest[0], largest[1], f"{type(opt).__name__} lr={lr:g}",
                         peak if peak is not None and peak[1] >= 1.0 and peak[1] > 100 * abs(lr) else None)
     return largest[0], largest[1], "", None
+
+
+def _given_huge(ctx: _Ctx, where: tuple[str, int, int, Any] | None) -> tuple[str, float] | None:
+    """The largest floating tensor that ``torch.func.functional_call`` gave the failing call in place
+    of the module's own, when it is huge (past `hints.HUGE_WEIGHT`) and none of the model's own is:
+    fast weights a meta-learning inner loop (p - lr * g) blew up."""
+    if where is None or not ctx.log.tops[where[1]].reparam or _grown(ctx) is not None:
+        return None
+    best: tuple[str, float] | None = None
+    for k, t in given(ctx.log.tops[where[1]])[0].items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and not is_bad(t):
+            v = float(t.detach().abs().max())
+            if v > _hints.HUGE_WEIGHT and (best is None or v > best[1]):
+                best = (k, v)
+    return best
 
 
 def _largest_weight_up_to(root: nn.Module | None, mname: str | None) -> tuple[str, float] | None:

@@ -1029,6 +1029,15 @@ def given_hint(name: str) -> str:
             "look at the code that built that dict of parameters (a meta-learning inner step, an EMA copy).")
 
 
+def given_huge_hint(name: str, big: float) -> str:
+    """The sentence added to a forward finding born from finite values in a call given huge tensors
+    through ``torch.func.functional_call`` while the model's own weights are not."""
+    return (f" The weights this call was given through torch.func.functional_call are huge ({name!r} reaches "
+            f"{big:.3g}) while the model's own are not: the code that built that dict made them, a meta-learning "
+            "inner update (p - inner_lr * g) whose inner learning rate or number of inner steps is too large; lower "
+            "the inner learning rate, or clip the inner gradients (the outer optimizer's lr is not the one).")
+
+
 def carried_hint(what: str) -> str:
     """A tensor an earlier finding already showed non-finite: nothing since made it finite again."""
     return (f"{_cap(what)} has been non-finite since an earlier finding (the hunt's first finding says where "
