@@ -370,6 +370,7 @@ class StepLog:
         self.seeds: list[tuple[Any, Any, str | None]] = []  # (args, kwargs, line) of each backward() there
         self.grads_out: list[Any] = []  # weakrefs to what torch.autograd.grad returned there (gradients)
         self.second_order = False  # one of them with create_graph=True: a backward() through it takes second derivatives
+        self.cut = False  # judged as the root's next call begins (no step()): that call runs on the weights as they are now
 
     def __len__(self) -> int:
         return len(self.sums) + len(self.vectors)
@@ -540,6 +541,7 @@ class StepLog:
         self.seeds.clear()
         self.grads_out.clear()
         self.second_order = False
+        self.cut = False
 
 
 

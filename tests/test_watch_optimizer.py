@@ -437,15 +437,18 @@ class _SAM(torch.optim.Optimizer):
         self.zero_grad()
 
 
-def test_sam_watched_through_its_wrapper_counts_the_base_optimizers_steps() -> None:
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_sam_watched_through_its_wrapper_counts_the_base_optimizers_steps(mode: str) -> None:
     # watch(model, sam): the batch at step 2 already has zero loss (a margin loss), ||g|| = 0 and
     # first_step's rho / ||g|| is inf (inf * 0 = nan in the weights). The finding said step 0: the
-    # wrapper nanhunt hooked never steps, its base optimizer does
+    # wrapper nanhunt hooked never steps, its base optimizer does. Sentinel mode judges the step as the
+    # second pass begins (first_step's zero_grad): its replay of the first pass ran on the weights
+    # first_step had just written NaN into and named that finite call, cause "parameter"
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
     sam = _SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, sam):
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, sam, mode=mode):
         for i in range(5):
             x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
             if i == 2:

@@ -137,12 +137,13 @@ class _Ctx:
         calls of one step: the GAN's discriminator called for the generator's loss first): a
         replay would run it on them, not on what it ran with, and blame it for the later call's
         NaN. (Written after the step's last call, before step(): the replay on them is what
-        names the weight.)"""
+        names the weight. Judged as the root's next call begins, `StepLog.cut`: that call is the
+        later one, SAM's second pass after its perturbation p += rho * g / ||g|| wrote NaN.)"""
         if self._written == -1:
             root = self.view.root
             self._written = _outside.written_at(self.log, [*root.parameters(), *root.buffers()]) if root is not None else None
         w = self._written
-        return w is not None and top.outside_at <= w and any(t.outside_at > w for t in self.log.tops)
+        return w is not None and top.outside_at <= w and (self.log.cut or any(t.outside_at > w for t in self.log.tops))
 
     def fresh(self) -> dict[int, None]:
         """At the first step, before any update: the parameters that were finite when it began.

@@ -1069,6 +1069,7 @@ class Hunt:
             log.root_calls += 1
         elif (cap and len(log) > _MAX_ENTRIES and not self.distributed) or (
                 module is self._root and self._iteration_over(log)):
+            log.cut = module is self._root  # (a root call about to run: see _Ctx.written_after)
             self._end_iteration(log)
             if self._closed:
                 return None
