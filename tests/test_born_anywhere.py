@@ -1245,6 +1245,36 @@ def test_a_gradient_penalty_whose_second_derivative_is_infinite_names_the_second
     assert "second-order" in f.hint and "create_graph=True" in f.hint, f.hint
 
 
+class _NormPool(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(h - h.mean(1, keepdim=True), dim=1, keepdim=True)  # a spread pooling
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_penalty_through_a_norm_of_a_zero_vector_in_the_model_names_the_norm(mode: str) -> None:
+    """WGAN-GP over a critic that pools by the norm of its centred features: a sample whose features
+    are all equal (a constant row) makes that norm's input exactly zero. Its first derivative there is
+    0 (the input gradient is finite), its second 0/0: the penalty's backward makes NaN in the first
+    layer's weight gradient. The hint named only |x| ** p, no word of a norm, the usual culprit."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _NormPool(), nn.Linear(1, 1))
+    with torch.no_grad():
+        critic[0].weight[:, 1:] = 0.0
+        critic[0].weight[:, 0] = 1.0
+        critic[0].bias.zero_()  # every feature of a sample equal: the centred row is all 0
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-4)
+    real = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(critic, opt, mode=mode):
+        x = real.clone().requires_grad_(True)
+        grad, = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        assert bool(grad.isfinite().all())
+        (critic(real).mean() + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()).backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause) == ("grad", "0", 0, "created"), f
+    assert "second-order" in f.hint and "norm of a zero vector" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("xlogy", [torch.xlogy, torch.special.xlogy])
 def test_an_entropy_by_xlogy_at_a_zero_probability_has_a_hint_of_its_own(xlogy: Any) -> None:
     """An entropy bonus xlogy(p, p) over a saturated softmax (exact zeros): its gradient in the

@@ -917,8 +917,11 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
             return ("The gradient became non-finite in a second-order backward, though every module's gradients were "
                     "finite: torch.autograd.grad(create_graph=True) (a gradient penalty) made a graph of the model's "
                     "derivatives, and backward() through it takes second derivatives, infinite where the first is "
-                    "finite (x.abs() ** p with 1 < p < 2 at 0): inf * 0 in a weight gradient. "
-                    "torch.autograd.detect_anomaly() names that op; make it smooth there (add an eps).")
+                    "finite (x.abs() ** p with 1 < p < 2 at 0) or 0/0 (a norm of a zero vector inside the model, "
+                    "x.norm() or torch.linalg.vector_norm of an all-zero row: its first derivative is 0 there, its "
+                    "second is not defined): inf * 0 in a weight gradient. "
+                    "torch.autograd.detect_anomaly() names that op; make it smooth there (add an eps: "
+                    "(x.pow(2).sum(-1) + eps).sqrt() for a norm).")
         if fx.get("backwards") == 1:  # (one backward() in the step: nothing was summed)
             return ("The gradient became non-finite in the step's one backward, though every module's "
                     "gradients were finite: inf * 0 in a weight gradient, a gradient written after backward, or a "
