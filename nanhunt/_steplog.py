@@ -585,6 +585,9 @@ class StepView:
     # and per finding returned, (leading size, rows) of the non-finite values of the op that created it,
     # or of the gradient a replay made for it (or None)
     born_rows: list[tuple[int, list[int]] | None] = field(default_factory=list)
+    # and per finding returned, the index in `StepLog.tops` of the top-level call (micro-batch) whose
+    # forward or backward made it, where the analysis placed it there (or None)
+    born_tops: list[int | None] = field(default_factory=list)
     step_clocks: dict[int, int] = field(default_factory=dict)  # per optimizer: when its last step() ended (`_hooks.tick`)
     step_of: dict[int, int] = field(default_factory=dict)  # per optimizer: the training step of its last step()
     # per (optimizer, group index): the last step() that ran with a non-finite float lr, and that lr

@@ -252,3 +252,32 @@ def test_an_inference_loop_names_the_batch_that_holds_the_nan_not_the_one_before
     f = hunt.first
     assert f is not None and (f.phase, f.module, f.cause, f.step, f.samples) == ("forward", "fc1", "input", 1, (13,)), f
     assert hunt.report.bad_samples == [13]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("mechanism", ["sqrt's gradient at 0", "NaN feature"])
+def test_accumulated_micro_batch_names_its_own_samples_not_the_last_ones(mode: str, mechanism: str) -> None:
+    """Four micro-batches a step, the 3rd one's record 9 bad: a gradient born in its backward (both
+    modes), and a forward finding in sentinel mode, named the rows of the step's last micro-batch
+    (record 13) as the bad samples: README's Subset recipe dropped a healthy record, kept the bad one."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    if mechanism == "NaN feature":
+        x[9, 0] = float("nan")
+    else:
+        x[9, 2:] = x[9, :2]  # equal halves: a distance of exactly 0
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model = zoo.distnet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        with nanhunt.watch(model, opt, mode=mode, loader=loader):
+            for i, (xb, yb) in enumerate(loader):
+                (F.mse_loss(model(xb), yb) / 4).backward()
+                if i % 4 == 3:
+                    opt.step()
+                    opt.zero_grad()
+    f = ei.value.finding
+    # (proj runs twice a micro-batch: its 3rd micro-batch's first call is its call 4)
+    expected = ("forward", "proj", 4) if mechanism == "NaN feature" else ("backward", "dist", 2)
+    assert (f.phase, f.module, f.call, f.step) == (*expected, 0), f
+    assert f.samples == (9,) and ei.value.report.bad_samples == [9], f

@@ -86,6 +86,7 @@ class _Ctx:
         self.out_recs: dict[int, int] = {}  # per outside finding: its torch call (StepLog.outside)
         self.clocks: dict[int, int] = {}  # per finding, when its value was made where no entry says (`_occurred`)
         self.born_rows: dict[int, tuple[int, list[int]]] = {}  # per finding: its creator op's (or its replayed gradient's) non-finite rows
+        self.born_tops: dict[int, int] = {}  # per backward finding a replay made: its top-level call's index
 
     def sentinel_findings(self) -> list[Finding]:
         """`_sentinel_findings`, made once (asked first by a gradient at a root output, then to
@@ -298,6 +299,7 @@ def analyze(view: StepView) -> list[Finding]:
     view.occurred[:] = [_occurred(ctx, f) for f in out]
     found = [_users_class(ctx, _with_op(_finish(ctx, f), ops)) for f in out]
     view.born_rows[:] = [ctx.born_rows.get(id(f)) for f in out]
+    view.born_tops[:] = [w[1] if (w := ctx.where.get(id(f))) is not None else ctx.born_tops.get(id(f)) for f in out]
     # (a gradient received through the reduction is another rank's finding: `dist.judge` drops it)
     f0 = next((f for f in found if not (view.received and f.phase == "grad")), None)
     if view.bundle and f0 is not None and not ctx.bundled:
@@ -986,7 +988,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
             source=_nodes.hook_line(hooks[0]), reproducible=True,
         )
         ctx.facts[id(f)] = {"tensor_hook": _nodes.hook_names(hooks)}
-        _keep_rows(ctx, f, grad)
+        _keep_rows(ctx, f, grad, top_i)
         return f
     if rc.params_bad:
         cause = "parameter"
@@ -1000,7 +1002,7 @@ def _backward_from_replay(ctx: _Ctx, top_i: int, r: Replay | None) -> Finding | 
         shape=shape_of(grad), dtype=dtype_name(grad), cause=cause, reproducible=True,
     )
     ctx.where[id(f)] = ("backward", top_i, rc.ordinal, path)
-    _keep_rows(ctx, f, grad)
+    _keep_rows(ctx, f, grad, top_i)
     if cause == "input":
         ctx.facts[id(f)] = {"saved_bad": True, "fed_bad": _fed_bad(ctx.log.tops[top_i])}  # (for the hint: the forward held the value, see nodes._saved_bad)
     return f
@@ -1155,7 +1157,7 @@ def _node_finding(ctx: _Ctx, top_i: int, grads: list[torch.Tensor | None] | None
         if e is not None:
             f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     ctx.facts[id(f)] = {**b.facts, "fed_bad": True} if b.facts.get("saved_bad") and _fed_bad(top) else b.facts
-    _keep_rows(ctx, f, b.grad)
+    _keep_rows(ctx, f, b.grad, top_i)
     return f
 
 
@@ -1167,6 +1169,8 @@ def _moved(ctx: _Ctx, f: Finding, **changes: Any) -> Finding:
         ctx.facts[id(g)] = ctx.facts.pop(id(f))
     if id(f) in ctx.born_rows:
         ctx.born_rows[id(g)] = ctx.born_rows.pop(id(f))
+    if id(f) in ctx.born_tops:
+        ctx.born_tops[id(g)] = ctx.born_tops.pop(id(f))
     return g
 
 
@@ -1176,11 +1180,14 @@ def _forget(ctx: _Ctx, f: Finding | None) -> None:
     if f is not None:
         ctx.facts.pop(id(f), None)
         ctx.born_rows.pop(id(f), None)
+        ctx.born_tops.pop(id(f), None)
 
 
-def _keep_rows(ctx: _Ctx, f: Finding, grad: torch.Tensor) -> None:
+def _keep_rows(ctx: _Ctx, f: Finding, grad: torch.Tensor, top_i: int) -> None:
     """The rows of a gradient a replay made (the log does not hold it) that hold non-finite values:
-    the samples that made it (`StepView.born_rows`), every one, not only the first element's."""
+    the samples that made it (`StepView.born_rows`), every one, not only the first element's; and
+    the top-level call whose backward made it (`StepView.born_tops`: a micro-batch's, not the last)."""
+    ctx.born_tops[id(f)] = top_i
     if grad.dim() and grad.layout is torch.strided:
         ctx.born_rows[id(f)] = (int(grad.shape[0]), (~torch.isfinite(grad)).reshape(grad.shape[0], -1).any(1)
                                 .nonzero().flatten().tolist())

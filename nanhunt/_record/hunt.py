@@ -2349,7 +2349,7 @@ class Hunt:
                                           received=d is not None and bool(agreed[1]) and not (agreed[2] or agreed[3]))
                         found = locate(view)
                     if batches is not None and self._batches is not None:
-                        found = self._batches.fill(found, log, batches, view.born_rows)
+                        found = self._batches.fill(found, log, batches, view.born_rows, view.born_tops)
                     if len(view.occurred) == len(found):  # when each value was made (see `occurred`)
                         made = {id(f): c for f, c in zip(found, view.occurred) if c}
                 except Exception as e:  # the other ranks still wait for this rank's findings

@@ -174,18 +174,22 @@ class LoaderIndices:
 
     # ------------------------------------------------------------------ after a hit
     def fill(self, found: Sequence[Finding], log: StepLog, tops: list[Batch | None],
-             born: Sequence[tuple[int, list[int]] | None] = ()) -> list[Finding]:
+             born: Sequence[tuple[int, list[int]] | None] = (),
+             born_tops: Sequence[int | None] = ()) -> list[Finding]:
         """``Finding.samples`` for the findings of one step (host reads allowed: after a hit);
-        ``born``: per finding, the rows of the op that created its value (`StepView.born_rows`)."""
+        ``born``: per finding, the rows of the op that created its value (`StepView.born_rows`);
+        ``born_tops``: per finding, the top-level call that made it (`StepView.born_tops`)."""
         born = born if len(born) == len(found) else [None] * len(found)
-        return [_with_samples(f, log, tops, b) for f, b in zip(found, born)]
+        born_tops = born_tops if len(born_tops) == len(found) else [None] * len(found)
+        return [_with_samples(f, log, tops, b, t) for f, b, t in zip(found, born, born_tops)]
 
 
 def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None],
-                  born: tuple[int, list[int]] | None = None) -> Finding:
+                  born: tuple[int, list[int]] | None = None, top: int | None = None) -> Finding:
     if f.phase not in ("forward", "backward", "check") or not tops:
         return f
-    ti = _top_of(f, log, len(tops))
+    # the micro-batch the analysis placed it in (a backward's, a sentinel forward's), else by the log
+    ti = top if top is not None and 0 <= top < len(tops) else _top_of(f, log, len(tops))
     batch = tops[ti]
     if not batch:
         return f
