@@ -281,3 +281,29 @@ def test_accumulated_micro_batch_names_its_own_samples_not_the_last_ones(mode: s
     expected = ("forward", "proj", 4) if mechanism == "NaN feature" else ("backward", "dist", 2)
     assert (f.phase, f.module, f.call, f.step) == (*expected, 0), f
     assert f.samples == (9,) and ei.value.report.bad_samples == [9], f
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_accelerates_prepared_loader_names_the_bad_samples(mode: str) -> None:
+    """accelerate's prepare(loader) gives a DataLoaderShard that iterates a DataLoader of its own,
+    one batch ahead of what it yields: watch(loader=prepared) named no sample at all (its own sampler
+    and iterator are never used). The last batch (yielded after the inner loader ran out) too."""
+    accelerate = pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 6, generator=g), torch.randint(0, 3, (40,), generator=g)
+    bad = [5, 17, 38]  # batches 1, 4 and 9, the last
+    x[bad, 1] = float("nan")
+    acc = accelerate.Accelerator(cpu=True)
+    model = zoo.bnmlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4))
+    with nanhunt.watch(model, opt, mode=mode, on_find="skip", loader=loader) as hunt:
+        for xb, yb in loader:
+            acc.backward(F.cross_entropy(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+    assert hunt.skipped == [1, 4, 9] and hunt.report.bad_samples == bad
+    assert [f.samples for f in hunt.findings if f.phase == "forward"] == [(5,), (17,), (38,)]
+    inner = loader.base_dataloader  # nothing of nanhunt's is left on it
+    assert type(inner.batch_sampler).__name__ == "BatchSampler" and "_get_iterator" not in vars(inner)

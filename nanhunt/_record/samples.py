@@ -9,8 +9,11 @@ order (``in_order=True``, the default), so the queue's order is the delivery ord
 put back at ``close()``. A batch the loader did not deliver (``itertools.cycle(loader)``'s replays
 of its first pass, a cached list) has no samples once a step worked on the last delivered one,
 unless the call is given that batch's own tensors. A persistent workers' iterator from an earlier
-epoch is subclassed at ``watch()`` (its next pass draws from the wrapped sampler). Not covered: any
-other iterator made before ``watch()``, ``in_order=False``, iterable datasets (no indices).
+epoch is subclassed at ``watch()`` (its next pass draws from the wrapped sampler). accelerate's
+prepared loader (``DataLoaderShard``) iterates a DataLoader of its own (``base_dataloader``), one
+batch ahead of what it yields (to know the last one): that loader is the one recorded, each batch
+taken as received when the next one is fetched, or the pass ends. Not covered: any other iterator
+made before ``watch()``, ``in_order=False``, iterable datasets (no indices).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class _Recording:
     def __iter__(self) -> Iterator[Any]:
         queue = self._nanhunt_owner.queue
         queue.clear()  # a new pass: whatever an abandoned iterator fetched ahead is gone
+        self._nanhunt_owner.held = None
         single = self._nanhunt_single
         for b in self._nanhunt_inner:
             queue.append(_batch([b] if single else b))
@@ -71,8 +75,14 @@ def _recording_iterator(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         def __next__(self: Any) -> Any:
-            out = cls.__next__(self)  # type: ignore[attr-defined]
             ref = getattr(self, "_nanhunt_indices", None)
+            try:
+                out = cls.__next__(self)  # type: ignore[attr-defined]
+            except StopIteration:
+                owner = ref() if ref is not None else None
+                if owner is not None and owner.held is not None:  # accelerate yields the batch it held
+                    owner.delivered(None, ended=True)
+                raise
             owner = ref() if ref is not None else None
             if owner is not None:
                 owner.delivered(out)
@@ -90,6 +100,11 @@ class LoaderIndices:
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):
             raise TypeError(f"loader must be a torch.utils.data.DataLoader; got {type(loader).__name__}")
+        base = loader.__dict__.get("base_dataloader")  # accelerate's prepared loader: see the module docstring
+        self._ahead = isinstance(base, DataLoader)
+        if isinstance(base, DataLoader):
+            loader = base
+        self.held: tuple[Batch | None, Any] | None = None  # (accelerate) fetched, not yet yielded to the loop
         self.queue: collections.deque[Batch | None] = collections.deque()
         self.last: Batch | None = None  # the batch the loop received last
         self._last_tensors: list[weakref.ref[torch.Tensor]] = []  # its tensors, as the loader returned them
@@ -121,8 +136,14 @@ class LoaderIndices:
         it._nanhunt_indices = weakref.ref(self)
         self._iters.add(it)
 
-    def delivered(self, batch: Any = None) -> None:
-        self.last = self.queue.popleft() if self.queue else None
+    def delivered(self, batch: Any = None, ended: bool = False) -> None:
+        b = None if ended else self.queue.popleft() if self.queue else None
+        if self._ahead:  # the loop receives the batch fetched before this one
+            held, self.held = self.held, None if ended else (b, batch)
+            if held is None:
+                return
+            b, batch = held
+        self.last = b
         self._last_tensors = [weakref.ref(t) for _, t in tensors(batch)]
         self._last_used = False
 
@@ -170,6 +191,7 @@ class LoaderIndices:
         self._iters = weakref.WeakSet()
         self.queue.clear()
         self._tops.clear()
+        self.held = None
         self._inner = None
 
     # ------------------------------------------------------------------ after a hit
