@@ -307,3 +307,28 @@ def test_accelerates_prepared_loader_names_the_bad_samples(mode: str) -> None:
     assert [f.samples for f in hunt.findings if f.phase == "forward"] == [(5,), (17,), (38,)]
     inner = loader.base_dataloader  # nothing of nanhunt's is left on it
     assert type(inner.batch_sampler).__name__ == "BatchSampler" and "_get_iterator" not in vars(inner)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_loader_before_accelerates_prepare_is_told_and_left_working() -> None:
+    """watch(loader=the original) before prepare(): accelerate builds its loader from the original's
+    batch sampler (nanhunt's recording one), and the loop iterates that: samples stayed empty with no
+    word, and after close() the prepared loader still fed nanhunt's queue."""
+    accelerate = pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))
+    original = DataLoader(data, batch_size=4)
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    acc = accelerate.Accelerator(cpu=True)
+    hunt = nanhunt.watch(model, opt, loader=original)
+    model, opt, loader = acc.prepare(model, opt, original)
+    with hunt, pytest.warns(UserWarning, match=r"Give watch\(\) the loader the loop iterates") as told:
+        for xb, yb in loader:
+            acc.backward(F.cross_entropy(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+    assert len([w for w in told if "watch(loader=" in str(w.message)]) == 1  # once, not every step
+    assert type(original.batch_sampler).__name__ == "BatchSampler"
+    assert [len(xb) for xb, _ in loader] == [4, 4, 4, 4]  # the recording sampler accelerate kept only hands on
+    assert not loader.base_dataloader.batch_sampler._nanhunt_owner.queue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader
 from .._finding import Finding
 from .._steplog import Chk, StepLog
 from .._tensors import format_path, is_checked, real_view, tensors, version
+from .outside import user_stacklevel
 
 __all__ = ["LoaderIndices"]
 
@@ -45,6 +47,9 @@ class _Recording:
         self._nanhunt_single = single
 
     def __iter__(self) -> Iterator[Any]:
+        if self._nanhunt_owner._loader is None:  # closed: kept by a loader made from the watched one
+            yield from self._nanhunt_inner  # (accelerate's prepare), which nanhunt cannot reach to put back
+            return
         queue = self._nanhunt_owner.queue
         queue.clear()  # a new pass: whatever an abandoned iterator fetched ahead is gone
         self._nanhunt_owner.held = None
@@ -109,6 +114,7 @@ class LoaderIndices:
         self.last: Batch | None = None  # the batch the loop received last
         self._last_tensors: list[weakref.ref[torch.Tensor]] = []  # its tensors, as the loader returned them
         self._last_used = False  # a step that ended worked on it
+        self._told = False  # warned that the loop's batches do not come through the loader's iterator
         self._tops: list[tuple[Batch | None, bool]] = []  # per top-level call of the step: the batch current then, and whether a step already worked on it
         self._loader: DataLoader[Any] | None = loader
         self._attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
@@ -158,6 +164,13 @@ class LoaderIndices:
         batches the loader did not deliver (``itertools.cycle(loader)`` replays its first pass, a
         cached list, synthetic ones) were named by the rows of the last batch it did deliver."""
         tops, self._tops = self._tops, []
+        if self.last is None and not self._told and any(b is not None for b in self.queue):
+            self._told = True  # its sampler handed out batches that no iterator of its delivered
+            warnings.warn(
+                "nanhunt.watch(loader=...): the loop's batches do not come from that DataLoader's own "
+                "iterator, though its sampler is drawn from (accelerate's prepare() makes a loader of its own "
+                "from it): Finding.samples stays empty. Give watch() the loader the loop iterates (the "
+                "prepared one).", UserWarning, stacklevel=user_stacklevel())
         mine = {id(t) for r in self._last_tensors if (t := r()) is not None}
         out: list[Batch | None] = []
         for i, (batch, used) in enumerate(tops):
