@@ -1594,3 +1594,75 @@ def test_a_backward_nan_in_a_recursive_module_names_its_call_as_the_forward_does
             opt.zero_grad()
     f = ei.value.finding
     assert (f.phase, f.module, f.step, f.call, f.op) == ("backward", "cell", 1, call, "LogBackward0"), str(f)
+
+
+class _LSQ(nn.Module):
+    """An LSQ fake-quantizer (quantization-aware training): round(x / s) * s with a learned step
+    size s and a straight-through round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.clamp(x / self.s, -8, 7)
+        return ((q.round() - q).detach() + q) * self.s
+
+
+class _QATNet(nn.Module):
+    def __init__(self, inline: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.inline = nn.Linear(8, 16), nn.Linear(16, 1), inline
+        self.wq = _LSQ()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inline:  # (the quantizer's code in the root's own forward)
+            q = torch.clamp(self.fc1.weight / self.wq.s, -8, 7)
+            w = ((q.round() - q).detach() + q) * self.wq.s
+        else:
+            w = self.wq(self.fc1.weight)
+        return self.fc2(torch.tanh(F.linear(x, w, self.fc1.bias)))
+
+
+@pytest.mark.parametrize("inline", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fake_quant_scale_that_reached_0_is_told_as_a_learned_scale_in_backward(mode: str, inline: bool) -> None:
+    # the weight's x/0 = inf is clamped to the quantization range, so the forward is finite; the
+    # backward divides clamp's 0 gradient by s = 0. The hint was DivBackward0's "overflows (-x/d^2
+    # in d, 1/d in x)": no word of the learned scale, nor of keeping it positive
+    torch.manual_seed(0)
+    model = _QATNet(inline)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model.wq.s.zero_()
+            F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("backward", "" if inline else "wq", 2, "created",
+                                                          "DivBackward0"), str(f)
+    assert math.isnan(f.value) and "learned parameter" in f.hint and "clamp_min(eps)" in f.hint, f.hint
+    assert model.wq.s.item() == 0.0 and torch.isfinite(model.fc1.weight).all()  # (never updated from it)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_division_by_a_learned_scale_that_reached_0_is_told_as_such_in_forward(mode: str) -> None:
+    # an activation quantizer after a ReLU: its zeros divided by s = 0 are 0/0 in the forward. The hint
+    # was the generic "dividing by a count that is 0, ... clamp(min=1) for a count"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _LSQ(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model[2].s.zero_()
+            F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "2", 2, "created", "aten.div.Tensor"), str(f)
+    assert "learned parameter" in f.hint and "count" not in f.hint, f.hint

@@ -388,6 +388,8 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
             out["div_zero"] = True
             if isinstance(d, torch.Tensor) and d.dtype is torch.float16:
                 out["div_float16"] = True  # an eps of 1e-12 is 0 there
+            if isinstance(d, torch.nn.Parameter):
+                out["den_param"] = True  # a learned scale that reached 0 (a fake-quant's round(x / s) * s)
             code = r.outs[0][1] if r.outs else None
             if isinstance(args[0], torch.Tensor) and code is not None and bool(code.any()):
                 n, dd = torch.broadcast_tensors(args[0], d if isinstance(d, torch.Tensor) else torch.tensor(d))
@@ -494,6 +496,12 @@ def _leaves(x: Any) -> list[Any]:
     return tree_leaves(x)
 
 
+# the remedy for a division by a learned parameter at 0 (forward or backward)
+_PARAM_DEN = ("A learned scale or step size (LSQ's s in round(x / s) * s, a fake-quant's learnable scale, a learned "
+              "temperature) trained or decayed to 0 or through it: keep it positive by construction, divide by "
+              "s.abs() + eps or s.clamp_min(eps), or learn its log (s = log_s.exp()), and keep weight decay off it.")
+
+
 def from_facts(f: Finding, fx: dict[str, Any]) -> str:
     """The sentence the numbers support, or "" when they support none."""
     op = f.op or "this op"
@@ -526,6 +534,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "buf.copy_(batch); or the model's own write into the state it was given a view of: "
                 "self.mem.mul_(...) with model(self.mem)), so no replay could see the values it had: pass the "
                 "model a fresh tensor (or buf.clone()) to have the op, line and element.")
+    if fx.get("den_param") and f.phase == "backward":
+        return ("The gradient of a division by a learned parameter that is 0 here: the forward's x/0 = inf was "
+                "hidden from every output by what came after it (a fake-quant's clamp(x / s, qn, qp) in "
+                "quantization-aware training), and its backward divides the gradient it gets (0 where clamped) "
+                "by 0. " + _PARAM_DEN)
     if fx.get("where_trap"):
         return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
     if "negative" in fx and fx.get("neg_of") in _LOOKUPS:
@@ -756,6 +769,9 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
                     "rounds to 0 in float16 when it is below 3e-08 (F.normalize's 1e-12, a 1e-8): guard it with an "
                     "eps float16 can hold (1e-4), or compute the normalisation in float32.")
+        if fx.get("den_param"):
+            return ("A division by 0, a learned parameter that reached 0: x/0 gives inf and 0/0 gives nan. "
+                    + _PARAM_DEN)
         if fx.get("den_op") in ("std", "var", "std_mean", "var_mean"):
             return ("A division by a standard deviation of 0: (x - x.mean()) / x.std() over values that are all equal "
                     "is 0/0 = nan (an RL batch's advantages or returns that are constant, a constant feature or "

@@ -36,6 +36,7 @@ from .oplevel import (
     _Mode,
     _Recorder,
     dropped,
+    param_den,
     python_backward,
     where_trap,
     zero_fed,
@@ -134,6 +135,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
     handles = []
     inner: list[OpOrigin | None] = []  # the first creator's, when it is a custom Function's node
     saved_bad: list[bool] = []  # ... and whether a forward value it saved was non-finite already
+    den: list[Any] = []  # ... and whether it divided by a learned parameter at 0 (`param_den`)
     zero: list[tuple[int, int] | None] = []  # ... and where it was given a 0 gradient and made the value (`zero_fed`)
     drops: dict[Any, torch.Tensor] = {}  # each where's masked-out elements (`dropped`)
 
@@ -149,6 +151,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
             if any(ob) and not any(ib) and not inner:  # the creator, as blamed below: its saved tensors are alive now
                 inner.append(python_backward(fn, go, gi, ob.index(True)))
                 saved_bad.append(_saved_bad(fn))
+                den.append(param_den(fn))
                 zero.append(zeroed_at(zero_fed(gi, go)))
         return post
 
@@ -174,6 +177,8 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
         trap = where_trap(fn, list(bad_out), zero[0] if zero else None, drops)
         # (a where-trap's saved value is non-finite too, where the where masked it: its own hint)
         facts = {"where_trap": trap, "saved_bad": bool(saved_bad and saved_bad[0]) and not trap}
+        if den and den[0] is not None and not trap and bool(den[0]):
+            facts["den_param"] = True
         nth = sum(1 for o in order[:i] if o[0].name() == fn.name())
         return Blame(fn, slot, gi[slot], chain, facts, nth, inner[0] if inner else None)
     return None

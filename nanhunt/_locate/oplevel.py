@@ -117,6 +117,21 @@ def dropped(grad_inputs: Any, grad_outputs: Any) -> torch.Tensor | None:
     return out
 
 
+def param_den(fn: Any) -> torch.Tensor | None:
+    """Device-side: for a division's node whose denominator is a learned parameter (a leaf that
+    requires grad: a fake-quant's scale s in clamp(x / s, qn, qp)), whether that denominator holds a
+    0, read while the node's saved values are alive; ``None`` for any other node."""
+    if fn.name() != "DivBackward0":
+        return None
+    try:
+        d = fn._saved_other
+    except Exception:  # (a saved value already freed)
+        return None
+    if isinstance(d, torch.Tensor) and d.is_leaf and d.requires_grad and _floating(d) and d.numel():
+        return (d.detach() == 0).any()
+    return None
+
+
 def zeroed_at(z: tuple[torch.Tensor, torch.Tensor, int] | None) -> tuple[int, int] | None:
     """`zero_fed`'s answer read on the host: (flat index, numel), or None."""
     return (int(z[1]), z[2]) if z is not None and bool(z[0]) else None
@@ -733,7 +748,7 @@ def locate_backward(
 
 
 class _Node:
-    __slots__ = ("fn", "name", "done", "in_bad", "out_bad", "inner", "flags", "keep", "mark", "zero", "drop")
+    __slots__ = ("fn", "name", "done", "in_bad", "out_bad", "inner", "flags", "keep", "mark", "zero", "drop", "den")
 
     def __init__(self, fn: Any):
         self.fn = fn
@@ -747,6 +762,7 @@ class _Node:
         self.mark = 0  # records before it ran
         self.zero: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a 0 received where it made a non-finite one (`zero_fed`)
         self.drop: torch.Tensor | None = None  # a where's masked-out elements (`dropped`)
+        self.den: torch.Tensor | None = None  # a division by a learned parameter at 0 (`param_den`)
 
 
 def _finite(g: Any) -> torch.Tensor | None:
@@ -865,6 +881,7 @@ def _post_hook(mode: _Mode, rec: _Recorder, nodes: list[_Node], i: int, ran: lis
             n.zero = zero_fed(grad_inputs, grad_outputs)
             if n.name.startswith(_SELECT):
                 n.drop = dropped(grad_inputs, grad_outputs)
+            n.den = param_den(n.fn)
             if len(rec.recs) > n.mark:
                 n.keep = tuple(grad_inputs)
         finally:
@@ -980,6 +997,8 @@ def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, 
     ran = [n.fn for n in nodes if n.done >= 0]
     drops = {n.fn: n.drop for n in nodes if n.drop is not None}
     facts = {"where_trap": where_trap(creator.fn, ran, zeroed_at(creator.zero), drops)}
+    if creator.den is not None and not facts["where_trap"] and bool(creator.den):
+        facts["den_param"] = True  # (a learned scale at 0: the forward's x/0 clamped away)
     if inner is not None:  # a custom Function's backward: the op of it that made the value, at its line
         return OpOrigin(inner.op, inner.source, chain, {**inner.facts, **facts})
     return OpOrigin(creator.name, src, chain, facts)
