@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import pickle
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -978,3 +979,48 @@ def test_a_half_cnns_running_var_overflowing_names_float16_and_keeping_batchnorm
         "forward", "1", "running_var", 2, "created", "float16"), f
     assert "running statistic" in f.hint and "float16" in f.hint and ".float() each BatchNorm" in f.hint, f.hint
     assert torch.equal(model[1].running_var, kept)
+
+
+def _qat_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Eager quantization-aware training: prepare_qat's fake-quants, whose per-channel weight
+    scale, zero_point and observer min_val/max_val are resized in place (resize_) at their first call."""
+    import torch.ao.quantization as Q
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Q.QuantStub(), nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 4), Q.DeQuantStub())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own: reduce_range's deprecation, prepare_qat's)
+        model.qconfig = Q.get_default_qat_qconfig("x86")
+        Q.prepare_qat(model, inplace=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_buffers_resized_in_place_by_a_qat_fake_quant_are_backed_up_and_put_back(mode: str) -> None:
+    # the step's buffer backup copied into copies of the shapes they had at the first step, so the
+    # second step's first call failed ("output with shape [1] doesn't match the broadcast shape [8]")
+    # and the hunt switched itself off with an InternalError in raise mode, on a healthy run
+    def run(model: nn.Module, opt: torch.optim.Optimizer, bad: int | None) -> None:
+        g = torch.Generator().manual_seed(0)
+        for step in range(3):
+            x = torch.randn(4, 3, 6, 6, generator=g)
+            if step == bad:
+                x[1, 0, 2, 2] = float("nan")  # a corrupt sample
+            F.cross_entropy(model(x), torch.arange(4)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = _qat_model()
+    run(model, opt, None)
+    plain = zoo.snapshot(model)
+    model, opt = _qat_model()
+    with nanhunt.watch(model, opt, mode=mode) as hunt:
+        run(model, opt, None)
+    assert hunt.first is None and zoo.same_state(plain, zoo.snapshot(model))
+    # a finding at the very first step, which resized them: put back with the shapes they had before it
+    model, opt = _qat_model()
+    before = zoo.snapshot(model)
+    with pytest.raises(nanhunt.NonFiniteError), nanhunt.watch(model, opt, mode=mode):
+        run(model, opt, 0)
+    assert zoo.same_state(before, zoo.snapshot(model))

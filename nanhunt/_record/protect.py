@@ -56,9 +56,12 @@ class BufferBackup:
         # never inference tensors, whichever mode the step's first call runs in (a validation pass
         # under torch.inference_mode begins a step too): later steps copy into them in place
         with torch.inference_mode(False), torch.no_grad():
-            if len(src) == len(now) and all(a is b for a, b in zip(now, src)):
+            # (a buffer resized in place since, as a per-channel fake-quant's scale and observer's
+            # min_val are at their first call: fresh copies of the new shape)
+            if len(src) == len(now) and all(a is b and (a is None or a.shape == c.shape)
+                                            for a, b, c in zip(now, src, copies)):
                 torch._foreach_copy_(copies, now)  # type: ignore[arg-type]
-            else:  # first step, or a buffer was replaced: fresh copies
+            else:  # first step, or a buffer was replaced or resized: fresh copies
                 if any(t is not None and is_lazy(t) for t in now):
                     return  # a lazy module's first call gives its buffers their values: nothing to put back yet
                 self._src = now
@@ -96,7 +99,10 @@ class BufferBackup:
                 # uses after the discriminator's skipped step): its backward must not fail as
                 # "modified by an inplace operation" (in training mode BatchNorm's backward reads
                 # the batch statistics it saved, not the running ones)
-                src.data.copy_(c)
+                if src.shape == c.shape:
+                    src.data.copy_(c)
+                else:  # resized in place during the step (a fake-quant's first call): its shape goes back too
+                    src.data = c.clone()
                 names.append(name)
         return names
 
