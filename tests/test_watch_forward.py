@@ -1211,6 +1211,29 @@ def test_spectral_norm_of_an_all_zero_weight_is_told_as_its_sigma_of_0(mode: str
     assert "IoU" not in f.hint, f.hint
 
 
+@pytest.mark.parametrize("old", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_spectral_norm_of_weights_grown_past_1e19_is_told_as_its_power_iteration_overflowing(mode: str, old: bool) -> None:
+    # an all-spectral_norm critic whose lr blew the weights up to 3e19: the norm of W v overflows
+    # float32, F.normalize makes u and v 0, and weight / sigma is x/0. The hint was the generic "a
+    # count that is 0, or a learned temperature ... + eps or clamp_min(eps)", which spectral_norm's
+    # user cannot do and which is not the fix
+    sn = nn.utils.spectral_norm if old else nn.utils.parametrizations.spectral_norm
+    torch.manual_seed(0)
+    model = nn.Sequential(sn(nn.Linear(8, 16)), nn.LeakyReLU(0.2), sn(nn.Linear(16, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=3e19, betas=(0.0, 0.9))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        for _ in range(2):
+            F.softplus(-model(torch.randn(16, 8))).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    module = "0" if old else "0.parametrizations.weight.0"
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", module, 1, "created", "aten.div.Tensor"), str(f)
+    assert "spectral_norm" in f.hint and "overflowed" in f.hint and "lr=3e+19" in f.hint, f.hint
+    assert "count" not in f.hint and "temperature" not in f.hint, f.hint
+
+
 class _MaskedActor(nn.Module):
     """A policy over legal actions: illegal ones masked to -inf, then a Categorical's log-probability."""
 

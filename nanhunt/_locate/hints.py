@@ -809,6 +809,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "diffusion model's zero_module or a residual branch's last layer, or one pruned or decayed to "
                     "0): leave zero-initialised layers out of spectral_norm or initialise them nonzero; a projection "
                     "(a . b) / (b . b) onto a zero vector: add an eps to the denominator.")
+        if fx.get("den_op") in ("dot", "vdot"):  # (x/0: a nonzero weight over a sigma of 0)
+            return ("A division by a dot product of 0: x/0 gives inf here. spectral_norm divides the weight by "
+                    "sigma = u . (W v), which is 0 for a nonzero weight once its power iteration's u and v are 0: "
+                    "F.normalize of W v (and of W^T u) whose norm overflowed float32 (weights past about 1e19) "
+                    "gives 0: the weights under spectral_norm are huge, no eps is missing.")
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
