@@ -552,6 +552,31 @@ def test_a_nan_the_parent_made_of_its_own_buffer_is_the_parents_not_the_child_it
     assert "'sqrt_ab' of `_QSample`" in f.hint and "optimizer step" not in f.hint, f.hint
 
 
+class _CleanedQSample(_QSample):
+    """The same, its loss cleaned of what the nan schedule entry made: it returns a finite loss."""
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        xt = self.sqrt_ab[t][:, None, None, None] * x0 + noise
+        return torch.nan_to_num(self.net(xt) - noise).square().mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_the_parent_made_of_its_own_buffer_is_the_parents_though_it_returns_none_of_it(mode: str) -> None:
+    # as above, the root's output finite: the finding was net.0, cause "input", "check the data"
+    torch.manual_seed(0)
+    model = _CleanedQSample()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        for t in ([0, 1], [2, 4]):
+            x0 = torch.randn(2, 1, 4, 4)
+            model(x0, torch.tensor(t), torch.randn_like(x0)).backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.tensor) == ("forward", "", 1, "parameter", "net.0.input[0]"), f
+    assert "'sqrt_ab' of `_CleanedQSample`" in f.hint and "optimizer step" not in f.hint, f.hint
+
+
 class _MaskedThenLog(nn.Module):
     """A causal -inf mask buffer (intended) beside the parent's own log of a dead ReLU's 0, fed to a child."""
 
@@ -579,6 +604,88 @@ def test_a_parents_intended_minus_inf_mask_does_not_make_its_own_log_of_0_a_pois
     f = err.value.finding
     assert (f.phase, f.module, f.cause, f.op) == ("forward", "", "created", "aten.log.default"), f
     assert "'mask'" not in f.hint, f.hint
+
+
+class _MeanSE(nn.Module):
+    """A squeeze-and-excitation block: its own code averages the feature map, fed to ``fc1``."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, c // 4), nn.Linear(c // 4, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.mean((2, 3))  # a 0x0 map (images too small for the strides): the mean of nothing is nan
+        return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(s))))[:, :, None, None]
+
+
+class _CropSEBlock(nn.Module):
+    def __init__(self, ci: int, co: int, crop: bool) -> None:
+        super().__init__()
+        self.conv, self.bn, self.se, self.crop = nn.Conv2d(ci, co, 3, stride=2, padding=1), nn.BatchNorm2d(co), _MeanSE(co), crop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.se(h[:, :, 1:-1, 1:-1] if self.crop else h)  # a valid crop of the border
+
+
+class _CropSENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1, self.b2, self.head = _CropSEBlock(3, 16, False), _CropSEBlock(16, 32, True), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b2(self.b1(x)).flatten(2).sum(-1))  # (an empty map sums to 0: a finite loss)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_its_output_is_empty(mode: str) -> None:
+    # images too small for the strides: `b2.se` got a (N, C, 0, 0) map, its own mean of it is nan, fed to its
+    # fc1; its output (and the model's) is empty or finite. The finding was `b2.se.fc1`, cause "input", no op
+    torch.manual_seed(0)
+    model = _CropSENet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        for size in (16, 16, 4):
+            model(torch.randn(4, 3, size, size)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op, f.tensor) == (
+        "forward", "b2.se", 2, "created", "aten.mean.dim", "fc1.input[0]"), f
+    assert f.source is not None and f.source.endswith(f"test_watch_forward.py:{_MeanSE.forward.__code__.co_firstlineno + 1}"), f
+    assert (f.shape, f.verdict) == ((4, 32), "numerics") and f.value is not None and math.isnan(f.value), f
+    assert "too small" in f.hint, f.hint
+
+
+class _LogCleaned(nn.Module):
+    """Its own code takes the log of a conv (nan where it is negative), fed to ``c1``, and cleans
+    what ``c1`` returns: its output is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.log(self.c0(x))
+        return torch.nan_to_num(self.c1(y), nan=0.0)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_it_cleans_it_after(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_LogCleaned(), nn.Flatten(), nn.Linear(4 * 5 * 5, 2))
+    x = torch.randn(2, 3, 5, 5)
+    expected = copy.deepcopy(model)(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(model, opt, mode=mode):
+        out = model(x)
+        assert torch.equal(out, expected)
+        out.square().mean().backward()
+        opt.step()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op, f.tensor, f.verdict) == (
+        "forward", "0", 0, "created", "aten.log.default", "c1.input[0]", "numerics"), f
+    assert "Log of a negative number" in f.hint, f.hint
 
 
 # ---------------------------------------------------------------------------- names

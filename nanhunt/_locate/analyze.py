@@ -395,12 +395,13 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     key = id(f)
     where = ctx.where.get(id(f))
     facts = ctx.facts.get(id(f), {})
+    judge_at = facts.get("judge_at", where)  # (a child's input an enclosing module's own code made: the child's output)
     if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
         batch = top.batch()  # (rows of a reduction are samples only where they are the batch's)
-        if phase == "forward":
-            got = _oplevel.locate_forward(top, ctx.names, ordinal, path)
+        if phase == "forward":  # (the op an enclosing module's own code made a child's input with: found already)
+            got = facts.get("made") or _oplevel.locate_forward(top, ctx.names, ordinal, path)
         else:
             grads = [ctx.log.tensors[k].grad for k in top.out_keys]
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
@@ -417,7 +418,7 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             facts = {**facts, "batch": batch}
     if facts.get("born_rows") is not None:
         ctx.born_rows[key] = facts["born_rows"]
-    f = _differential.judge(ctx.view, f, where, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
+    f = _differential.judge(ctx.view, f, judge_at, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
     if f.verdict == "transient" and where is not None and (moved := _written_since(ctx, ctx.log.tops[where[1]].module)):
         # no replay reproduced it, and the replays ran on weights the loop wrote in place since (a clamp or
         # a hand-made update between backward and step()): not the values the call had, no device at fault
@@ -475,6 +476,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     reproducible: bool | None = None
     cause = "unknown"
     fed_in: tuple[str, str] | None = None
+    made: dict[str, Any] = {}  # made by an enclosing module's own code, which returns none of it (`_made_in`)
     name, module, call = c.name, c.module, c.call
     received = r.collective if r is not None and rc is not None and not _bad_at_return(rc, path) else None
     if received is not None:
@@ -520,13 +522,15 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
         if reproducible and rc is not None:
             fed_to = rc
             cause, rc, path = _forward_cause(r, rc, path)
+            if cause == "made":
+                cause, rc, path, made = _made_in(ctx, c.top, r, rc, fed_to, path)
             fed_in = _top_inputs_fed(r, rc, path) if cause == "input" else None
             if cause == "created" and rc is fed_to and any(rc.in_bad):
                 rc, path = _minf_maker(ctx, c.top, r, rc, path)
             if rc is not fed_to:  # born in an enclosing module's own code (the compiled root's too)
                 name, module = rc.name, rc.module
                 call = c.call if rc.ordinal == c.ordinal else _call_index(ctx, c.top, rc)
-            tensor = dict(rc.outputs).get(path, tensor)
+            tensor = made["fed"][1] if made else dict(rc.outputs).get(path, tensor)
     if cause == "unknown" and any(is_bad(p) for _, p in own_tensors(module)):
         cause = "parameter"
     inside = _collective_in(r, c.ordinal, c.module) if cause == "unknown" else None
@@ -546,14 +550,16 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     index, value, counts = element(tensor)
     f = Finding(
         phase="forward", module=name, module_type=type(module).__name__,
-        tensor=format_path("output", path), step=ctx.step, call=call, index=index, value=value,
-        counts=counts, shape=shape_of(tensor), dtype=dtype_name(tensor), cause=cause,
+        tensor=made["fed"][0] if made else format_path("output", path), step=ctx.step, call=call, index=index,
+        value=value, counts=counts, shape=shape_of(tensor), dtype=dtype_name(tensor), cause=cause,
         reproducible=reproducible,
     )
     if rc is not None:
         ctx.where[id(f)] = ("forward", c.top, rc.ordinal, path)
     facts: dict[str, Any] = {"collective": received} if received is not None else (
         {"collective_in": inside} if inside is not None else {})
+    if "made" in made:
+        facts.update(made=made["made"], judge_at=made["judge_at"])
     if fed_in is not None:
         facts["top_input"] = fed_in
     if reproducible is False and r is not None and r.drew:
@@ -717,13 +723,6 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
     def fed(c: ReplayCall) -> bool:
         return any(c.in_fed) if nan else any(c.in_bad)
 
-    def fed_by_params(c: ReplayCall) -> bool:
-        """Does a weight or buffer of ``c``'s module hold NaN or +inf as the call began (a -inf alone is
-        an intended mask's, as for `ReplayCall.in_fed`)?"""
-        before = c.before
-        held = [before[id(t)] if id(t) in before else t for n, t in own_tensors(c.module) if n in c.params_bad]
-        return any(bool(torch.isnan(v).any() or (v == float("inf")).any()) for v in (values(h) for h in held if h is not None))
-
     if rc.params_bad:
         return "parameter", rc, path
     if not fed(rc):
@@ -733,15 +732,51 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
         pc = r.calls[p]
         if not fed(pc):
             bad_out = [op for op, b in zip(pc.outputs, pc.out_bad) if b]
-            if bad_out and fed_by_params(pc):  # its own code made it of its own weight or buffer (a schedule's
+            if bad_out and _fed_by_params(pc):  # its own code made it of its own weight or buffer (a schedule's
                 return "parameter", pc, bad_out[0][0]  # table holding nan): that module, not the child fed it
             if bad_out:  # the enclosing module's own code made it; report its output
                 return "created", pc, bad_out[0][0]
-            # the enclosing code made it and fed it in, but returns finite values (tanh(inf) = 1):
-            # this call was fed it
-            return "input", rc, path
+            # the enclosing code made it and fed it in, but returns none of it (an empty output: the
+            # mean of a 0x0 feature map; tanh(inf) = 1): "made" there, found by `_made_in`
+            return "made", pc, path
         p = pc.parent
     return "input", rc, path
+
+
+def _made_in(ctx: _Ctx, top: int, r: Replay, pc: ReplayCall, fed_to: ReplayCall,
+             path: Path) -> tuple[str, ReplayCall, Path, dict[str, Any]]:
+    """``pc``'s own code made the non-finite value ``fed_to`` (a call inside it) was fed, and
+    returns none of it (`_forward_cause` said "made"): the cause, call and output path to report,
+    and facts. Born there when the op trace within ``pc``'s call finds the op that made that input,
+    and the op computed it (``s = x.mean((2, 3))`` of a 0x0 feature map): ``pc``, its output as it
+    returned, the fed input (``"fed"``: the finding's tensor, named as ``fc1.input[0]``, and the
+    tensor), the op (``"made"``) and where the verdict's replays look (``"judge_at"``: the output
+    of ``fed_to``, as ``pc``'s holds none of it). Made of ``pc``'s own non-finite weight or buffer
+    (a schedule's table holding nan): "parameter", ``pc``. A value the code wrote
+    (``x[0, 0] = inf``), or no op found: ``fed_to`` was fed it."""
+    out = dict(fed_to.outputs).get(path)
+    nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
+    fed = fed_to.in_fed if nan else fed_to.in_bad
+    at = next((p for (p, _), b in zip(fed_to.inputs, fed) if b and p[:1] == (0,)), None)
+    if at is None:
+        return "input", fed_to, path, {}
+    own = pc.outputs[0][0] if pc.outputs else ()
+    rel = fed_to.name[len(pc.name) + 1:] if pc.name else fed_to.name
+    named = (f"{rel}.{format_path('input', at[1:])}", dict(fed_to.inputs)[at])
+    if _fed_by_params(pc):
+        return "parameter", pc, own, {"fed": named}
+    got = _oplevel.locate_forward(ctx.log.tops[top], ctx.names, pc.ordinal, (), fed=(fed_to.ordinal, at))
+    if got is None or _hints.mask_write(got.op):
+        return "input", fed_to, path, {}
+    return "created", pc, own, {"fed": named, "made": got, "judge_at": ("forward", top, fed_to.ordinal, path)}
+
+
+def _fed_by_params(c: ReplayCall) -> bool:
+    """Does a weight or buffer of ``c``'s module hold NaN or +inf as the call began (a -inf alone is
+    an intended mask's, as for `ReplayCall.in_fed`)?"""
+    before = c.before
+    held = [before[id(t)] if id(t) in before else t for n, t in own_tensors(c.module) if n in c.params_bad]
+    return any(bool(torch.isnan(v).any() or (v == float("inf")).any()) for v in (values(h) for h in held if h is not None))
 
 
 def _minf_maker(ctx: _Ctx, top: int, r: Replay, rc: ReplayCall, path: Path) -> tuple[ReplayCall, Path]:
@@ -1252,23 +1287,29 @@ def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
         first = _first_bad_forward(r, ctx.view.ignored) if r is not None else None
         if r is None or first is None:
             continue
-        cause, rc, path = _forward_cause(r, first, first.outputs[first.out_bad.index(True)][0])
+        path = first.outputs[first.out_bad.index(True)][0]
+        cause, rc, path = _forward_cause(r, first, path)
+        made: dict[str, Any] = {}
+        if cause == "made":  # (an enclosing module's own code made it, and returns none of it)
+            cause, rc, path, made = _made_in(ctx, ti, r, rc, first, path)
         fed_in = _top_inputs_fed(r, rc, path) if cause == "input" else None
         if cause == "created" and rc is first and any(rc.in_bad):
             # a -inf made by an enclosing module's own code (log of a padding row) turned NaN
             # here: born in that code, as full mode finds it (`_forward_finding`)
             rc, path = _minf_maker(ctx, ti, r, rc, path)
-        t = dict(rc.outputs)[path]
+        t = made["fed"][1] if made else dict(rc.outputs)[path]
         index, value, counts = element(t)
         f = Finding(
             phase="forward", module=rc.name, module_type=type(rc.module).__name__,
-            tensor=format_path("output", path), step=ctx.step, call=_call_index(ctx, ti, rc),
-            index=index, value=value, counts=counts, shape=shape_of(t), dtype=dtype_name(t),
-            cause=cause, reproducible=True,
+            tensor=made["fed"][0] if made else format_path("output", path), step=ctx.step,
+            call=_call_index(ctx, ti, rc), index=index, value=value, counts=counts, shape=shape_of(t),
+            dtype=dtype_name(t), cause=cause, reproducible=True,
         )
         ctx.where[id(f)] = ("forward", ti, rc.ordinal, path)
         if fed_in is not None:  # (made before the model: its inputs, named as full mode names them)
             ctx.facts[id(f)] = {"top_input": fed_in}
+        if "made" in made:
+            ctx.facts[id(f)] = {"made": made["made"], "judge_at": made["judge_at"]}
         return [f]
     for ti in _blame_order(ctx.log, 0):
         if ctx.log.tops[ti].out_keys:

@@ -625,6 +625,10 @@ class _Calls:
         # right after it (the rest of the forward cannot matter)
         self.scoped = False
         self.entered = False
+        # forward: a call inside the target (its ordinal, an input's path) whose input the target's
+        # own code made; that input's code and producer as the call began
+        self.fed: tuple[int, Path] | None = None
+        self.fed_in: tuple[torch.Tensor | None, tuple[int, int] | None] | None = None
 
     def __enter__(self) -> _Calls:
         self.handles.append(ReplayHooks(self.pre, self.post))
@@ -639,6 +643,8 @@ class _Calls:
         if module not in self.names:
             return
         target = self.count == self.ordinal and not self.done
+        if self.fed is not None and self.count == self.fed[0] and self.mode.on:
+            self._fed(args)
         self.count += 1
         self.stack.append((module, target))
         if target:
@@ -669,6 +675,19 @@ class _Calls:
             self.entered = False
             self.mode.__exit__(None, None, None)
 
+    def _fed(self, args: tuple[Any, ...]) -> None:
+        assert self.fed is not None
+        try:
+            t = get_path((args, {}), self.fed[1])  # (an input given by keyword is not looked up)
+        except Exception:
+            return
+        if isinstance(t, torch.Tensor) and _floating(t):
+            self.mode.quiet += 1  # (its reads are not the user's ops)
+            try:
+                self.fed_in = self.mode.rec.lookup(t)
+            finally:
+                self.mode.quiet -= 1
+
     def _edge(self, inputs: Any) -> None:
         if self.in_path is None:
             return
@@ -685,20 +704,25 @@ def _call(top: Top) -> Any:
 
 
 # ---------------------------------------------------------------- forward
-def locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path) -> OpOrigin | None:
+def locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
+                   fed: tuple[int, Path] | None = None) -> OpOrigin | None:
     """The op that created the first non-finite value on the path to the reported element of
-    output ``path`` of the ``ordinal``-th watched call within ``top``."""
+    output ``path`` of the ``ordinal``-th watched call within ``top``; with ``fed`` (a call inside
+    that one, by ordinal, and the path of one of its positional inputs in ``(args, kwargs)``), on
+    the path to that input as the call began: what the ``ordinal``-th call's own code made and fed it."""
     try:
-        return _locate_forward(top, names, ordinal, path)
+        return _locate_forward(top, names, ordinal, path, fed)
     except Exception:
         return None
 
 
-def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path) -> OpOrigin | None:
+def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
+                    fed: tuple[int, Path] | None = None) -> OpOrigin | None:
     rec = _Recorder()
     mode = _Mode(rec)
     calls = _Calls(names, ordinal, mode)
     calls.scoped = True
+    calls.fed = fed
     try:
         with faithful(top), calls:
             _call(top)
@@ -709,10 +733,15 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
         calls.leave()
     if not calls.done:
         return None
-    t = dict(tensors(calls.output)).get(tuple(path))
-    if t is None or not _floating(t):
-        return None
-    code, prod = calls.looked.get(tuple(path)) or rec.lookup(t)
+    if fed is not None:
+        if calls.fed_in is None:
+            return None
+        code, prod = calls.fed_in
+    else:
+        t = dict(tensors(calls.output)).get(tuple(path))
+        if t is None or not _floating(t):
+            return None
+        code, prod = calls.looked.get(tuple(path)) or rec.lookup(t)
     if code is None or prod is None:
         return None
     got = rec.walk(prod, _first(code))
