@@ -658,22 +658,24 @@ def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_its
 
 
 class _LogCleaned(nn.Module):
-    """Its own code takes the log of a conv (nan where it is negative), fed to ``c1``, and cleans
-    what ``c1`` returns: its output is finite."""
+    """Its own code takes the log of a conv (nan where it is negative), fed to ``c1`` (by keyword or
+    not), and cleans what ``c1`` returns: its output is finite."""
 
-    def __init__(self) -> None:
+    def __init__(self, keyword: bool) -> None:
         super().__init__()
-        self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.c0, self.c1, self.keyword = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 1), keyword
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.log(self.c0(x))
-        return torch.nan_to_num(self.c1(y), nan=0.0)
+        return torch.nan_to_num(self.c1(input=y) if self.keyword else self.c1(y), nan=0.0)
 
 
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_it_cleans_it_after(mode: str) -> None:
+def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_it_cleans_it_after(
+        mode: str, keyword: bool) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(_LogCleaned(), nn.Flatten(), nn.Linear(4 * 5 * 5, 2))
+    model = nn.Sequential(_LogCleaned(keyword), nn.Flatten(), nn.Linear(4 * 5 * 5, 2))
     x = torch.randn(2, 3, 5, 5)
     expected = copy.deepcopy(model)(x)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -684,7 +686,7 @@ def test_a_nan_a_parents_own_code_made_and_fed_a_child_is_the_parents_though_it_
         opt.step()
     f = err.value.finding
     assert (f.phase, f.module, f.step, f.cause, f.op, f.tensor, f.verdict) == (
-        "forward", "0", 0, "created", "aten.log.default", "c1.input[0]", "numerics"), f
+        "forward", "0", 0, "created", "aten.log.default", "c1.input" if keyword else "c1.input[0]", "numerics"), f
     assert "Log of a negative number" in f.hint, f.hint
 
 

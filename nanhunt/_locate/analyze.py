@@ -757,12 +757,13 @@ def _made_in(ctx: _Ctx, top: int, r: Replay, pc: ReplayCall, fed_to: ReplayCall,
     out = dict(fed_to.outputs).get(path)
     nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
     fed = fed_to.in_fed if nan else fed_to.in_bad
-    at = next((p for (p, _), b in zip(fed_to.inputs, fed) if b and p[:1] == (0,)), None)
+    at = next((p for (p, _), b in zip(fed_to.inputs, fed) if b), None)
     if at is None:
         return "input", fed_to, path, {}
     own = pc.outputs[0][0] if pc.outputs else ()
     rel = fed_to.name[len(pc.name) + 1:] if pc.name else fed_to.name
-    named = (f"{rel}.{format_path('input', at[1:])}", dict(fed_to.inputs)[at])
+    label = format_path(at[1], at[2:]) if at[:1] == (1,) and isinstance(at[1], str) else format_path("input", at[1:])
+    named = (f"{rel}.{label}", dict(fed_to.inputs)[at])
     if _fed_by_params(pc):
         return "parameter", pc, own, {"fed": named}
     got = _oplevel.locate_forward(ctx.log.tops[top], ctx.names, pc.ordinal, (), fed=(fed_to.ordinal, at))

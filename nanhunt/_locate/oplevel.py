@@ -629,6 +629,7 @@ class _Calls:
         # own code made; that input's code and producer as the call began
         self.fed: tuple[int, Path] | None = None
         self.fed_in: tuple[torch.Tensor | None, tuple[int, int] | None] | None = None
+        self.fed_at = -1  # (an input given by keyword: looked up as that call returns, at this depth)
 
     def __enter__(self) -> _Calls:
         self.handles.append(ReplayHooks(self.pre, self.post))
@@ -644,7 +645,10 @@ class _Calls:
             return
         target = self.count == self.ordinal and not self.done
         if self.fed is not None and self.count == self.fed[0] and self.mode.on:
-            self._fed(args)
+            if self.fed[1][:1] == (0,):
+                self._fed((args, {}))
+            else:
+                self.fed_at = len(self.stack)
         self.count += 1
         self.stack.append((module, target))
         if target:
@@ -659,6 +663,9 @@ class _Calls:
         if not self.stack or self.stack[-1][0] is not module:
             return
         _, target = self.stack.pop()
+        if self.fed_at == len(self.stack):
+            self.fed_at = -1
+            self._fed((args, kwargs if isinstance(kwargs, dict) else {}))
         if target:
             self.mode.on = False
             self.done = True
@@ -675,10 +682,10 @@ class _Calls:
             self.entered = False
             self.mode.__exit__(None, None, None)
 
-    def _fed(self, args: tuple[Any, ...]) -> None:
+    def _fed(self, inputs: tuple[Any, Any]) -> None:
         assert self.fed is not None
         try:
-            t = get_path((args, {}), self.fed[1])  # (an input given by keyword is not looked up)
+            t = get_path(inputs, self.fed[1])
         except Exception:
             return
         if isinstance(t, torch.Tensor) and _floating(t):
@@ -708,8 +715,9 @@ def locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Pa
                    fed: tuple[int, Path] | None = None) -> OpOrigin | None:
     """The op that created the first non-finite value on the path to the reported element of
     output ``path`` of the ``ordinal``-th watched call within ``top``; with ``fed`` (a call inside
-    that one, by ordinal, and the path of one of its positional inputs in ``(args, kwargs)``), on
-    the path to that input as the call began: what the ``ordinal``-th call's own code made and fed it."""
+    that one, by ordinal, and the path of one of its inputs in ``(args, kwargs)``), on the path to
+    that input as the call began (one given by keyword: as it returned): what the ``ordinal``-th
+    call's own code made and fed it."""
     try:
         return _locate_forward(top, names, ordinal, path, fed)
     except Exception:
