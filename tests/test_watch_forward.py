@@ -334,6 +334,46 @@ def test_a_minus_inf_in_the_data_is_fed_in_with_no_op() -> None:
     assert (f.module, f.cause, f.op, f.chain) == ("0", "input", None, ())
 
 
+class _Frames(nn.Module):
+    """An audio classifier over log-mel frames (batch, time, mels): the conv reads them transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.gru = nn.GRU(16, 16, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.gru(F.relu(self.conv(x.transpose(1, 2))).transpose(1, 2))
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_log_mel_of_a_silent_clip_made_in_the_data_pipeline_is_fed_not_a_mask(mode: str) -> None:
+    """log(mel) of an all-zero clip, computed before the model: a whole row of -inf in the batch,
+    which the conv (reading a view of it) turns into inf - inf = nan. A -inf among finite values
+    other than 0 is the data's log of 0, no additive mask: fed in, cause 'input', the model's input
+    and its element named, log of 0 in the hint (it was 'created' at the conv's convolution with a
+    hint to mask with finfo.min instead of -inf)."""
+    torch.manual_seed(0)
+    m = _Frames()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    fb = torch.rand(33, 8)
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, opt, mode=mode):
+        for step in range(3):
+            wav = torch.randn(4, 400) * 0.1
+            if step == 2:
+                wav[1] = 0.0  # a silent clip
+            spec = torch.stft(wav, 64, 16, window=torch.hann_window(64), return_complex=True)
+            feats = torch.log((spec.abs() ** 2).transpose(1, 2) @ fb)  # the data pipeline's log-mel
+            F.cross_entropy(m(feats), torch.tensor([0, 1, 2, 0])).backward()
+            opt.step()
+            opt.zero_grad()
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "conv", 2, "input", None), f
+    assert "input[0] holding -inf at [1, 0, 0]" in f.hint and "log of 0" in f.hint and "mask" not in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- nested outputs
 def _plant(h: torch.Tensor) -> torch.Tensor:
     """h with nan planted at [1, 2] and -inf at [2, 0]: built in the module's own code."""

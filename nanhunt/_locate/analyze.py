@@ -587,7 +587,8 @@ def _top_inputs_fed(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, str] | 
         top = r.calls[top.parent]
     out = dict(rc.outputs).get(path)
     nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
-    fed = top.in_fed if nan else top.in_bad
+    data = _data_minf(r, rc) if nan else set()
+    fed = [f or _storage(t) in data for f, (_, t) in zip(top.in_fed, top.inputs)] if nan else top.in_bad
     names = [(format_path(p[1], p[2:]) if len(p) > 1 and p[0] == 1 and isinstance(p[1], str)
               else format_path("input", p[1:])) + _where_bad(top.wrapped_in.get(p, t))  # (a sparse one: at its dense index)
              for (p, t), b in zip(top.inputs, fed) if b]
@@ -719,9 +720,12 @@ def _forward_cause(r: Replay, rc: ReplayCall, path: Path) -> tuple[str, ReplayCa
     """
     out = dict(rc.outputs).get(path)
     nan = out is not None and bool(torch.isnan(values(out)).any()) and not bool(torch.isinf(values(out)).any())
+    data = _data_minf(r, rc) if nan and any(rc.in_bad) else set()
 
     def fed(c: ReplayCall) -> bool:
-        return any(c.in_fed) if nan else any(c.in_bad)
+        if not nan:
+            return any(c.in_bad)
+        return any(c.in_fed) or any(b and _storage(t) in data for b, (_, t) in zip(c.in_bad, c.inputs))
 
     if rc.params_bad:
         return "parameter", rc, path
@@ -778,6 +782,22 @@ def _fed_by_params(c: ReplayCall) -> bool:
     before = c.before
     held = [before[id(t)] if id(t) in before else t for n, t in own_tensors(c.module) if n in c.params_bad]
     return any(bool(torch.isnan(v).any() or (v == float("inf")).any()) for v in (values(h) for h in held if h is not None))
+
+
+def _data_minf(r: Replay, rc: ReplayCall) -> set[int]:
+    """The storages of the inputs of the top-level call around ``rc`` that hold -inf among finite
+    values other than 0: the data's log of 0 (a log-mel of a silent clip), no additive mask (0 and
+    -inf), which a call that reads it (or a view of it) is fed, as a NaN in the batch is."""
+    top = rc
+    while top.parent >= 0:
+        top = r.calls[top.parent]
+    out: set[int] = set()
+    for b, (_, t) in zip(top.in_bad, top.inputs):
+        if b and not (t.is_complex() or t.is_nested or t.layout != torch.strided):
+            x = t.detach()
+            if bool((x == float("-inf")).any()) and not bool(x[torch.isfinite(x)].eq(0).all()):
+                out.add(_storage(t))
+    return out
 
 
 def _minf_maker(ctx: _Ctx, top: int, r: Replay, rc: ReplayCall, path: Path) -> tuple[ReplayCall, Path]:

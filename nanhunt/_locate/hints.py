@@ -892,10 +892,12 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
         if fx.get("top_input"):
             who, args = fx["top_input"]
             who = f"`{who}`" if who else "The model"
+            eg = ("a log of 0: a log-mel or log-magnitude spectrogram of a silent clip or of zero padding (take "
+                  "log(mel + 1e-6) or log(mel.clamp_min(1e-10)))" if "holding -inf" in args
+                  else "a normalisation by a std of 0 or a mask built as 0 * -inf")
             return (f"{who} was given a non-finite input ({args}): it was made before the model, by the data or "
                     "by the loop's own code before the call (which nanhunt records only from the model's return "
-                    "to step()), e.g. a normalisation by a std of 0 or a mask built as 0 * -inf. Check it with "
-                    "torch.isfinite where it is made.")
+                    f"to step()), e.g. {eg}. Check it with torch.isfinite where it is made.")
         if f.module == "<outside>":
             return "Its input was already non-finite: it came from the data or from code nanhunt did not see."
         if f.module:
