@@ -516,6 +516,46 @@ def test_complex_output_either_part() -> None:
     assert f.value is not None and not math.isfinite(f.value)
 
 
+class _ModReLU(nn.Module):
+    """A complex-valued network's activation: relu(|z| + b) * z / |z| (modReLU); and a complex log."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6, dtype=torch.complex64)
+        self.b = nn.Parameter(torch.full((6,), -0.01))
+        self.how = how
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        z = self.fc(z)
+        if self.how == "log":
+            return torch.log(z)
+        mag = z.abs()
+        return F.relu(mag + self.b) * (z / mag)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules are a new feature")
+@pytest.mark.parametrize("how", ["modrelu", "log"])
+def test_a_complex_zero_over_its_magnitude_and_a_complex_log_of_0_get_their_hints(how: str) -> None:
+    """z / |z| of a complex 0 (modReLU's phase) is 0/0 = nan, log(0j) is -inf: the hint's facts read
+    elements with float(), which a complex element with an imaginary part (the complex nan) refuses;
+    the facts were lost and the division's hint was the op's generic line ("X/0 gives inf and 0/0
+    gives nan"). (The log's case held already: kept as its complex guard.)"""
+    torch.manual_seed(0)
+    m = _ModReLU(how)
+    with torch.no_grad():
+        m.fc.bias.zero_()
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    z[1] = 0  # a silent frame's spectrum
+    with nanhunt.watch(m, on_find="record") as hunt:
+        m(z)
+    f = _first(hunt)
+    assert (f.module, f.cause, f.dtype) == ("", "created", "complex64"), f
+    if how == "modrelu":
+        assert f.op == "aten.div.Tensor" and "0/0 gives nan here" in f.hint, f.hint
+    else:
+        assert f.op == "aten.log.default" and f.value == -math.inf and "Log of exactly 0" in f.hint, f.hint
+
+
 # ---------------------------------------------------------------------------- causes
 def test_nan_in_the_data_is_cause_input_at_the_first_module_that_reads_it() -> None:
     m = zoo.mlp()

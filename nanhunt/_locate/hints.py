@@ -394,7 +394,7 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
             if isinstance(args[0], torch.Tensor) and code is not None and bool(code.any()):
                 n, dd = torch.broadcast_tensors(args[0], d if isinstance(d, torch.Tensor) else torch.tensor(d))
                 flat = int(code.reshape(-1).nonzero()[0, 0])  # (the first non-finite element: 0/0 there?)
-                if n.numel() == code.numel() and float(n.reshape(-1)[flat]) == 0 == float(dd.reshape(-1)[flat]):
+                if n.numel() == code.numel() and n.reshape(-1)[flat].item() == 0 == dd.reshape(-1)[flat].item():
                     out["zero_over_zero"] = True
                     if isinstance(d, torch.Tensor) and not (d.is_floating_point() or d.is_complex()):
                         out["count_zero"] = True  # an integer denominator: a count (of targets, of positives)
@@ -433,18 +433,19 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
                 out.update(reached=v, limit=limit, dtype=str(narrow[0]).removeprefix("torch."), cast=True, scalar=True)
                 return out
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
-            and float(args[0].reshape(-1)[flat]) == 0):
+            and args[0].reshape(-1)[flat].item() == 0):  # (complex too: log(0j) = -inf)
         x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
         # (a mask keeps some position: all 0s is a rate a dead ReLU made, whose requires_grad a no_grad replay drops)
         mask = not (x.requires_grad or id(x) in graded) and bool(((x == 0) | (x == 1)).all()) and bool((x == 1).any())
         out["log_mask" if mask else "log_zero"] = True
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
-            and float(args[0].reshape(-1)[flat]) < 0):
+            and not args[0].is_complex() and float(args[0].reshape(-1)[flat]) < 0):
         out["log_negative"] = float(args[0].reshape(-1)[flat])
     if (name in ("reciprocal", "reciprocal_") and args and isinstance(args[0], torch.Tensor)
-            and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) == 0):
+            and args[0].numel() == code.numel() and args[0].reshape(-1)[flat].item() == 0):
         out["div_zero"] = True
-    if name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel():
+    if (name in ("pow", "pow_") and len(args) >= 2 and isinstance(args[0], torch.Tensor) and not args[0].is_complex()
+            and args[0].numel() == code.numel()):
         e = args[1]  # (0 to a negative power: 1/0, a GCN's deg.pow(-0.5) of an isolated node)
         e = float(e.reshape(-1)[flat if e.numel() > 1 else 0]) if isinstance(e, torch.Tensor) and e.numel() in (1, code.numel()) else e
         base = float(args[0].reshape(-1)[flat])
@@ -453,14 +454,14 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
         elif isinstance(e, (int, float)) and math.isfinite(e) and e != int(e) and base < 0:
             out["pow_negative"] = (base, float(e))  # (x ** 0.5, x ** 1.5 of a value just below 0: not real)
     if (name in ("sqrt", "sqrt_", "rsqrt", "rsqrt_") and args and isinstance(args[0], torch.Tensor)
-            and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
+            and not args[0].is_complex() and args[0].numel() == code.numel() and float(args[0].reshape(-1)[flat]) < 0):
         out["negative"] = float(args[0].reshape(-1)[flat])  # (rsqrt's nan is no 0's: its hint speaks of 0 only)
     dtype = next((t.dtype for t in _leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
     made = kwargs.get("dtype") if dtype is None else None  # a factory (arange, linspace) makes the dtype it is told
     factory = isinstance(made, torch.dtype) and made.is_floating_point
     dtype = made if factory else dtype
-    if dtype is None or dtype == torch.float64:
-        return out
+    if dtype is None or dtype == torch.float64 or any(isinstance(t, torch.Tensor) and t.is_complex() for t in _leaves(args)):
+        return out  # (a complex op: no float64 reference of its parts here)
     with torch.no_grad():
         up = tree_map(lambda t: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, (args, kwargs))
         if factory:
