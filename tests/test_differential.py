@@ -783,6 +783,47 @@ def test_a_cast_overflow_references_the_value_its_hint_names() -> None:
     assert f"{f.reference['value']:.6g}" in f.hint, f.hint
 
 
+class _MuLawVocoder(nn.Module):
+    """A vocoder's tanh output, mu-law decoded: sign(y) * ((1 + mu) ** |y| - 1) / mu."""
+
+    def __init__(self, mu: float) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(8, 16, 3, padding=1)
+        self.up = nn.ConvTranspose1d(16, 8, 16, stride=16)
+        self.out = nn.Conv1d(8, 1, 7, padding=3)
+        self.mu = mu
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.out(F.leaky_relu(self.up(F.leaky_relu(self.c1(mel))))))
+        return torch.sign(y) * ((1 + self.mu) ** y.abs() - 1) / self.mu
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_python_number_past_the_dtypes_range_is_named_with_its_op(mode: str, dtype: str) -> None:
+    """A mu-law decode's (1 + mu) ** |y|: 1 + mu = 65536 is inf in float16 (mu = 2 ** 16 - 1 under
+    autocast), 2 ** 256 inf in float32, before pow runs. The hint was pow's generic line, and under
+    float16 the reference named an unrelated underflow of a conv (no traced float32 value passes
+    65504: pow's are small), with the remedy to run that conv in float32."""
+    torch.manual_seed(0)
+    mu = 65535.0 if dtype == "float16" else 2.0 ** 256 - 1
+    m = _MuLawVocoder(mu)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=dtype == "float16"):
+            wav = m(torch.randn(2, 8, 16))
+        F.l1_loss(wav.float(), torch.randn(2, 1, 256) * 0.1).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.op, f.cause, f.dtype) == ("", "aten.pow.Scalar", "created", dtype), f
+    assert f"the Python number it was given, {1 + mu:.6g}, is inf there" in f.hint and "mu-law" in f.hint, f.hint
+    if dtype == "float16":
+        assert f.verdict == "precision" and f.reference["op"] == "aten.pow.Scalar", f.reference
+        assert f.reference["value"] == 65536.0 and "underflow" not in f.reference, f.reference
+    else:
+        assert f.verdict == "numerics", f
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_an_op_overflow_of_another_shape_references_the_value_its_hint_names(mode: str) -> None:
     # a Linear on (batch, seq, features) runs addmm on a 2-d view: its shape is not the finding's, so

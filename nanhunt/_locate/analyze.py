@@ -8,6 +8,7 @@ themselves, the inputs and parameters, and whether the value is reproducible.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -428,6 +429,12 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
         # a cast whose input has another shape than the finding: the reference took that input's largest
         # element, the hint the one on the path to the finding's element (the value the user can look up)
         f = dataclasses.replace(f, reference={**ref, "value": facts["reached"]})
+    elif facts.get("scalar") == "number" and f.verdict == "precision" and ref.get("op") != f.op:
+        # a Python number past the dtype's range (65536 in float16): inf before the op ran, and no traced
+        # value of float32 passes it; the op it went into is the one to name, not an unrelated underflow
+        f = dataclasses.replace(f, reference={"dtype": "float32", "op": f.op, "value": facts["reached"],
+                                              "limit": facts["limit"], "failing_dtype": facts["dtype"],
+                                              "failing": math.copysign(math.inf, facts["reached"])})
     hint = f.hint or _start_hint(ctx, f) or _hints.hint(f, facts)
     if not hint and f.phase == "forward" and f.cause == "unknown" and not ctx.view.replay:
         hint = _hints.unreplayed_forward_hint(ctx.view.sharded, f.op)

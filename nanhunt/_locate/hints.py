@@ -432,6 +432,12 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
             if math.isfinite(v) and abs(v) > limit:
                 out.update(reached=v, limit=limit, dtype=str(narrow[0]).removeprefix("torch."), cast=True, scalar=True)
                 return out
+        # a Python number is the tensor's dtype in the op: one past its range is inf (a mu-law's (1 + mu) ** |y|)
+        num = next((a for a in args[:2] if type(a) is float and math.isfinite(a)), None)
+        if num is not None and narrow and abs(num) > float(torch.finfo(narrow[0]).max):
+            out.update(reached=num, limit=float(torch.finfo(narrow[0]).max), dtype=str(narrow[0]).removeprefix("torch."),
+                       cast=True, scalar="number")
+            return out
     if (name in ("log", "log_") and args and isinstance(args[0], torch.Tensor) and args[0].numel() == code.numel()
             and args[0].reshape(-1)[flat].item() == 0):  # (complex too: log(0j) = -inf)
         x = args[0]  # a constant of 0s and 1s: a mask made additive (logits + mask.log()), not a value that reached 0
@@ -637,6 +643,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "the mask last, with masked_fill(mask, torch.finfo(dtype).min) after every addition (not a "
                     "mask added, nor a bias such as ALiBi's added after the fill), or clamp the sum at "
                     "torch.finfo(dtype).min.")
+        if fx.get("scalar") == "number":
+            return (f"Overflow in a cast: {op} computes in {fx['dtype']}, so the Python number it was given, "
+                    f"{fx['reached']:.6g}, is inf there, past {fx['dtype']}'s largest finite value {fx['limit']:g}: a "
+                    "constant too large for the dtype, as a mu-law decode's (1 + mu) ** |y| is with mu = 2 ** 16 - 1 "
+                    "in float16 (or a mu of far more bits in float32). Use a constant the dtype can hold, or compute "
+                    "this op in a wider dtype (y.float() under autocast; float64 past float32's range).")
         if fx.get("scalar"):
             return (f"Overflow in a cast: {op} computes in {fx['dtype']}, so its 0-dim operand {fx['reached']:.6g} "
                     f"(a wider scalar tensor, which does not promote the other's dtype) became inf, past "
