@@ -167,6 +167,9 @@ _ATTENTION = frozenset({"_native_multi_head_attention", "_masked_softmax", "scal
                         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
                         "_transformer_encoder_layer_fwd"})
 
+# the FFT kernels torch.stft and torch.fft.* run: a log of what they made is a log spectrogram
+_FFTS = ("_fft_r2c", "_fft_c2c")
+
 # ops that fold many rows into fewer values (a scalar loss, a per-sample mean): the rows hint
 _REDUCTIONS = frozenset({
     "sum", "mean", "prod", "amax", "amin", "max", "min", "norm", "linalg_vector_norm", "logsumexp", "std",
@@ -213,6 +216,9 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 out["log_of"] = log_of
             if log_of in ("sub", "rsub") and _made_by(rec, arg, "tanh"):
                 out["log_tanh"] = True  # log(1 - tanh(u) ** 2) with tanh(u) rounded to ±1: a squashed policy's correction
+            elif log_of in _FFTS or (log_of is not None and log_of not in _SATURATING
+                                     and any(_made_by(rec, arg, fft, depth=6) for fft in _FFTS)):
+                out["log_spec"] = True  # a log-magnitude or log-mel of an STFT (torch.stft, torch.fft.rfft) at 0: silence
         if "negative" in out:  # the op that made sqrt's negative input: a table's entry (a schedule's alpha_bar[t])
             neg_of, _ = _maker(rec, next((i for i in first.ins if i.pos == 0), None))
             if neg_of is not None:
@@ -751,6 +757,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "about -104 in float32) that it is 0 (a log_std or log-variance head that fell that far, exp'd into a "
                 "Normal's scale: Normal(loc, scale).log_prob takes log(scale)). Clamp the exponent before exp "
                 "(log_std.clamp(-20, 2), as SAC does), or use it directly where its log is needed (log(exp(x)) = x).")
+    if fx.get("log_zero") and fx.get("log_spec"):
+        return (f"Log of exactly 0 in a spectrogram: {op}'s input is a magnitude, power or mel energy of an STFT "
+                "that is exactly 0 there (a silent clip, digital silence, or zero padding to the batch's length), "
+                "and log(0) = -inf. Put a floor inside the log: log(mel + 1e-6) or log(mel.clamp_min(1e-10)) (as "
+                "torchaudio's AmplitudeToDB clamps at amin=1e-10).")
     if fx.get("log_zero") and fx.get("log_scalar"):
         return (f"Log of exactly 0 of a single number computed outside the model: {op}'s input, a scalar "
                 "coefficient of the loop (mixup's or cutmix's lam = np.random.beta(a, a) is exactly 0 or 1 for a "
@@ -827,6 +838,11 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                     "sigma = u . (W v), which is 0 for a nonzero weight once its power iteration's u and v are 0: "
                     "F.normalize of W v (and of W^T u) whose norm overflowed float32 (weights past about 1e19) "
                     "gives 0: the weights under spectral_norm are huge, no eps is missing.")
+        if not fx.get("zero_over_zero") and fx.get("den_op") in ("linalg_vector_norm", "norm", "frobenius_norm"):
+            return ("A division by a norm of 0: the denominator is the norm of an all-zero tensor (a spectral "
+                    "convergence loss ||S - S_hat|| / ||S|| of a silent target clip, a relative error "
+                    "||x - y|| / ||y|| where y is all 0); add an eps to the norm (/ (||S|| + eps)) or skip such "
+                    "targets.")
         if fx.get("zero_over_zero"):
             return ("A division by 0: 0/0 gives nan here, a zero divided by a zero, as a zero vector divided by its "
                     "norm is (F.normalize or F.cosine_similarity with eps=0, x / x.norm(): an all-zero row, an "
