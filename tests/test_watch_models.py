@@ -348,3 +348,55 @@ def test_a_module_returning_a_conjugate_view_is_watched_and_replayed(mode: str) 
     assert f is not None
     assert (f.phase, f.module, f.cause, f.op) == ("forward", "4", "created", "aten.log.default"), str(f)
     assert f.reproducible
+
+
+@pytest.mark.parametrize("change", ["del", "pop", "insert"])
+def test_a_container_changed_under_an_open_hunt_is_named_as_it_is_now(change: str) -> None:
+    """``del model[1]`` / ``model.pop(1)`` renumber a Sequential's children and ``insert`` shifts
+    them, all without torch's module registration hook: the full-mode hunt kept its old name map,
+    so an exp overflow after ``del model[1]`` was reported in ``"3"`` (the Linear there now), and
+    one in a block inserted mid-run was blamed on the root (the new block had no `Forward`: not
+    seen). Now the overflow is named where ``named_modules()`` puts it, and the run is unchanged."""
+
+    def build() -> tuple[nn.Sequential, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.0), nn.Linear(8, 8), zoo.Exp(), nn.Linear(8, 1))
+        return m, torch.optim.SGD(m.parameters(), lr=0.01)
+
+    def run(m: nn.Sequential, opt: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        outs = []
+        for s in range(steps):
+            if s == 2:
+                if change == "del":
+                    del m[1]
+                elif change == "pop":
+                    m.pop(1)
+                else:
+                    torch.manual_seed(3)
+                    m.insert(1, nn.Sequential(nn.Linear(8, 8), zoo.Exp()))
+                    opt.add_param_group({"params": list(m[1].parameters())})
+            x = torch.randn(3, 4, generator=g)
+            if s == 3:
+                x[0] = 3000.0  # exp overflows in the Exp right after the change
+            out = m(x)
+            outs.append(out.detach())
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return outs
+
+    ref = run(*build(), steps=3)
+    m, opt = build()
+    with nanhunt.watch(m, optimizer=opt) as hunt:
+        assert all(bit_equal(a, b) for a, b in zip(ref, run(m, opt, steps=3)))
+    assert hunt.findings == []
+    m, opt = build()
+    with pytest.raises(nanhunt.NonFiniteError) as err, nanhunt.watch(m, optimizer=opt):
+        run(m, opt, steps=4)
+    f = err.value.finding
+    where = "1.1" if change == "insert" else "2"
+    assert dict(m.named_modules())[where].__class__ is zoo.Exp
+    assert (f.phase, f.module, f.module_type, f.step, f.cause, f.op) == (
+        "forward", where, "Exp", 3, "created", "aten.exp.default"), f
+    assert all("forward" not in mod.__dict__ for mod in m.modules())

@@ -663,13 +663,19 @@ class Hunt:
                 if w is not None:  # (a module gone, its id now another's)
                     remove(w)
                 fwds[id(m)] = w = install(self, m)
+            w.kids = kids = m._modules
+            w.nkids = len(kids)
             ws.append(w)
         self._fwd_ok = ws
         self._lean_flags()
 
     def _wrapped(self) -> bool:
         """Is every watched module's ``forward`` still its `Forward` (none replaced since, none
-        compiled in place since)? Checked as each top-level call begins (~0.1 us a module)."""
+        compiled in place since)? Checked as each top-level call begins (~0.1 us a module). A
+        module whose children changed without torch's registration hook (``del seq[1]``,
+        ``seq.pop(1)``: a renumbered ``_modules``; ``ModuleList.insert``, ``del mdict[k]``: one
+        written in place) drops the name map, as `_on_register` does: rebuilt at the next call,
+        with a `Forward` on a module inserted so, this call seen by the hooks."""
         ws = self._fwd_ok
         if ws is None:
             return False
@@ -679,6 +685,10 @@ class Hunt:
                 continue
             d = m.__dict__
             if d.get("forward") is not w or d.get("_compiled_call_impl") is not None:
+                return False
+            kids = d.get("_modules")
+            if kids is not w.kids or len(kids) != w.nkids:
+                self._names = None
                 return False
         return True
 
