@@ -1518,3 +1518,65 @@ def test_a_warm_up_that_starts_at_a_huge_lr_names_that_steps_lr_not_the_lr_of_no
     assert "with SGD lr=0.1 now), and step 0's step() ran with lr=1e+37" in f.hint, f.hint
     assert "grown step after step" not in f.hint, f.hint
     assert same_state(snapshot(m), before)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("tell", [False, True])
+@pytest.mark.parametrize("change", ["assign", "double"])
+def test_an_optimizer_built_again_mid_run_is_watched_in_place_of_the_one_it_replaces(
+        mode: str, tell: bool, change: str) -> None:
+    """``model.load_state_dict(sd, assign=True)`` mid-run gives the model new Parameter objects
+    (``model.double()`` keeps them), and the script builds its optimizer again. The watched one never
+    steps again: the step count stopped there (an exp overflow at step 4 was told as step 2), also
+    after ``hunt.add_optimizer(new)`` (a round waited for the old one), and the new one's update was
+    not probed. Now the new optimizer takes the old one's place, found at its first step or when
+    given: the steps are the loop's, an update it overflows is an optimizer finding."""
+
+    def run(hunt: Any, bad: str | None) -> tuple[nn.Module, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        m = zoo.expnet()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        if hunt is not None:
+            hunt = nanhunt.watch(m, optimizer=opt, mode=mode)
+        g = torch.Generator().manual_seed(1)
+        outs = []
+        try:
+            for step in range(6):
+                if step == 2:
+                    if change == "assign":
+                        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+                    else:
+                        m.double()
+                    opt = torch.optim.SGD(m.parameters(), lr=(1e308 if change == "double" else 3e38) if bad == "lr" else 0.01)
+                    if hunt is not None and tell:
+                        hunt.add_optimizer(opt)
+                x = torch.randn(8, 4, generator=g)
+                if change == "double" and step >= 2:
+                    x = x.double()
+                if bad == "x" and step == 4:
+                    x[3] = 1000.0  # exp overflows
+                out = m(x)
+                outs.append(out.detach())
+                out.mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if hunt is not None:
+                hunt.close()
+                assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+        return m, outs
+
+    ref, ref_outs = run(None, None)
+    m, outs = run(True, None)
+    assert all(bit_equal(a, b) for a, b in zip(ref_outs, outs))
+    assert all(bit_equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        run(True, "x")
+    f = err.value.finding
+    assert (f.phase, f.module, f.step, f.cause, f.op) == ("forward", "1", 4, "created", "aten.exp.default"), f
+    if mode == "full":
+        with pytest.raises(nanhunt.NonFiniteError) as err:
+            run(True, "lr")
+        f = err.value.finding
+        assert (f.phase, f.module, f.tensor, f.step, f.cause) == ("optimizer", "2", "weight", 2, "created"), f
+        assert ("1e+308" if change == "double" else "3e+38") in f.hint, f.hint

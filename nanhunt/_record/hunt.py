@@ -22,7 +22,8 @@ What the hooks see, and what they leave alone:
   user's (added lazily, removed at close), so it judges the output the program sees.
 - **Models that change.** The name map is keyed by id with weak references (it keeps no module
   alive) and is rebuilt after a watched module gains or swaps a child (torch's global module
-  registration hook).
+  registration hook). An optimizer built again over the model's parameters mid-run takes the place
+  of the watched ones it replaces (`add_optimizer`, `_unwatched_step`).
 - **torch.func.** Calls inside ``vmap``/``grad``/... transforms (functorch-wrapped tensors) are not
   recorded; the gradients they produce are checked as usual at the step's end.
 - **Internal faults.** Every hook stage runs under ``try``: see :mod:`.faults`.
@@ -410,7 +411,9 @@ class Hunt:
         # per watched optimizer: (the step it is for, its parameters, their probe or None: all finite) as step() began
         self._before: dict[int, tuple[int, list[torch.Tensor], torch.Tensor | None]] = {}
         self._later: list[torch.optim.Optimizer] = []  # added while torch ran their step hooks: see add_optimizer
-        self._holds: dict[int, tuple[Any, bool]] = {}  # id(optimizer) -> (ref, holds the model's parameters)
+        self._retired: set[int] = set()  # watched optimizers replaced by one that holds the model's parameters: _retire
+        # id(optimizer) -> (ref, holds the model's parameters, asked whether it replaces the watched ones)
+        self._holds: dict[int, tuple[Any, bool, bool]] = {}
         self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
         self._hand_update = False  # judging a step at a hand-written update's write (see _drop_grads)
         self._depth = 0  # `with hunt:` blocks entered and not left
@@ -446,7 +449,7 @@ class Hunt:
                 self._catch_wrapper()
         self._opts = []
         for opt in opts:
-            self.add_optimizer(opt)
+            self._add_optimizer(opt)
         # an optimizer nobody gave to watch() may still step the model's weights (with none given; or
         # besides the one given: AdamW for the biases and norms next to the watched one for the matrices)
         self._handles.append(OPTIMIZER_STEP.add(self._unwatched_step))
@@ -481,10 +484,54 @@ class Hunt:
             self._end_step(advance=advance, collective=bool(self._opts))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Watch one more optimizer; its ``step()`` calls now count the training step."""
+        """Watch one more optimizer; its ``step()`` calls now count the training step. One built
+        again over the model's parameters (after ``load_state_dict(sd, assign=True)`` or
+        ``model.double()``, or another class switched to) takes the place of the watched ones it
+        replaces (`_replaced_by`): theirs, which nothing steps now, no longer hold the count back."""
         if not self._open("hunt.add_optimizer()"):
             return
         (opt,) = _optimizers(optimizer)
+        stale = self._replaced_by(opt)
+        self._add_optimizer(opt)
+        for i in stale:
+            self._retire(i, opt)
+
+    def _replaced_by(self, opt: torch.optim.Optimizer) -> list[int]:
+        """The watched optimizers ``opt`` replaces: all of them, when it holds the model's
+        parameters and each of them holds none of them any more (the model reloaded with new
+        Parameter objects) or only parameters ``opt`` holds too, in groups of its own (built again
+        over the same ones after ``model.double()``, or another class switched to); else none. (A
+        wrapper that steps a watched optimizer shares its param_groups: never a replacement.)"""
+        root = self._root
+        live = [i for i, o in enumerate(self._opts) if i not in self._retired and o is not opt]
+        if not live or root is None or not _first_held(root, opt):
+            return []
+        groups = opt.param_groups
+        mine = {id(p) for g in groups for p in g["params"]}
+        for i in live:
+            o = self._opts[i]
+            if _first_held(root, o) is False:
+                continue
+            if o.param_groups is groups or any(g is h for g in o.param_groups for h in groups) or not all(
+                    id(p) in mine for g in o.param_groups for p in g["params"]):
+                return []
+        return live
+
+    def _retire(self, i: int, new: torch.optim.Optimizer) -> None:
+        """Watched optimizer ``i`` was replaced by one just added (`_replaced_by`): its hooks come
+        off, and a round of steps no longer waits for it (`_count_step`)."""
+        old = self._opts[i]
+        dicts = (old._optimizer_step_pre_hooks, old._optimizer_step_post_hooks,
+                 old._optimizer_load_state_dict_post_hooks)
+        for h in [h for h in self._handles if getattr(h, "hooks_dict_ref", lambda: None)() in dicts]:
+            h.remove()
+            self._handles.remove(h)
+        self._retired.add(i)
+        self._round.discard(i)
+        _logger.info("nanhunt: the watched %s is replaced by the %s built over the model's parameters since; "
+                     "its steps count from here", type(old).__name__, type(new).__name__)
+
+    def _add_optimizer(self, opt: torch.optim.Optimizer) -> None:
         if any(o is opt for o in self._opts) or any(o is opt for o in self._later):
             return
         if id(opt) in _IN_HOOKS:
@@ -1877,9 +1924,14 @@ class Hunt:
             if holds is None or holds[0]() is not opt:
                 mine = {id(p) for p in root.parameters()} if root is not None else set()
                 holds = self._holds[id(opt)] = (weakref.ref(opt), any(
-                    id(p) in mine for g in opt.param_groups for p in g["params"]))
+                    id(p) in mine for g in opt.param_groups for p in g["params"]), False)
             if not holds[1]:
                 return
+            if self._opts and not holds[2]:  # its first step: the model's optimizer built again? (see add_optimizer)
+                self._holds[id(opt)] = (holds[0], True, True)
+                if self._replaced_by(opt):
+                    self.add_optimizer(opt)
+                    return  # watched from here: torch runs the step hooks just added next, this step's among them
             self._judge_before_update()
         except NonFiniteError:
             raise
@@ -2182,7 +2234,7 @@ class Hunt:
         if i in self._round:
             self._round = set()
         self._round.add(i)
-        if len(self._round) == len(self._opts):
+        if len(self._round) == len(self._opts) - len(self._retired):
             self.step += 1
             self._calls_before = _Counted()
             self._round = set()
