@@ -1522,15 +1522,16 @@ def test_a_warm_up_that_starts_at_a_huge_lr_names_that_steps_lr_not_the_lr_of_no
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 @pytest.mark.parametrize("tell", [False, True])
-@pytest.mark.parametrize("change", ["assign", "double"])
+@pytest.mark.parametrize("change", ["assign", "double", "head"])
 def test_an_optimizer_built_again_mid_run_is_watched_in_place_of_the_one_it_replaces(
         mode: str, tell: bool, change: str) -> None:
     """``model.load_state_dict(sd, assign=True)`` mid-run gives the model new Parameter objects
-    (``model.double()`` keeps them), and the script builds its optimizer again. The watched one never
-    steps again: the step count stopped there (an exp overflow at step 4 was told as step 2), also
-    after ``hunt.add_optimizer(new)`` (a round waited for the old one), and the new one's update was
-    not probed. Now the new optimizer takes the old one's place, found at its first step or when
-    given: the steps are the loop's, an update it overflows is an optimizer finding."""
+    (``model.double()`` keeps them; a new head replaces some), and the script builds its optimizer
+    again. The watched one never steps again: the step count stopped there (an exp overflow at
+    step 4 was told as step 2), also after ``hunt.add_optimizer(new)`` (a round waited for the old
+    one), and the new one's update was not probed. Now the new optimizer takes the old one's place,
+    found at its first step or when given: the steps are the loop's, an update it overflows is an
+    optimizer finding."""
 
     def run(hunt: Any, bad: str | None) -> tuple[nn.Module, list[torch.Tensor]]:
         torch.manual_seed(0)
@@ -1545,8 +1546,10 @@ def test_an_optimizer_built_again_mid_run_is_watched_in_place_of_the_one_it_repl
                 if step == 2:
                     if change == "assign":
                         m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
-                    else:
+                    elif change == "double":
                         m.double()
+                    else:
+                        m[2] = nn.Linear(8, 1)  # a new head: the old optimizer holds the old one's and the rest
                     opt = torch.optim.SGD(m.parameters(), lr=(1e308 if change == "double" else 3e38) if bad == "lr" else 0.01)
                     if hunt is not None and tell:
                         hunt.add_optimizer(opt)

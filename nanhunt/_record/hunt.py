@@ -498,22 +498,22 @@ class Hunt:
 
     def _replaced_by(self, opt: torch.optim.Optimizer) -> list[int]:
         """The watched optimizers ``opt`` replaces: all of them, when it holds the model's
-        parameters and each of them holds none of them any more (the model reloaded with new
-        Parameter objects) or only parameters ``opt`` holds too, in groups of its own (built again
-        over the same ones after ``model.double()``, or another class switched to); else none. (A
-        wrapper that steps a watched optimizer shares its param_groups: never a replacement.)"""
+        parameters and, of the model's parameters, each of them holds only ones ``opt`` holds too,
+        in groups of its own (built again after ``load_state_dict(sd, assign=True)``: none of them
+        the model's any more; after ``model.double()``, a head replaced, or another class switched
+        to); else none. (A wrapper that steps a watched optimizer shares its param_groups: never a
+        replacement; an optimizer of other parameters of the model, next to them: none either.)"""
         root = self._root
         live = [i for i, o in enumerate(self._opts) if i not in self._retired and o is not opt]
         if not live or root is None or not _first_held(root, opt):
             return []
         groups = opt.param_groups
         mine = {id(p) for g in groups for p in g["params"]}
+        model = {id(p) for p in _params_of(root)}
         for i in live:
             o = self._opts[i]
-            if _first_held(root, o) is False:
-                continue
             if o.param_groups is groups or any(g is h for g in o.param_groups for h in groups) or not all(
-                    id(p) in mine for g in o.param_groups for p in g["params"]):
+                    id(p) in mine or id(p) not in model for g in o.param_groups for p in g["params"]):
                 return []
         return live
 
