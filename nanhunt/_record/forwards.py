@@ -59,7 +59,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling  # False eagerly (one cal
 class Forward:
     """``module.forward`` while a full-mode hunt is open (see the module docstring)."""
 
-    __slots__ = ("hunt", "ref", "func", "own", "lean", "name", "cls", "kids", "nkids", "__weakref__")
+    __slots__ = ("hunt", "ref", "func", "own", "lean", "name", "cls", "__weakref__")
     __nanhunt__ = True  # (bundles and reports leave it out of a module's attributes)
 
     def __init__(self, hunt: Any, module: nn.Module, own: Any) -> None:
@@ -71,8 +71,6 @@ class Forward:
         self.cls = type(module)  # (its `copyreg` entry is counted by class: see copies.py)
         self.lean = False  # its calls are only noted (`Hunt._lean_flags`), recorded at the next `Hunt._flush`
         self.name = ""  # its qualified name (set with `lean`)
-        self.kids: Any = None  # the module's ``_modules`` and its length when the name map was built
-        self.nkids = 0  # (`Hunt._wrapped`: a child deleted or inserted without torch's registration hook)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         h = self.hunt

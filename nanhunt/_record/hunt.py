@@ -355,6 +355,7 @@ class Hunt:
         self._global: GlobalHooks | None = None
         self._fwds: dict[int, Forward] = {}  # id(module) -> the wrapper put on it (close() takes them off)
         self._fwd_ok: list[Forward] | None = None  # the name map's wrappers; None: its calls are left to the hooks
+        self._kids: list[tuple[dict[str, Any], dict[str, Any], int]] = []  # see _wrap
         self._inner = 0  # the owner thread's ident while a top-level call runs with the hooks off, else 0
         self._arm: Call | None = None  # the top-level call just begun, whose own forward may take the hooks off
         # the lean path (see forwards.py): the calls the wrappers noted, not yet recorded (`_flush`),
@@ -710,10 +711,12 @@ class Hunt:
                 if w is not None:  # (a module gone, its id now another's)
                     remove(w)
                 fwds[id(m)] = w = install(self, m)
-            w.kids = kids = m._modules
-            w.nkids = len(kids)
             ws.append(w)
         self._fwd_ok = ws
+        # the containers' children as the map was built (`_wrapped`; a leaf gains a child only
+        # through torch's registration hook)
+        self._kids = [(m.__dict__, m._modules, len(m._modules)) for m in mods
+                      if m._modules or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))]
         self._lean_flags()
 
     def _wrapped(self) -> bool:
@@ -733,8 +736,8 @@ class Hunt:
             d = m.__dict__
             if d.get("forward") is not w or d.get("_compiled_call_impl") is not None:
                 return False
-            kids = d.get("_modules")
-            if kids is not w.kids or len(kids) != w.nkids:
+        for d, kids, n in self._kids:
+            if d.get("_modules") is not kids or len(kids) != n:
                 self._names = None
                 return False
         return True
@@ -2759,6 +2762,7 @@ class Hunt:
             h.remove()
         self._handles.clear()
         self._inner, self._arm, self._global, self._fwd_ok, self._ev = 0, None, None, None, None
+        self._kids = []
         self._evbuf.clear()
         self._calls_before = _Counted()  # (its calls hold their modules)
         self._after_step = {}  # (the parameters)
