@@ -512,6 +512,30 @@ def test_accelerates_wrapped_optimizer_is_watched_through_the_optimizer_it_steps
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_a_watched_accelerated_optimizer_copies_and_pickles_without_the_hunt() -> None:
+    """While a hunt is open, the AcceleratedOptimizer's step() is wrapped on the instance (its writes
+    after the inner step() are part of the step); accelerate pickles the wrapper's whole __dict__:
+    a copy or a pickle must get a plain step() of its own, not the hunt's weak references."""
+    import copy
+    import io
+
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(cpu=True)
+    model = zoo.mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2))
+    with nanhunt.watch(model, opt):
+        twin = copy.deepcopy(opt)
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for o in (twin, loaded):
+        assert getattr(o.step, "__self__", None) is o, o.step
+        model(torch.randn(2, 4)).sum().backward()
+        o.step()  # (steps its own copy of the optimizer)
+    assert "step" not in vars(opt)
+
+
 @pytest.mark.parametrize("when", ["open", "mid-step", "closed"])
 def test_copying_or_pickling_a_hunt_is_refused_at_once(when: str) -> None:
     """copy.deepcopy of a trainer that holds the hunt: between the forward and step() the loss-code

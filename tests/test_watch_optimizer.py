@@ -4,6 +4,7 @@ GradScaler's skipped steps, and several optimizers."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import inspect
@@ -468,11 +469,13 @@ class _Lookahead(torch.optim.Optimizer):
     patches its ``step`` to run the step hooks) but sets the hook dicts by hand, steps ``optimizer``
     and pulls the weights towards slow copies every ``k`` steps."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, hooks: type = dict, k: int = 2, alpha: float = 0.5) -> None:
-        self.optimizer, self.k, self.alpha = optimizer, k, alpha
-        self._optimizer_step_pre_hooks: dict[int, Any] = hooks()
-        self._optimizer_step_post_hooks: dict[int, Any] = hooks()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Any] = hooks()
+    def __init__(self, optimizer: torch.optim.Optimizer, hooks: type | None = dict, k: int = 2, alpha: float = 0.5,
+                 pull: str = "lerp") -> None:
+        self.optimizer, self.k, self.alpha, self.pull = optimizer, k, alpha, pull
+        if hooks is not None:  # (None: no hook dicts at all, as the Lookahead of alphadl/lookahead.pytorch)
+            self._optimizer_step_pre_hooks: dict[int, Any] = hooks()
+            self._optimizer_step_post_hooks: dict[int, Any] = hooks()
+            self._optimizer_load_state_dict_post_hooks: dict[int, Any] = hooks()
         self.defaults = optimizer.defaults
         self.state = collections.defaultdict(dict)
         self.counter = 0
@@ -493,7 +496,11 @@ class _Lookahead(torch.optim.Optimizer):
         if self.counter % self.k == 0:
             for p in (p for g in self.param_groups for p in g["params"]):
                 slow = self.state[p]["slow_params"]
-                p.lerp_(slow, weight=1.0 - self.alpha)
+                if self.pull == "lerp":
+                    p.lerp_(slow, weight=1.0 - self.alpha)
+                else:
+                    slow.lerp_(p, self.alpha)
+                    p.copy_(slow)
                 slow.copy_(p)
         return loss
 
@@ -518,6 +525,58 @@ def test_a_lookahead_that_sets_the_step_hooks_by_hand_is_watched_through_the_opt
     f = ei.value.finding
     assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
     assert "its lr is 1e+38" in f.hint, f.hint
+
+
+@pytest.mark.parametrize("settings", [{"mode": "sentinel"}, {"mode": "full", "optimizer_every": 5}])
+@pytest.mark.parametrize(("hooks", "pull"), [(collections.OrderedDict, "lerp"), (None, "copy")])
+def test_a_lookaheads_pull_back_after_the_step_it_wraps_is_part_of_that_step(
+        settings: dict[str, Any], hooks: type | None, pull: str) -> None:
+    # watch(model, lookahead): nanhunt hooks the SGD it steps, whose post-step hook noted the weights'
+    # versions; Lookahead's own pull-back towards the slow weights (in place, after that step()
+    # returned) then moved them. An lr overflow at step 3, read at the next step (sentinel; an
+    # unsampled step), was "forward, step 4, cause 'parameter': written after its optimizer's last
+    # step (a load_state_dict, an in-place assignment in your code)": no code of the user's wrote it
+    model = zoo.cnn()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _Lookahead(inner, hooks, pull=pull)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, **settings):
+        for i in range(6):
+            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            F.cross_entropy(model(x), y).mul(100).backward()
+            opt.step()
+            opt.zero_grad()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
+    assert "its lr is 1e+38" in f.hint and "written after" not in f.hint, f.hint
+    assert "step" not in vars(opt)  # (the wrapper of its step() is off again)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_watched_lookahead_trains_bit_identically_and_is_left_as_it_was(mode: str) -> None:
+    def train(watch: bool) -> tuple[nn.Module, Any]:
+        model = zoo.cnn()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = _Lookahead(inner, None, k=3)
+        g = torch.Generator().manual_seed(0)
+        with nanhunt.watch(model, opt, mode=mode) if watch else contextlib.nullcontext() as hunt:
+            for _ in range(7):
+                x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        if watch:
+            assert hunt.findings == [] and hunt.step == 7
+        return model, opt
+
+    (ref, _), (model, opt) = train(False), train(True)
+    assert same_state(snapshot(ref), snapshot(model))
+    assert "step" not in vars(opt) and not _step_hooks(opt.optimizer)
+
+
+def _step_hooks(opt: torch.optim.Optimizer) -> list[Any]:
+    return [*opt._optimizer_step_pre_hooks.values(), *opt._optimizer_step_post_hooks.values()]
 
 
 def test_optimizer_hooks_do_not_change_the_update() -> None:

@@ -372,6 +372,8 @@ class Hunt:
         self._wrappers: GlobalHooks | None = None  # sentinel: see _catch_wrapper
         self._stepping: torch.optim.Optimizer | None = None  # inside its step pre-hooks (see _release)
         self._in_closure: torch.optim.Optimizer | None = None  # its step(closure)'s check, after the closure
+        self._wrapper_steps = 0  # wrapper optimizers' step() calls under way (see _WrapperStep)
+        self._held_ends: list[tuple[int, torch.optim.Optimizer]] = []  # their inner steps' ends, held until they return
         # state a finding already showed non-finite (a weight the user wrote inf into, one an update
         # overflowed): carried into later steps, not born there again (see StepView.known_bad)
         self._known_bad: list[weakref.ref[torch.Tensor]] = []
@@ -422,7 +424,7 @@ class Hunt:
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
         _warn_foreign(model, opts, optimizer)  # (before any hook: a warning turned into an error leaves none)
         try:
-            self._install(model, opts, scaler, wrapper)
+            self._install(model, _given(optimizer), scaler, wrapper)
         except BaseException:
             self._report_path = None  # nothing was watched: no report
             self._release()  # nothing stays behind of a watch that failed to start
@@ -432,8 +434,9 @@ class Hunt:
         hunt_opened(self)
 
     def _install(self, model: nn.Module, opts: list[torch.optim.Optimizer], scaler: Any, wrapper: bool) -> None:
-        """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails); ``wrapper``:
-        watch() was given torch.compile(model)'s wrapper."""
+        """`__init__`'s hooks, wrappers and patches (taken off again if any of it fails); ``opts``: the
+        optimizers as given (a wrapper optimizer too: see `add_optimizer`); ``wrapper``: watch() was
+        given torch.compile(model)'s wrapper."""
         o = self.options
         self._handles.append(MODULE_REGISTRATION.add(self._on_register))
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): see CompiledRoot
@@ -546,6 +549,8 @@ class Hunt:
         self._handles.append(opt.register_step_pre_hook(partial(self._pre_step, i)))
         self._handles.append(opt.register_step_post_hook(partial(self._post_step, i)))
         self._handles.append(opt.register_load_state_dict_post_hook(partial(self._on_load, i)))
+        if opt is not optimizer:  # a wrapper steps it (Lookahead): the wrapper's own writes after its step() are part of the step
+            self._handles.append(_WrapperStep.join(optimizer, self))
 
     def add_scaler(self, scaler: Any) -> bool:
         """Watch ``scaler``'s steps as ``watch(scaler=...)`` does (``nanhunt run`` finds a script's
@@ -1863,6 +1868,8 @@ class Hunt:
                 "nanhunt: optimizer.step() was called from inside the on_find callback, while nanhunt was "
                 "judging a step; step after the callback returns (on_find='skip' drops a non-finite step)")
         self._outside.off()  # the step's end: nanhunt's probes and the optimizer's update are not outside code
+        if self._held_ends:  # a wrapper's step() steps again before it returned: the earlier step ended first
+            self._end_held()
         self._step_lines[i] = user_line()[0]  # for an optimizer finding: the line of this step() call
         me = _get_ident()
         if self._inner and self._inner != me:
@@ -2119,6 +2126,16 @@ class Hunt:
             backup.restore()  # skip: the step was dropped after LBFGS moved the weights (a trial point)
         if self._paused or self._closed:
             return
+        self._steps_applied += 1  # (at once: a GradScaler's step() it ran in tells a skipped step by it)
+        if self._wrapper_steps:
+            # a wrapper optimizer's step() stepped it (Lookahead): what the wrapper writes after
+            # this (the pull-back towards its slow weights) is part of the step, so the step's end
+            # (the versions that tell the optimizer's writes from the user's, the update's probe)
+            # waits until the wrapper's step() returns (`_WrapperStep`)
+            if self._held_ends:  # (it stepped twice: the first step ended before the second began)
+                self._end_held()
+            self._held_ends.append((i, opt))
+            return
         _IN_HOOKS[id(opt)] = _IN_HOOKS.get(id(opt), 0) + 1
         try:
             self._post_step_body(i, opt)
@@ -2127,8 +2144,18 @@ class Hunt:
         finally:
             _left_hooks(opt)
 
+    def _end_held(self) -> None:
+        """The step ends `_post_step` held while a wrapper optimizer's step() was under way."""
+        held, self._held_ends = self._held_ends, []
+        for i, opt in held:
+            if self._paused or self._closed:
+                return
+            try:
+                self._post_step_body(i, opt)
+            except Exception as exc:
+                self._fault(exc, "the optimizer step post-hook")
+
     def _post_step_body(self, i: int, opt: torch.optim.Optimizer) -> None:
-        self._steps_applied += 1
         n = self._applied[i] = self._applied.get(i, 0) + 1  # (each optimizer's own count: of two
         # stepped in turn, counting them together probed only the second's state, every 10th step)
         if self._damage_at is opt and self._root is not None:  # the first finding's step has now ended
@@ -2778,6 +2805,7 @@ class Hunt:
         self._held.clear()
         self._pending.clear()
         self._step_backups.clear()
+        self._held_ends.clear()
         self._user_exc = None  # (its traceback holds the user's frames)
         self._log.release()
         self._stack.clear()
@@ -2919,12 +2947,16 @@ def _params_of(model: nn.Module) -> Iterator[torch.Tensor]:
         stack.append(iter(m._modules.values()))
 
 
-def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+def _given(optimizer: Any) -> list[Any]:
+    """watch()'s ``optimizer`` as a list, as given (None: none)."""
     if optimizer is None:
         return []
-    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     out = []
-    for o in opts:
+    for o in _given(optimizer):
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer or a list of them; got {type(o).__name__}"
@@ -3008,6 +3040,74 @@ class _ScalerStep:
                 del d["step"]
             else:
                 d["step"] = self.own
+
+
+class _WrapperStep:
+    """The one wrapper of a wrapper optimizer's ``step()`` (pytorch_optimizer's ``Lookahead``,
+    accelerate's ``AcceleratedOptimizer``: one that `_stepping` went down from), however many hunts
+    watch it, on the instance while one does: the writes it makes after the optimizer it holds
+    stepped (Lookahead's pull-back of the weights towards its slow copies) are part of the step, so
+    each hunt's end of that step (`Hunt._post_step` held it) is made as the wrapper's ``step()``
+    returns. Taken off when the last hunt leaves, the wrapper as it was."""
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.own = wrapper.__dict__.get("step", _NO)  # an instance attribute it was put over
+        self.orig = wrapper.step
+        self.hunts: list[weakref.ref[Hunt]] = []
+
+    @staticmethod
+    def join(wrapper: Any, hunt: Hunt) -> _Leave:
+        step = wrapper.__dict__.get("step")
+        if not isinstance(step, _WrapperStep):
+            step = _WrapperStep(wrapper)
+            wrapper.step = step
+        step.hunts.append(weakref.ref(hunt))
+        return _Leave(step, hunt)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hunts = [h for r in self.hunts if (h := r()) is not None and not h._closed]
+        for h in hunts:
+            h._wrapper_steps += 1
+        try:
+            return self.orig(*args, **kwargs)
+        finally:
+            for h in hunts:
+                h._wrapper_steps -= 1
+            for h in hunts:
+                if not h._wrapper_steps and h._held_ends:
+                    h._end_held()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # a copy or pickle of the wrapper (accelerate's keeps its whole __dict__) gets a plain
+        # step(), never this one (its weak references to the hunts could not be pickled)
+        return _own_step, (self.wrapper, None if self.own is _NO else self.own)
+
+    def leave(self, hunt: Hunt) -> None:
+        self.hunts = [r for r in self.hunts if (h := r()) is not None and h is not hunt]
+        d = self.wrapper.__dict__
+        if not self.hunts and d.get("step") is self:
+            if self.own is _NO:
+                del d["step"]
+            else:
+                d["step"] = self.own
+
+
+def _own_step(wrapper: Any, own: Any) -> Any:
+    """A copy's ``step``: the instance attribute `_WrapperStep` was put over, else its class's."""
+    return own if own is not None else type(wrapper).step.__get__(wrapper, type(wrapper))
+
+
+class _Leave:
+    """A hunt's handle of a `_WrapperStep` (in its handles: removed at close)."""
+
+    def __init__(self, step: _WrapperStep, hunt: Hunt) -> None:
+        self.step, self.hunt = step, weakref.ref(hunt)
+
+    def remove(self) -> None:
+        h = self.hunt()
+        if h is not None:
+            self.step.leave(h)
 
 
 def _scaler_ready(scaler: Any, optimizer: Any) -> None:
