@@ -226,6 +226,51 @@ def test_lightning_clean_fit_counts_optimizer_steps_with_accumulation() -> None:
 
 
 @_mark
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_lightning_a_lookaheads_pull_back_is_part_of_the_optimizer_step(mode: str) -> None:
+    # configure_optimizers returns a Lookahead over SGD: its step() steps the SGD, then every 2nd
+    # step pulls the weights in place towards slow copies. The callback unwrapped it and watched the
+    # SGD, whose post-step hook noted the weights' versions before the pull-back moved them: an lr
+    # overflow at step 3 read at the next step (sentinel) was "forward, step 4, cause 'parameter':
+    # written after its optimizer's last step (a load_state_dict, an in-place assignment in your code)"
+    pl, (Net, NanHunt) = _lightning_parts()
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+            super().__init__(inner.param_groups, inner.defaults)
+            self.optimizer, self.k, self.alpha, self.counter = inner, k, alpha, 0
+            self.param_groups = inner.param_groups
+            self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            loss = self.optimizer.step(closure)
+            self.counter += 1
+            if self.counter % self.k == 0:
+                for p, slow in zip((p for g in self.param_groups for p in g["params"]), self.slow):
+                    slow.lerp_(p, self.alpha)
+                    p.copy_(slow)
+            return loss
+
+    class LookaheadNet(Net):
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            self.trainer.optimizers[0].param_groups[0]["lr"] = 1e38 if self.global_step == 3 else 0.05
+            return super().training_step(batch, i) * 100
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return Lookahead(torch.optim.SGD(self.parameters(), lr=0.05))
+
+    model, cb = LookaheadNet(), NanHunt(mode=mode)
+    trainer = _trainer(pl, cb)
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.fit(model, _loader())
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 3, "created"), f
+    assert "its lr is 1e+38" in f.hint and "written after" not in f.hint, f.hint
+    assert cb.hunt.closed and not _ours() and "step" not in vars(trainer.optimizers[0])
+
+
+@_mark
 def test_lightning_validation_nan_during_fit() -> None:
     pl, (Net, NanHunt) = _lightning_parts()
     model, cb = Net(bad_val=True), NanHunt()

@@ -68,7 +68,10 @@ _RESERVED = ("model", "optimizer")
 
 
 def _torch_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers whose ``step()`` really runs: unwrap LightningOptimizer (and the like)."""
+    """The torch optimizers the loop steps: unwrap LightningOptimizer (and the like). A wrapper that
+    is itself a torch Optimizer (a Lookahead over the configured SGD, accelerate's) is kept:
+    watch() watches the optimizer it steps, and takes the step's end when the wrapper's returns
+    (the Lookahead's pull-back is part of the step)."""
     out: list[torch.optim.Optimizer] = []
     for o in optimizers or ():
         seen = 0
@@ -77,9 +80,6 @@ def _torch_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
             if inner is None or seen > 8:
                 break
             o, seen = inner, seen + 1
-        # a wrapper that is itself a torch Optimizer (accelerate's) forwards step() to the real one
-        while isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer) and seen <= 8:
-            o, seen = o.optimizer, seen + 1
         if isinstance(o, torch.optim.Optimizer):
             if not any(o is p for p in out):
                 out.append(o)
