@@ -231,13 +231,18 @@ def test_gradscaler_skipped_steps_are_not_findings() -> None:
     assert all(torch.isfinite(p).all() for p in m.parameters())
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_steps_the_gradscaler_skipped_count_as_in_the_users_loop(mode: str) -> None:
+def test_steps_the_gradscaler_skipped_count_as_in_the_users_loop(mode: str, lookahead: bool) -> None:
     """A huge initial scale: the scaler skips the first iterations (expected, not findings), each
     still a step as the loop counts it; then a batch in raw units overflows a Linear in float16.
-    The finding names that iteration, call 0 (before: step 2 or 'step 0, call 6')."""
+    The finding names that iteration, call 0 (before: step 2 or 'step 0, call 6'). Through a
+    Lookahead (``scaler.step(lookahead)``) the scaler's skipped steps were not counted: the scaler
+    wrapper looked for the Lookahead among the watched optimizers, which hold the SGD it steps."""
     m = _classifier()
-    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    opt: Any = torch.optim.SGD(m.parameters(), lr=1e-2)
+    if lookahead:
+        opt = _Lookahead(opt, None, k=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
     applied: list[int] = []
     bad = 7

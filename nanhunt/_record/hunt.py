@@ -2281,6 +2281,7 @@ class Hunt:
         """``scaler.step(optimizer)`` of an optimizer this hunt watches, or of any when it watches
         none (see `_ScalerStep`)."""
         before = self._steps_applied if self._opts else self._steps_seen
+        stepped = _stepping(optimizer)  # (scaler.step(lookahead): the optimizer watched is the one it steps)
         self._outside.off()
         scale = None  # the scale this iteration's gradients were multiplied by
         if getattr(scaler, "_scale", None) is not None:
@@ -2291,7 +2292,7 @@ class Hunt:
             # on_find="skip" dropped this round's gradients at another optimizer's step: there is
             # nothing to apply, and the scaler would fail on an optimizer without gradients ("No
             # inf checks were recorded for this optimizer"); the round still counts
-            i = next((k for k, o in enumerate(self._opts) if o is optimizer), None)
+            i = next((k for k, o in enumerate(self._opts) if o is stepped), None)
             if i is not None:
                 self._count_step(i)
             return None
@@ -2312,7 +2313,7 @@ class Hunt:
                 self._end_step(advance=False, collective=True)
                 if not self._opts:  # no optimizer watched: the model's next call still ends the step
                     self._log.root_calls = max(self._log.root_calls, calls)
-                i = next((k for k, o in enumerate(self._opts) if o is optimizer), None)
+                i = next((k for k, o in enumerate(self._opts) if o is stepped), None)
                 if i is not None and not self._closed:
                     self._count_step(i)
         except NonFiniteError:
@@ -3012,13 +3013,14 @@ class _ScalerStep:
 
     def __call__(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         step = self.orig
+        stepped = _stepping(optimizer)  # (a wrapper's, scaler.step(lookahead): the optimizer that steps)
         others: list[Hunt] = []  # the hunts that do not watch ``optimizer``
         for r in reversed(self.hunts):
             h = r()
             if h is None or h._closed:
                 continue
             h._outside.off()  # (the scaler's own torch calls are no loop code of any hunt's)
-            if not h._opts or any(o is optimizer for o in h._opts):
+            if not h._opts or any(o is stepped for o in h._opts):
                 step = partial(h._scaled_step, self.scaler, step)
             else:
                 others.append(h)
