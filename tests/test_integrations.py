@@ -329,7 +329,9 @@ def test_lightning_resumed_fit_numbers_findings_as_global_step(tmp_path: Any) ->
     assert f.step == trainer.global_step
 
 
-def _hf_parts(tmp_path: Any, lr: float, **kw: Any) -> tuple[Any, Any, Any]:
+def _hf_parts(tmp_path: Any, lr: float, *, optimizers: Any = None, watch_options: dict[str, Any] | None = None,
+              **kw: Any) -> tuple[Any, Any, Any]:
+    """``optimizers``: a function of the model giving the Trainer's ``optimizers=`` (else its own SGD)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # the Trainer needs it
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -354,8 +356,9 @@ def _hf_parts(tmp_path: Any, lr: float, **kw: Any) -> tuple[Any, Any, Any]:
                                 use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
                                 learning_rate=lr, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0)
     opts.update(kw)
-    cb = NanHuntCallback()
-    trainer = Trainer(model=model, args=TrainingArguments(**opts), train_dataset=Tokens(), callbacks=[cb])
+    cb = NanHuntCallback(**(watch_options or {}))
+    more = {"optimizers": optimizers(model)} if optimizers is not None else {}
+    trainer = Trainer(model=model, args=TrainingArguments(**opts), train_dataset=Tokens(), callbacks=[cb], **more)
     return trainer, model, cb
 
 
@@ -385,6 +388,54 @@ def test_hf_exploding_learning_rate_is_found_and_nothing_left_behind(tmp_path: A
     assert cb.report is not None and cb.report.first == f
     assert cb.hunt.closed and not _ours()  # closed itself before raising: the Trainer has no exception hook
     cb.close()  # idempotent
+
+
+@_mark
+def test_hf_a_lookaheads_pull_back_is_part_of_the_optimizer_step(tmp_path: Any) -> None:
+    # Trainer(optimizers=(Lookahead(SGD), schedule)): accelerate wraps the Lookahead, whose step()
+    # steps the SGD, then every 2nd step pulls the weights in place towards slow copies. The callback
+    # unwrapped both wrappers and watched the SGD, whose post-step hook noted the weights' versions
+    # before the pull-back moved them: an update that overflowed at step 3, read at the next step
+    # (sentinel), was "forward, step 4, cause 'parameter': written after its optimizer's last step"
+    from transformers import TrainerCallback
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+            super().__init__(inner.param_groups, inner.defaults)
+            self.optimizer, self.k, self.alpha, self.counter = inner, k, alpha, 0
+            self.param_groups = inner.param_groups
+            self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            loss = self.optimizer.step(closure)
+            self.counter += 1
+            if self.counter % self.k == 0:
+                for p, slow in zip((p for g in self.param_groups for p in g["params"]), self.slow):
+                    slow.lerp_(p, self.alpha)
+                    p.copy_(slow)
+            return loss
+
+    made: list[torch.optim.Optimizer] = []
+
+    def optimizers(model: nn.Module) -> tuple[Any, Any]:
+        made.append(torch.optim.SGD(model.parameters(), lr=1e-2))
+        return Lookahead(made[0]), torch.optim.lr_scheduler.LambdaLR(made[0], lambda s: 1.0)
+
+    class Spike(TrainerCallback):  # a weight decay of 1e3 at an lr of 3e38: the update overflows at step 3
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            spike = state.global_step == 3
+            made[0].param_groups[0].update(lr=3e38 if spike else 1e-2, weight_decay=1e3 if spike else 0.0)
+
+    trainer, model, cb = _hf_parts(tmp_path, lr=1e-2, max_steps=6, optimizers=optimizers,
+                                   watch_options={"mode": "sentinel"})
+    trainer.add_callback(Spike())
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 3, "created"), f
+    assert "written after" not in f.hint, f.hint
+    assert cb.hunt.closed and not _ours() and "step" not in vars(trainer.optimizer)
 
 
 @_mark

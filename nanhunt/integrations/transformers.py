@@ -10,10 +10,11 @@
 How it maps onto the ``Trainer``:
 
 * ``on_train_begin`` (the optimizer exists by then, wrapped by accelerate):
-  ``nanhunt.watch(model, optimizer=<the real torch optimizer>, scaler=<accelerate's GradScaler,
+  ``nanhunt.watch(model, optimizer=<the Trainer's optimizer>, scaler=<accelerate's GradScaler,
   if any>, ...)``. accelerate's ``AcceleratedOptimizer.step()`` calls the wrapped optimizer's
-  ``step()`` (directly, or through the scaler): the hooks go on that inner optimizer, the one whose
-  ``step()`` really runs, so the check comes after gradient clipping and before the update, once
+  ``step()`` (directly, or through the scaler): watch() puts the hooks on that inner optimizer, the
+  one whose ``step()`` really runs (and ends the step when the wrapper's ``step()`` returns: a
+  Lookahead's pull-back is part of it), so the check comes after gradient clipping and before the update, once
   per optimizer step (gradient accumulation included) and ``Finding.step`` is the optimizer step.
 * An evaluation during training is checked when it ends (``on_evaluate``).
 * Checkpoints: when the Trainer is about to save (``control.should_save`` at the end of a step or
@@ -110,7 +111,8 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
         closing = None
         if options.get("on_find", "raise") == "raise":
             closing = options["on_find"] = _RaiseClosing()
-        self.hunt = watch(model, optimizer=real, **options)
+        # (the wrapper as given: watch() finds the optimizer it steps, and ends the step as it returns)
+        self.hunt = watch(model, optimizer=optimizer if real is not None else None, **options)
         self.hunt._close_before_raise = True  # skip mode's NonFiniteError (max_skips) too
         if closing is not None:
             closing.hunt = self.hunt
