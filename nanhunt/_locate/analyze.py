@@ -1642,6 +1642,8 @@ def _optimizer_finding(ctx: _Ctx, entry: OptimState, flags: list[bool]) -> Findi
                 hint=_hints.written_before_step_hint(f"{what} of `{mname or type(m).__name__}`"),
             )
         opt = ctx.view.optimizers[entry.opt] if entry.opt < len(ctx.view.optimizers) else None
+        if opt is not None:  # a wrapper that runs Optimizer.__init__ (a Lookahead): the torch optimizer it steps p with
+            opt = _optim.stepped_by(opt, p) or opt
         op, alone = _optim.update_op(opt, p, sk) if opt is not None and not fed and not at_start else (None, False)
         eps = _optim.eps_rounds_to_zero(opt, p) if opt is not None else ""
         setting = _optim.bad_hyperparameter(opt, p) if opt is not None and not at_start else ""

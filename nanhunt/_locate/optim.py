@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "past_bad_lr", "lr_at",
+__all__ = ["stepped_by", "update_op", "settings_text", "custom_origin", "eps_rounds_to_zero", "bad_hyperparameter", "past_bad_lr", "lr_at",
            "grad_facts"]
 
 
@@ -139,6 +139,21 @@ def settings_text(opt: torch.optim.Optimizer, p: torch.Tensor) -> str:
     nums = {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     large = {k: v for k, v in nums.items() if abs(v) >= 1e4}
     return ", ".join(f"{k}={v:g}" for k, v in (large or nums).items())
+
+
+def stepped_by(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.optim.Optimizer | None:
+    """The ``torch.optim`` optimizer that a wrapper optimizer (a Lookahead that runs
+    ``Optimizer.__init__`` and steps ``.optimizer``; ``base_optimizer``) steps ``p`` with, else None."""
+    for _ in range(8):
+        if type(opt).__module__.split(".")[:2] == ["torch", "optim"]:
+            return opt
+        inner = next((o for o in (getattr(opt, k, None) for k in ("optimizer", "base_optimizer"))
+                      if isinstance(o, torch.optim.Optimizer) and o is not opt
+                      and any(q is p for g in o.param_groups for q in g["params"])), None)
+        if inner is None:
+            return None
+        opt = inner
+    return None
 
 
 def _shadow_writes(opt: torch.optim.Optimizer, p: torch.Tensor) -> _Writes | None:
