@@ -558,6 +558,28 @@ def test_a_lookaheads_pull_back_after_the_step_it_wraps_is_part_of_that_step(
     assert "step" not in vars(opt)  # (the wrapper of its step() is off again)
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_lr_scheduler_built_over_a_watched_lookahead_wraps_its_step_as_it_would_unwatched(mode: str) -> None:
+    # an LR scheduler takes ``opt.step.__func__`` apart to note that step() was called: built over
+    # the wrapper after watch(), it failed ("'_WrapperStep' object has no attribute '__func__'")
+    model = zoo.cnn()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = _Lookahead(inner, None)
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        for i in range(6):
+            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            F.cross_entropy(model(x), y).mul(100).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    f = ei.value.finding
+    assert (f.phase, f.step, f.cause) == ("optimizer", 3, "created"), f
+    assert opt._opt_called  # (the scheduler's own note that step() ran)
+
+
 class _InitLookahead(torch.optim.Optimizer):
     """Lookahead as timm writes it: it runs ``Optimizer.__init__`` (torch runs its own step hooks,
     around the pull-back) over the param_groups of the optimizer it steps."""

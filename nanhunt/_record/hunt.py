@@ -496,7 +496,7 @@ class Hunt:
             return
         (opt,) = _optimizers(optimizer)
         stale = self._replaced_by(opt)
-        self._add_optimizer(opt)
+        self._add_optimizer(optimizer)
         for i in stale:
             self._retire(i, opt)
 
@@ -535,7 +535,9 @@ class Hunt:
         _logger.info("nanhunt: the watched %s is replaced by the %s built over the model's parameters since; "
                      "its steps count from here", type(old).__name__, type(new).__name__)
 
-    def _add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+    def _add_optimizer(self, optimizer: Any) -> None:
+        """Watch ``optimizer`` as given: a wrapper (Lookahead) through the torch optimizer it steps."""
+        (opt,) = _optimizers(optimizer)
         if any(o is opt for o in self._opts) or any(o is opt for o in self._later):
             return
         if id(opt) in _IN_HOOKS:
@@ -3084,6 +3086,18 @@ class _WrapperStep:
         # a copy or pickle of the wrapper (accelerate's keeps its whole __dict__) gets a plain
         # step(), never this one (its weak references to the hunts could not be pickled)
         return _own_step, (self.wrapper, None if self.own is _NO else self.own)
+
+    # what a bound method offers, for code that takes ``opt.step`` apart: an LR scheduler built
+    # over the wrapper after watch() puts ``step.__func__.__get__(opt)`` around it
+    @property
+    def __self__(self) -> Any:
+        return self.wrapper
+
+    @property
+    def __func__(self) -> Any:
+        def step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            return self(*args, **kwargs)
+        return step
 
     def leave(self, hunt: Hunt) -> None:
         self.hunts = [r for r in self.hunts if (h := r()) is not None and h is not hunt]
