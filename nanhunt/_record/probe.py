@@ -28,8 +28,9 @@ __all__ = ["fused_probe", "Fused", "GradProbe", "OptimizerProbe"]
 
 _F32 = torch.float32
 # The small float32 tensors are checked by the kernel GradScaler unscales with, in one dispatch for
-# the whole list (~70 us for a 98-parameter model's gradients against ~240 us for their copies' sums):
-# it writes each tensor back in place, and with an inverse scale of 1 it writes each value as it
+# the whole list (the benchmark MLP's 98 gradients: 37 us, against 58 us for a copy and sum per
+# shape on one thread and about the same on two, idle; 0.5 M fewer instructions a step in all, and
+# no thread pool to wake on a busy machine): it writes each tensor back in place, and with an inverse scale of 1 it writes each value as it
 # read it, bit for bit; below autograd's in-place layer, no version counter moves either (a saved
 # tensor stays valid). Only tensors that the optimizer's step writes or reads anyway come here.
 _check_all = torch._amp_foreach_non_finite_check_and_unscale_
