@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ._finding import Finding
 
 __all__ = ["headline", "paragraph", "details", "fmt", "num", "element_text", "shape_text", "PHASE_WORDS", "CAUSE_WORDS",
-           "VERDICT_WORDS", "reference_text", "remedy", "damage_text", "recovery_rows", "one_line", "visible"]
+           "VERDICT_WORDS", "verdict_words", "reference_text", "remedy", "damage_text", "recovery_rows", "one_line", "visible"]
 
 _KIND = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}
 
@@ -173,7 +173,7 @@ def paragraph(f: Finding, first: bool = True) -> str:
     if f.reproducible is False and f.verdict is None:
         parts.append("Replaying the step did not reproduce it.")
     if f.verdict:
-        parts.append(f"Verdict: {f.verdict} ({VERDICT_WORDS.get(f.verdict, '')}); {reference_text(f)}.")
+        parts.append(f"Verdict: {f.verdict} ({verdict_words(f)}); {reference_text(f)}.")
     if f.hint:
         parts.append(f.hint)
     return " ".join(parts)
@@ -207,7 +207,7 @@ def details(f: Finding, sources: dict[str, str] | None = None) -> list[tuple[str
     if f.reproducible is not None:
         rows.append(("replayed", "reproduced" if f.reproducible else "did NOT reproduce"))
     if f.verdict:
-        rows.append(("verdict", f"{f.verdict} — {VERDICT_WORDS.get(f.verdict, '')}"))
+        rows.append(("verdict", f"{f.verdict} — {verdict_words(f)}"))
         rows.append(("reference", reference_text(f)))
         rows.append(("remedy", remedy(f)))
     if f.samples:
@@ -239,6 +239,14 @@ def recovery_rows(damage: dict[str, Any] | None, skipped: Any, bad_samples: Any)
 
 
 # ------------------------------------------------------------------ verdicts
+def verdict_words(f: Finding) -> str:
+    """`VERDICT_WORDS` for ``f``: "numerics" names the dtype its reference ran in (a float64 or
+    complex model's is its own, not float32)."""
+    if f.verdict == "numerics":
+        return f"non-finite in {f.reference.get('dtype', 'float32')} eager too: the math itself"
+    return VERDICT_WORDS.get(f.verdict or "", "")
+
+
 def reference_text(f: Finding) -> str:
     """What the reference replay saw, against the failing run: one line."""
     r = f.reference

@@ -301,3 +301,17 @@ def test_findings_compare_and_hash_by_their_data_even_with_a_nan_value(tmp_path)
     assert back == found and all(a == b and hash(a) == hash(b) for a, b in zip(back, found))
     assert len({*found, *back}) == len(found) and {f: f.step for f in found}[back[0]] == found[0].step
     assert dataclasses.replace(found[0], step=found[0].step + 1) != found[0]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_float64_models_numerics_verdict_names_float64_not_float32(mode: str) -> None:
+    """log(0) after a ReLU in a float64 model: the reference ran in float64, and the verdict's words
+    say so (they said 'non-finite in float32 eager too' whatever the dtype)."""
+    model = zoo.lognet().double()
+    x = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with nanhunt.watch(model, on_find="record", mode=mode) as hunt:
+        model(x).sum().backward()
+    f = hunt.first
+    assert (f.module, f.verdict, f.dtype) == ("log", "numerics", "float64"), f
+    for words in (str(f), text(Report([f]))):
+        assert "float64 eager too" in words and "float32" not in words, words
