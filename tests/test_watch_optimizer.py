@@ -510,6 +510,24 @@ class _Lookahead(torch.optim.Optimizer):
         return loss
 
 
+def _lr_blown_at_step_3(model: nn.Module, inner: torch.optim.Optimizer, opt: Any, sched: bool = False,
+                        **watch: Any) -> Any:
+    """Six steps of ``opt`` (a wrapper of ``inner``) on a CNN under a raise-mode hunt, ``inner``'s lr
+    1e38 at step 3 (an LR scheduler built over ``opt`` inside the hunt with ``sched``): the finding."""
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, **watch):
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0) if sched else None
+        for i in range(6):
+            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
+            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+            F.cross_entropy(model(x), y).mul(100).backward()
+            opt.step()
+            opt.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+    return ei.value.finding
+
+
 @pytest.mark.parametrize("hooks", [dict, collections.OrderedDict])
 def test_a_lookahead_that_sets_the_step_hooks_by_hand_is_watched_through_the_optimizer_it_steps(hooks: type) -> None:
     # watch(model, lookahead): nanhunt hooked the wrapper, whose hooks never run (its step() is not the
@@ -519,15 +537,7 @@ def test_a_lookahead_that_sets_the_step_hooks_by_hand_is_watched_through_the_opt
     model = zoo.cnn()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = _Lookahead(inner, hooks)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt):
-        for i in range(6):
-            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
-            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            F.cross_entropy(model(x), y).mul(100).backward()
-            opt.step()
-            opt.zero_grad()
-    f = ei.value.finding
+    f = _lr_blown_at_step_3(model, inner, opt)
     assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
     assert "its lr is 1e+38" in f.hint, f.hint
 
@@ -544,15 +554,7 @@ def test_a_lookaheads_pull_back_after_the_step_it_wraps_is_part_of_that_step(
     model = zoo.cnn()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = _Lookahead(inner, hooks, pull=pull)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, **settings):
-        for i in range(6):
-            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
-            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            F.cross_entropy(model(x), y).mul(100).backward()
-            opt.step()
-            opt.zero_grad()
-    f = ei.value.finding
+    f = _lr_blown_at_step_3(model, inner, opt, **settings)
     assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
     assert "its lr is 1e+38" in f.hint and "written after" not in f.hint, f.hint
     assert "step" not in vars(opt)  # (the wrapper of its step() is off again)
@@ -565,17 +567,7 @@ def test_an_lr_scheduler_built_over_a_watched_lookahead_wraps_its_step_as_it_wou
     model = zoo.cnn()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = _Lookahead(inner, None)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        for i in range(6):
-            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
-            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            F.cross_entropy(model(x), y).mul(100).backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-    f = ei.value.finding
+    f = _lr_blown_at_step_3(model, inner, opt, sched=True, mode=mode)
     assert (f.phase, f.step, f.cause) == ("optimizer", 3, "created"), f
     assert opt._opt_called  # (the scheduler's own note that step() ran)
 
@@ -609,15 +601,7 @@ def test_a_lookahead_set_up_by_torch_names_the_update_op_of_the_optimizer_it_ste
     model = zoo.cnn()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt = _InitLookahead(inner)
-    g = torch.Generator().manual_seed(0)
-    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model, opt, mode=mode):
-        for i in range(6):
-            inner.param_groups[0]["lr"] = 1e38 if i == 3 else 0.1
-            x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
-            F.cross_entropy(model(x), y).mul(100).backward()
-            opt.step()
-            opt.zero_grad()
-    f = ei.value.finding
+    f = _lr_blown_at_step_3(model, inner, opt, mode=mode)
     assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
     assert "its lr is 1e+38" in f.hint and "exp_avg_sq" not in f.hint, f.hint
 
