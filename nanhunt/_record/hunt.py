@@ -3038,12 +3038,7 @@ class _ScalerStep:
         return out
 
     def remove(self) -> None:
-        d = self.scaler.__dict__
-        if d.get("step") is self:
-            if self.own is _NO:
-                del d["step"]
-            else:
-                d["step"] = self.own
+        _take_off(self.scaler, self, self.own)
 
 
 class _WrapperStep:
@@ -3101,12 +3096,19 @@ class _WrapperStep:
 
     def leave(self, hunt: Hunt) -> None:
         self.hunts = [r for r in self.hunts if (h := r()) is not None and h is not hunt]
-        d = self.wrapper.__dict__
-        if not self.hunts and d.get("step") is self:
-            if self.own is _NO:
-                del d["step"]
-            else:
-                d["step"] = self.own
+        if not self.hunts:
+            _take_off(self.wrapper, self, self.own)
+
+
+def _take_off(obj: Any, step: Any, own: Any) -> None:
+    """``obj``'s ``step`` as it was before nanhunt's ``step`` went over it (the instance attribute
+    ``own``, or none: its class's), if nothing was put over nanhunt's since."""
+    d = obj.__dict__
+    if d.get("step") is step:
+        if own is _NO:
+            del d["step"]
+        else:
+            d["step"] = own
 
 
 def _own_step(wrapper: Any, own: Any) -> Any:
