@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import nanhunt
+from tests import zoo
 
 
 class Flaky(nn.Module):
@@ -412,7 +413,6 @@ def test_replays_leave_the_kv_cache_the_user_passed_in_as_the_calls_left_it(mode
     # analysis of a hit replays the call with what it was given, and every replay appended to the
     # user's own cache (6 tokens + 2 calls read 13): the run went on generating from a corrupted
     # cache. Replays now run on a copy of every non-tensor input
-    from tests import zoo
 
     pytest.importorskip("transformers")
     m = zoo.gpt2(dropout=0.0).eval()
@@ -428,3 +428,27 @@ def test_replays_leave_the_kv_cache_the_user_passed_in_as_the_calls_left_it(mode
     f = hunt.first
     assert f is not None and (f.module, f.cause) == ("transformer.wte", "parameter"), str(f)
     assert cache.get_seq_length() == 8
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_hit_replays_the_forward_once_when_only_calls_after_the_nan_are_written_in_place(mode: str) -> None:
+    # log(0) of a ReLU's zeros in the middle of a CNN: every BatchNorm after it returns NaN that
+    # its ReLU(inplace) then writes over. Only the calls up to the first NaN need their values as
+    # they returned: one replay of the forward, not a second one keeping copies of the rest. And
+    # the op trace's replay of the failing call is the verdict's second replay (do replays agree?),
+    # not one more
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True), zoo.Log(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                          nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+    runs: list[int] = []
+    model[8].register_forward_pre_hook(lambda m, a: runs.append(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 1, 8, 8)
+    with nanhunt.watch(model, opt, on_find="record", mode=mode) as hunt:
+        model(x).sum().backward()
+        opt.step()
+    f = hunt.findings[0]
+    assert (f.phase, f.module, f.cause, f.value) == ("forward", "3", "created", float("-inf"))
+    assert f.verdict == "numerics" and f.op == "aten.log.default"
+    assert runs == [1, 1, 1]  # the step's forward, one replay, the op trace

@@ -117,10 +117,15 @@ class _Ctx:
                         return _outside.OUTSIDE, f"{where}param_groups[{gi}][{pi}]", None
         return _outside.OUTSIDE, "parameter", None
 
-    def replay(self, top_i: int, backward: bool) -> Replay | None:
+    def replay(self, top_i: int, backward: bool,
+               focus: Callable[[Replay], list[ReplayCall | None]] | None = None) -> Replay | None:
+        """The replay of top-level call ``top_i`` (made once; again, keeping every copy, when a
+        reader needs values the first did not keep: `replay_top`'s ``focus``)."""
         key = (top_i, backward)
         if key in self._replays:
-            return self._replays[key]
+            r = self._replays[key]
+            if r is None or not r.needs_exact(focus):
+                return r
         r = None
         top = self.log.tops[top_i]
         if self.view.replay and _replayable(top) and not self.written_after(top):
@@ -129,7 +134,8 @@ class _Ctx:
             if backward:
                 grads = [self.log.tensors[k].grad for k in top.out_keys]
                 params = list(top.module.parameters())
-            r = replay_top(top, self.names, backward=grads, params=params, before={**top.saved, **self.fresh()})
+            r = replay_top(top, self.names, backward=grads, params=params, before={**top.saved, **self.fresh()},
+                           focus=focus)
         self._replays[key] = r
         return r
 
@@ -397,12 +403,13 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
     where = ctx.where.get(id(f))
     facts = ctx.facts.get(id(f), {})
     judge_at = facts.get("judge_at", where)  # (a child's input an enclosing module's own code made: the child's output)
+    seen: dict[str, Any] = {}  # the op trace's replay of the failing call: the verdict's second one
     if where is not None and f.reproducible and ctx.view.replay:
         phase, top_i, ordinal, path = where
         top = ctx.log.tops[top_i]
         batch = top.batch()  # (rows of a reduction are samples only where they are the batch's)
         if phase == "forward":  # (the op an enclosing module's own code made a child's input with: found already)
-            got = facts.get("made") or _oplevel.locate_forward(top, ctx.names, ordinal, path)
+            got = facts.get("made") or _oplevel.locate_forward(top, ctx.names, ordinal, path, seen=seen)
         else:
             grads = [ctx.log.tensors[k].grad for k in top.out_keys]
             got = _oplevel.locate_backward(top, ctx.names, grads, list(top.module.parameters()), ordinal, path)
@@ -419,7 +426,8 @@ def _finish(ctx: _Ctx, f: Finding) -> Finding:
             facts = {**facts, "batch": batch}
     if facts.get("born_rows") is not None:
         ctx.born_rows[key] = facts["born_rows"]
-    f = _differential.judge(ctx.view, f, judge_at, facts.get("dtype"))  # verdict, reference; compile-only: the graph's op and line
+    again = seen.get("bad") if judge_at == where else None
+    f = _differential.judge(ctx.view, f, judge_at, facts.get("dtype"), again)  # verdict, reference; compile-only: the graph's op and line
     if f.verdict == "transient" and where is not None and (moved := _written_since(ctx, ctx.log.tops[where[1]].module)):
         # no replay reproduced it, and the replays ran on weights the loop wrote in place since (a clamp or
         # a hand-made update between backward and step()): not the values the call had, no device at fault
@@ -478,7 +486,7 @@ def _forward_finding(ctx: _Ctx, i: int) -> Finding | None:
     written = i in log.late  # written in place since the call returned, and its deferred probe taken only after that
     if tensor is not None and not is_bad(tensor):
         return None  # a finite sum that overflowed: not a finding
-    r = ctx.replay(c.top, backward=False)
+    r = ctx.replay(c.top, backward=False, focus=lambda r: [_match(r, c.ordinal, c.module)])
     rc = _match(r, c.ordinal, c.module)
     reproducible: bool | None = None
     cause = "unknown"
@@ -1310,7 +1318,7 @@ def _grad_ids(view: StepView) -> frozenset[int]:
 def _sentinel_findings(ctx: _Ctx) -> list[Finding]:
     """Sentinel mode saw a bad loss, gradient or parameter: localise by replaying the step."""
     for ti in range(len(ctx.log.tops)):
-        r = ctx.replay(ti, backward=False)
+        r = ctx.replay(ti, backward=False, focus=lambda r: [_first_bad_forward(r, ctx.view.ignored)])
         # (of the calls that returned: a replay that failed after them, at a collective, ran them as the step did)
         first = _first_bad_forward(r, ctx.view.ignored) if r is not None else None
         if r is None or first is None:

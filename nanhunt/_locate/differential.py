@@ -602,22 +602,28 @@ def _agreement(first: bool | None, again: Callable[[], bool | None], top: Top) -
 
 def examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path, *,
             compiled: Any = None, prefix: str = "", keep: Sequence[torch.Tensor] = (),
-            op_dtype: str | None = None) -> Examined | None:
+            op_dtype: str | None = None, again: bool | None = None) -> Examined | None:
     """The verdict on a forward finding made in ``top`` at the ``ordinal``-th call's output ``path``.
 
     ``compiled``: the ``torch.compile`` wrapper that ran ``top`` (the failing configuration), else
     ``None``. ``keep``: tensors a compiled graph writes into (nanhunt's own slots), put back after.
+    ``again``: an eager replay's answer already had (`judge`): the agreement's second replay, not run again.
     """
     try:
-        return _examine(top, names, f, ordinal, path, compiled, prefix, keep, op_dtype)
+        return _examine(top, names, f, ordinal, path, compiled, prefix, keep, op_dtype, again)
     except Exception as exc:
         _failed("the verdict's analysis", exc)
         return None
 
 
 def _examine(top: Top, names: dict[nn.Module, str], f: Finding, ordinal: int, path: Path,
-             compiled: Any, prefix: str, keep: Sequence[torch.Tensor], op_dtype: str | None = None) -> Examined | None:
+             compiled: Any, prefix: str, keep: Sequence[torch.Tensor], op_dtype: str | None = None,
+             again: bool | None = None) -> Examined | None:
+    had = [again] if again is not None and compiled is None else []  # (eager: the failing configuration)
+
     def failing() -> bool | None:
+        if had:
+            return had.pop()
         return _run(top, names, ordinal, path, compiled=compiled, keep=keep).bad
 
     agreed = _agreement(f.reproducible if compiled is None else failing(), failing, top)
@@ -792,10 +798,13 @@ def _first_bad_slot(view: StepView) -> tuple[str, str, Path] | None:
     return None
 
 
-def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, op_dtype: str | None = None) -> Finding:
+def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, op_dtype: str | None = None,
+          again: bool | None = None) -> Finding:
     """``f`` with its verdict and reference; a compile-only value also gets the graph's module,
     op, line and element. ``where``: (phase, top index, call ordinal, output path) of the finding;
-    ``op_dtype``: the dtype the op that made it computed in, where the op trace saw it."""
+    ``op_dtype``: the dtype the op that made it computed in, where the op trace saw it; ``again``:
+    whether an eager replay of the failing call made since the finding's own (the op trace's)
+    came out non-finite there (None: none did)."""
     if where is None or not view.replay or f.cause in ("input", "parameter"):
         return f  # fed a non-finite value, or poisoned weights: any replay reproduces it, which says nothing of the math
     phase, top_i, ordinal, path = where
@@ -807,7 +816,7 @@ def judge(view: StepView, f: Finding, where: tuple[str, int, int, Path] | None, 
         e = examine_backward(top, view.names, f, ordinal, path, grads)
         return f if e is None else dataclasses.replace(f, verdict=e.verdict, reference=e.reference)
     e = examine(top, view.names, f, ordinal, path, compiled=top.compiled,
-                prefix=view.names.get(top.module, ""), keep=view.scratch, op_dtype=op_dtype)
+                prefix=view.names.get(top.module, ""), keep=view.scratch, op_dtype=op_dtype, again=again)
     if e is None:
         return f
     f = dataclasses.replace(f, verdict=e.verdict, reference=e.reference)

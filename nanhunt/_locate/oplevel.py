@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._hooks import ReplayHooks
 from .._steplog import Top
-from .._tensors import Path, get_path, tensors, version, widen
+from .._tensors import Path, get_path, is_bad, tensors, version, widen
 from . import hints as _hints
 from .replay import faithful
 
@@ -712,20 +712,22 @@ def _call(top: Top) -> Any:
 
 # ---------------------------------------------------------------- forward
 def locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
-                   fed: tuple[int, Path] | None = None) -> OpOrigin | None:
+                   fed: tuple[int, Path] | None = None, seen: dict[str, Any] | None = None) -> OpOrigin | None:
     """The op that created the first non-finite value on the path to the reported element of
     output ``path`` of the ``ordinal``-th watched call within ``top``; with ``fed`` (a call inside
     that one, by ordinal, and the path of one of its inputs in ``(args, kwargs)``), on the path to
     that input as the call began (one given by keyword: as it returned): what the ``ordinal``-th
-    call's own code made and fed it."""
+    call's own code made and fed it. ``seen["bad"]``: whether this replay's value at ``path`` came
+    out non-finite (None: it did not get there), one more replay of the failing call for the
+    verdict's agreement (`differential.examine`'s ``again``)."""
     try:
-        return _locate_forward(top, names, ordinal, path, fed)
+        return _locate_forward(top, names, ordinal, path, fed, seen)
     except Exception:
         return None
 
 
 def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: Path,
-                    fed: tuple[int, Path] | None = None) -> OpOrigin | None:
+                    fed: tuple[int, Path] | None = None, seen: dict[str, Any] | None = None) -> OpOrigin | None:
     rec = _Recorder()
     mode = _Mode(rec)
     calls = _Calls(names, ordinal, mode)
@@ -741,6 +743,9 @@ def _locate_forward(top: Top, names: dict[nn.Module, str], ordinal: int, path: P
         calls.leave()
     if not calls.done:
         return None
+    if seen is not None:
+        out = dict(tensors(calls.output)).get(tuple(path))
+        seen["bad"] = is_bad(out) if isinstance(out, torch.Tensor) and _floating(out) else None
     if fed is not None:
         if calls.fed_in is None:
             return None

@@ -17,7 +17,7 @@ import sys
 import threading
 import types
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import is_not
 from threading import get_ident
@@ -143,6 +143,13 @@ class Replay:
     error: str | None = None
     collective: str | None = None  # the collective the replay stopped at (`CollectiveRefused`), if it did
     drew: str | None = None  # the Python random stream the forward drew from ("Python's random", "NumPy's random"), if any
+    # calls whose outputs (or inputs) were written in place after they returned (after they began),
+    # of which no copy was kept: their values now are not those of the call (`replay_top`'s focus)
+    unkept: frozenset[int] = frozenset()
+
+    def needs_exact(self, focus: Callable[[Replay], list[ReplayCall | None]] | None) -> bool:
+        """Does a reader of ``focus``'s calls need a call's values this replay did not keep?"""
+        return bool(self.unkept) and bool(self.unkept & _needed(self, focus))
 
     def read_outputs(self) -> None:
         """Every call's output flags in one batch: one host read for the whole replay."""
@@ -460,6 +467,7 @@ def replay_top(
     backward: list[torch.Tensor | None] | None = None,
     params: list[nn.Parameter] | None = None,
     before: dict[int, torch.Tensor | None] | None = None,
+    focus: Callable[[Replay], list[ReplayCall | None]] | None = None,
 ) -> Replay:
     """Re-run ``top`` with every watched module call recorded.
 
@@ -470,17 +478,46 @@ def replay_top(
     Each output is judged as it was when its call returned. When a non-finite output was written
     in place afterwards (a clamp_ or ReLU(inplace) in the caller's code), the call is replayed once
     more keeping a copy of those outputs, so that its element and value are the ones it made.
+    Only when the reader needs one of them: ``focus`` gives the calls it will read (the log's
+    first non-finite call, the first one the analysis does not ignore); the values of every call
+    that ended no later than those, or than the replay's first non-finite call, and of the calls
+    around them, are the ones they made (`_needed`). A call after them written in place (the
+    ReLU(inplace) after each BatchNorm downstream of the NaN) costs no second forward; its
+    ordinal is in `Replay.unkept`. Without ``focus``, every call's.
     """
     r = _replay_top(top, names, backward, params, before, frozenset())
     if r.error is None:
         stale = frozenset(c.ordinal for c in r.calls if c.written() and any(c.out_bad))
         # an input the call itself wrote in place (and made non-finite): a copy of it as it came in
         wrote_in = frozenset(c.ordinal for c in r.calls if c.wrote_inputs() and any(c.in_bad))
-        if stale or wrote_in:
+        if (stale or wrote_in) and (focus is None or (stale | wrote_in) & _needed(r, focus)):
             again = _replay_top(top, names, backward, params, before, stale, wrote_in)
             if again.error is None and [c.module for c in again.calls] == [c.module for c in r.calls]:
                 return again
+        else:
+            r.unkept = stale | wrote_in
     return r
+
+
+def _needed(r: Replay, focus: Callable[[Replay], list[ReplayCall | None]] | None) -> frozenset[int]:
+    """The calls whose values a reader of ``focus``'s calls reads: every call that ended no later
+    than the last of them or than the replay's first call with a non-finite output, and every call
+    around those (an enclosing module's own code may be where it was born). Without ``focus``: all."""
+    if focus is None:
+        return frozenset(range(len(r.calls)))
+    r.read_outputs()
+    first = next((r.calls[o] for o in r.order if any(r.calls[o].out_bad)), None)
+    marks = [c for c in (*focus(r), first) if c is not None]
+    if not marks:
+        return frozenset()
+    bound = max(c.done for c in marks)
+    need = {c.ordinal for c in r.calls if 0 <= c.done <= bound or c.done < 0}
+    for c in marks:
+        p = c.parent
+        while p >= 0:
+            need.add(p)
+            p = r.calls[p].parent
+    return frozenset(need)
 
 
 def _replay_top(
