@@ -257,6 +257,43 @@ def test_a_sqrt_at_0_whose_gradient_a_masked_fill_above_let_through_is_not_the_t
     assert "where trap" not in f.hint and "sqrt at 0" in f.hint and "sqrt(x + eps)" in f.hint, f.hint
 
 
+def _entropy_bonus_loss(logits: torch.Tensor) -> torch.Tensor:
+    p = logits.softmax(-1)  # (exact zeros: the logits are far apart)
+    return -torch.where(p > 0, p * p.log(), torch.zeros_like(p)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}, {"grad_hooks": True}])
+@pytest.mark.parametrize("how, op, words", [
+    ("sqrt minus 1", "SqrtBackward0", ("gradient of sqrt, 1/(2 sqrt(x)), is infinite at x = 0",
+                                       "torch.where(x > 0, torch.sqrt(torch.where(x > 0, x, 1.)), 0.)")),
+    ("scaled log", "LogBackward0", ("gradient of log, 1/x, is infinite at x = 0",
+                                    "torch.where(x > 0, torch.log(torch.where(x > 0, x, 1.)), 0.)")),
+    ("ratio", "DivBackward0", ("infinite at b = 0", "torch.where(b != 0, a / torch.where(b != 0, b, 1.), 0.)")),
+    ("entropy", "MulBackward0", ("log(0) = -inf", "p * torch.log(torch.where(p > 0, p, 1.))")),
+])
+def test_the_where_trap_hint_names_the_ops_infinite_gradient_and_its_double_where(
+        how: str, op: str, words: tuple[str, ...], options: dict[str, Any]) -> None:
+    # the hint named the trap with a generic f(torch.where(cond, x, safe_x)): not why this op's gradient
+    # is not finite in the untaken branch (sqrt's and log's at 0), nor the double where written for it
+    torch.manual_seed(0)
+    head: nn.Module = _RatioHead() if how == "ratio" else nn.Identity() if how == "entropy" else _GuardedHead(how)
+    m = nn.Sequential(nn.Linear(4, 4), head)
+    if how == "entropy":
+        with torch.no_grad():
+            m[0].weight.mul_(100.0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, **options):
+        out = m(x)
+        (_entropy_bonus_loss(out) if how == "entropy" else out.sum()).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op, f.cause) == ("backward", op, "created"), f
+    assert f.module == ("<outside>" if how == "entropy" else "1"), f
+    assert "where trap" in f.hint and "double-where" in f.hint and "where() does not stop it" in f.hint, f.hint
+    assert all(w in f.hint for w in words), f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_weight_decay_that_makes_the_weights_grow_is_told_by_the_backward_overflow_it_causes(mode: str) -> None:
     # SGD with lr * weight_decay = 30: each step multiplies the weights by about -29, until the

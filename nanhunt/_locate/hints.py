@@ -22,6 +22,47 @@ DOUBLE_WHERE = ("the torch.where trap: the branch that is not taken still gets a
                 "0 * inf = nan in {op}. Use the double-where fix: make the unsafe input safe first, "
                 "torch.where(cond, f(torch.where(cond, x, safe_x)), other)")
 
+# the where trap told by the node that made the nan: why its gradient is not finite in the branch the
+# where dropped, and the double where for that op (x the unsafe input, 1. a value safe for it)
+_TRAPPED = {
+    "SqrtBackward0": ("the gradient of sqrt, 1/(2 sqrt(x)), is infinite at x = 0 (and nan below 0, where sqrt "
+                      "itself is nan)", "torch.where(x > 0, torch.sqrt(torch.where(x > 0, x, 1.)), 0.)"),
+    "RsqrtBackward0": ("the gradient of rsqrt, -1/(2 x^1.5), is infinite at x = 0 (and nan below 0)",
+                       "torch.where(x > 0, torch.rsqrt(torch.where(x > 0, x, 1.)), 0.)"),
+    "LogBackward0": ("the gradient of log, 1/x, is infinite at x = 0",
+                     "torch.where(x > 0, torch.log(torch.where(x > 0, x, 1.)), 0.)"),
+    "Log2Backward0": ("the gradient of log2, 1/(x ln 2), is infinite at x = 0",
+                      "torch.where(x > 0, torch.log2(torch.where(x > 0, x, 1.)), 0.)"),
+    "Log10Backward0": ("the gradient of log10, 1/(x ln 10), is infinite at x = 0",
+                       "torch.where(x > 0, torch.log10(torch.where(x > 0, x, 1.)), 0.)"),
+    "Log1pBackward0": ("the gradient of log1p, 1/(1 + x), is infinite at x = -1",
+                       "torch.where(x > -1, torch.log1p(torch.where(x > -1, x, 0.)), 0.)"),
+    "PowBackward0": ("the gradient of x ** p, p * x ** (p - 1), is infinite at x = 0 for p < 1",
+                     "torch.where(x > 0, torch.where(x > 0, x, 1.) ** p, 0.)"),
+    "ReciprocalBackward0": ("the gradient of 1/x, -1/x^2, is infinite at x = 0",
+                            "torch.where(x != 0, 1 / torch.where(x != 0, x, 1.), 0.)"),
+    "DivBackward0": ("the gradient of a / b, -a/b^2 in b, is infinite at b = 0",
+                     "torch.where(b != 0, a / torch.where(b != 0, b, 1.), 0.)"),
+    "AcosBackward0": ("the gradient of acos, -1/sqrt(1 - x^2), is infinite at x = ±1 (and nan beyond)",
+                      "torch.where(x.abs() < 1, torch.acos(torch.where(x.abs() < 1, x, 0.)), 0.)"),
+    "AsinBackward0": ("the gradient of asin, 1/sqrt(1 - x^2), is infinite at x = ±1 (and nan beyond)",
+                      "torch.where(x.abs() < 1, torch.asin(torch.where(x.abs() < 1, x, 0.)), 0.)"),
+    "MulBackward0": ("a product's gradient is the other factor's value, which is infinite in the branch not "
+                     "taken (e.g. p * log(p) at p = 0: log(0) = -inf)",
+                     "for p * log(p), torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.)), 0.)"),
+}
+
+
+def where_trap_hint(op: str | None) -> str:
+    """The where trap's hint, with the mechanism and the double where of node ``op`` where known."""
+    known = _TRAPPED.get(op or "")
+    if known is None:
+        return DOUBLE_WHERE.format(op=op or "this op")[0].upper() + DOUBLE_WHERE.format(op=op or "this op")[1:] + "."
+    why, fix = known
+    return (f"The torch.where trap: {why}, and where() does not stop it: the branch that is not taken still gets "
+            f"a zero gradient, and 0 * inf = nan in {op}. Use the double-where fix, a safe input where the branch "
+            f"is not taken, so that neither branch's gradient is infinite: {fix}.")
+
 _SINGULAR = ("a singular matrix (torch.linalg.inv_ex and solve_ex return inf/nan with info > 0 where inv and solve "
              "raise): a Gram or covariance matrix X^T X loses rank with fewer rows than columns or a feature that "
              "is all 0 (a dead ReLU), and a ridge term lam * I stops it only while lam > 0; keep lam positive "
@@ -553,7 +594,7 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "quantization-aware training), and its backward divides the gradient it gets (0 where clamped) "
                 "by 0. " + _PARAM_DEN)
     if fx.get("where_trap"):
-        return DOUBLE_WHERE.format(op=op)[0].upper() + DOUBLE_WHERE.format(op=op)[1:] + "."
+        return where_trap_hint(f.op)
     if "negative" in fx and fx.get("neg_of") in _LOOKUPS:
         return (f"{_cap(_op_key(op))} of a negative number, {fx['negative']:.3g}, gives nan: its input was read by "
                 f"{fx['neg_of']} from a table that holds a negative value there (alpha_bar[t] of a noise schedule "
