@@ -294,6 +294,59 @@ def test_the_where_trap_hint_names_the_ops_infinite_gradient_and_its_double_wher
     assert all(w in f.hint for w in words), f.hint
 
 
+class _Repulsion(nn.Module):
+    """A point cloud's repulsion term over every pair of its points, the diagonal (a point and
+    itself, distance 0) included."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.dec, self.how = nn.Linear(8, 3 * 6), how
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        p = self.dec(z).view(-1, 6, 3)
+        sq = ((p.unsqueeze(2) - p.unsqueeze(1)) ** 2).sum(-1)
+        d = sq.sqrt() if self.how == "sqrt" else sq ** 0.5
+        return torch.exp(-d).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("how", ["sqrt", "pow"])
+def test_a_pairwise_distance_at_its_diagonal_is_told_with_its_exponent_and_the_diagonal(how: str, mode: str) -> None:
+    # sq ** 0.5 at 0 read "the gradient of x**p is infinite at 0 when p < 1 (...), and overflows for a large x
+    # when p > 1": both cases, not which, nor the pairwise distance; sqrt's named two equal points, not the
+    # diagonal every pairwise-distance matrix has (a point and itself), nor torch.cdist
+    torch.manual_seed(0)
+    m = _Repulsion(how)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        m(torch.randn(2, 8)).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op, f.cause) == ("backward", "SqrtBackward0" if how == "sqrt" else "PowBackward0", "created"), f
+    assert "diagonal of a pairwise-distance matrix" in f.hint and "torch.cdist" in f.hint, f.hint
+    if how == "pow":
+        assert "x ** 0.5 (0.5 * x ** -0.5) is infinite at x = 0" in f.hint and "p > 1" not in f.hint, f.hint
+
+
+def test_the_pow_hint_names_an_overflow_for_an_exponent_above_1() -> None:
+    # a cube's gradient 3 x ** 2 times a gradient of 2e38 past float32's range: an overflow, not a value at 0
+    class Cube(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x ** 3 * 2e38
+
+    m = nn.Sequential(nn.Linear(1, 1), Cube())
+    with torch.no_grad():
+        m[0].weight.fill_(1.0)
+        m[0].bias.zero_()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        m(torch.ones(1, 1)).sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.op) == ("backward", "PowBackward0"), f
+    assert "x ** 3 (3 * x ** 2) passed the dtype's largest finite value" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_weight_decay_that_makes_the_weights_grow_is_told_by_the_backward_overflow_it_causes(mode: str) -> None:
     # SGD with lr * weight_decay = 30: each step multiplies the weights by about -29, until the

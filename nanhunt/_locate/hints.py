@@ -136,10 +136,29 @@ _OPS = {
                 "the default 20",
 }
 
+def _pow_backward(p: float) -> str:
+    """PowBackward0's hint for its exponent ``p``."""
+    grad = f"the gradient of x ** {p:g} ({p:g} * x ** {p - 1:g})"
+    if 0 < p < 1:
+        dist = (": a distance ((a - b) ** 2).sum(-1) ** 0.5 of two equal points is one, and so is every point's "
+                "distance to itself, the diagonal of a pairwise-distance matrix. Take (x + eps) ** 0.5, or "
+                "torch.linalg.vector_norm(a - b, dim=-1) (torch.cdist(a, b) for all pairs), whose gradient at 0 is 0"
+                if p == 0.5 else
+                f" (a norm or root written by hand of a value that reached 0). Take (x + eps) ** {p:g}, or clamp x "
+                "to >= eps")
+        return f"{grad} is infinite at x = 0{dist}"
+    if p < 0:
+        return (f"{grad} is infinite at x = 0, where x ** {p:g} is too unless code after it dropped that value "
+                "(a where, a mask): keep x away from 0 ((x + eps) ** p, x.clamp_min(eps) ** p)")
+    return (f"{grad} passed the dtype's largest finite value: x is too large (exploding activations or weights; a "
+            "lower learning rate, gradient clipping, normalising what goes in)")
+
+
 _BACKWARD = {
     "SqrtBackward0": "the gradient of sqrt at 0 is infinite (d/dx sqrt(x) = 1/(2 sqrt(x))): a distance "
-                     "sqrt(((a - b) ** 2).sum(-1)) of two equal points is one. Take sqrt(x + eps), or "
-                     "torch.linalg.vector_norm(a - b, dim=-1), whose gradient at 0 is 0",
+                     "sqrt(((a - b) ** 2).sum(-1)) of two equal points is one, and so is every point's distance to "
+                     "itself, the diagonal of a pairwise-distance matrix. Take sqrt(x + eps), or "
+                     "torch.linalg.vector_norm(a - b, dim=-1) (torch.cdist(a, b) for all pairs), whose gradient at 0 is 0",
     "RsqrtBackward0": "the gradient of rsqrt at 0 is infinite (-1/(2 x^1.5)): a variance or squared norm that "
                       "reached 0; take rsqrt(x + eps)",
     "PowBackward0": "the gradient of x**p (p * x**(p-1)) is infinite at 0 when p < 1 (take (x + eps) ** p), "
@@ -993,6 +1012,8 @@ def _hint(f: Finding, fx: dict[str, Any]) -> str:
                         "(torch.nn.utils.clip_grad_norm_ before step()), lower the learning rate or shorten "
                         "the sequences backpropagated through (truncated BPTT).")
             why = _BACKWARD.get(f.op)
+            if f.op == "PowBackward0" and isinstance(fx.get("pow_exp"), float) and math.isfinite(fx["pow_exp"]):
+                why = _pow_backward(fx["pow_exp"])
             if why:
                 return why[0].upper() + why[1:] + "."
         else:  # in backward, an aten op: the one a custom Function's backward made the value in

@@ -37,6 +37,7 @@ from .oplevel import (
     _Recorder,
     dropped,
     param_den,
+    pow_exponent,
     python_backward,
     where_trap,
     zero_fed,
@@ -179,6 +180,7 @@ def blame_nodes(nodes: list[Any], run: Any) -> Blame | None:
         facts = {"where_trap": trap, "saved_bad": bool(saved_bad and saved_bad[0]) and not trap}
         if den and den[0] is not None and not trap and bool(den[0]):
             facts["den_param"] = True
+        facts.update(pow_exponent(fn))
         nth = sum(1 for o in order[:i] if o[0].name() == fn.name())
         return Blame(fn, slot, gi[slot], chain, facts, nth, inner[0] if inner else None)
     return None

@@ -90,6 +90,18 @@ def where_trap(fn: Any, ran: list[Any], zeroed: tuple[int, int] | None, dropped:
     return False
 
 
+def pow_exponent(fn: Any) -> dict[str, Any]:
+    """Hint facts of autograd node ``fn``, after a hit: a ``PowBackward0``'s scalar exponent (its
+    hint tells x ** 0.5 at 0 from x ** 3 past the dtype's range), kept by the node after its backward."""
+    if fn.name() != "PowBackward0":
+        return {}
+    try:
+        p = getattr(fn, "_saved_exponent", None)
+    except Exception:  # (an attribute that cannot be read)
+        return {}
+    return {"pow_exp": float(p)} if isinstance(p, (int, float)) and not isinstance(p, bool) else {}
+
+
 def zero_fed(grad_inputs: Any, grad_outputs: Any) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """Device-side: whether a node produced a non-finite gradient where the one it received was 0
     (the untaken branch of a where), the first such element's flat index and the numel; same-shaped
@@ -1038,7 +1050,7 @@ def _blame(nodes: list[_Node], consumers: dict[tuple[int, int], list[tuple[int, 
         chain.append(_fmt(n.name, node_src.get(n.fn, (None, False))[0]))
     ran = [n.fn for n in nodes if n.done >= 0]
     drops = {n.fn: n.drop for n in nodes if n.drop is not None}
-    facts = {"where_trap": where_trap(creator.fn, ran, zeroed_at(creator.zero), drops)}
+    facts = {"where_trap": where_trap(creator.fn, ran, zeroed_at(creator.zero), drops), **pow_exponent(creator.fn)}
     if creator.den is not None and not facts["where_trap"] and bool(creator.den):
         facts["den_param"] = True  # (a learned scale at 0: the forward's x/0 clamped away)
     if inner is not None:  # a custom Function's backward: the op of it that made the value, at its line
