@@ -347,6 +347,27 @@ def test_the_pow_hint_names_an_overflow_for_an_exponent_above_1() -> None:
     assert "x ** 3 (3 * x ** 2) passed the dtype's largest finite value" in f.hint, f.hint
 
 
+def test_a_norm_of_another_ord_in_float16_is_told_as_its_range_not_the_zero_vector() -> None:
+    # torch's norm backward gives 0 at the zero vector (ord >= 1): the hint said "the gradient of a norm at
+    # the zero vector is 0/0" of a vector far from 0, whose norm ** (ord - 1) underflowed in float16
+    class L3(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h / torch.linalg.vector_norm(h, ord=3, dim=-1, keepdim=True).clamp_min(1e-3)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), L3(), nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        m[0].weight.mul_(1e-3)
+        m[0].bias.zero_()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt):
+        m(torch.randn(4, 4).half()).float().sum().backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.verdict) == ("backward", "1", "LinalgVectorNormBackward0", "precision"), f
+    assert "zero vector is 0/0" not in f.hint and "float32" in f.hint and "underflows" in f.hint, f.hint
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_weight_decay_that_makes_the_weights_grow_is_told_by_the_backward_overflow_it_causes(mode: str) -> None:
     # SGD with lr * weight_decay = 30: each step multiplies the weights by about -29, until the

@@ -136,6 +136,14 @@ _OPS = {
                 "the default 20",
 }
 
+# (torch's norm backward takes the zero vector's gradient as 0 for ord >= 1: what is left is the dtype's range)
+_NORM_BACKWARD = ("the gradient of a norm, x * |x| ** (ord - 2) / norm ** (ord - 1), passed the dtype's range from "
+                  "finite values: for an ord other than 2, norm ** (ord - 1) underflows to 0 for tiny values or "
+                  "overflows for large ones in float16/bfloat16, and a negative ord divides by 0 at a zero entry (at "
+                  "the zero vector itself torch gives the gradient 0 for ord >= 1). Compute the norm in float32 "
+                  "(torch.linalg.vector_norm(x.float(), ord, dim)) or take ord=2")
+
+
 def _pow_backward(p: float) -> str:
     """PowBackward0's hint for its exponent ``p``."""
     grad = f"the gradient of x ** {p:g} ({p:g} * x ** {p - 1:g})"
@@ -169,8 +177,8 @@ _BACKWARD = {
                     "(F.log_softmax, F.logsigmoid)",
     "DivBackward0": "the gradient of a division by (nearly) 0 overflows (-x/d^2 in d, 1/d in x): guard the "
                     "denominator (+ eps or clamp_min(eps); clamp(min=1) for a count)",
-    "NormBackward1": "the gradient of a norm at the zero vector is 0/0",
-    "LinalgVectorNormBackward0": "the gradient of a norm at the zero vector is 0/0",
+    "NormBackward1": _NORM_BACKWARD,
+    "LinalgVectorNormBackward0": _NORM_BACKWARD,
     "WhereBackward0": "the untaken branch of torch.where still gets a gradient: inf * 0 = nan there",
     "AcosBackward0": "the gradient of acos at ±1 is infinite (-1/sqrt(1 - x^2)): a clamp to [-1, 1] lets ±1 "
                      "through; clamp to [-1 + eps, 1 - eps] (eps = 1e-7 in float32)",
