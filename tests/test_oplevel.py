@@ -17,6 +17,7 @@ from torch import nn
 
 import nanhunt
 from nanhunt._locate import oplevel as _oplevel
+from tests import zoo
 
 HERE = os.path.abspath(__file__)
 with open(HERE) as _f:
@@ -1363,3 +1364,37 @@ def test_a_log_determinant_of_a_singular_covariance_is_told_as_a_singular_matrix
     assert same_source(f.source, line(f"gauss-{how}")), f
     assert "singular matrix" in f.hint and "eps * I" in f.hint and f.hint.endswith("s.sum())."), f.hint
     assert "overflow" not in f.hint and "log_softmax" not in f.hint, f.hint
+
+
+def test_an_all_padding_sequence_in_the_transformer_encoders_fast_path_names_the_sequence_and_torchs_fix() -> None:
+    # nn.TransformerEncoder in eval under no_grad (torch's fused fast path), one sequence all padding:
+    # the hint said "make the row finite before the softmax (torch.where(row_masked, 0., scores))",
+    # scores the user never sees inside the fused kernel, and named no sequence
+    m = zoo.transformer_encoder(dropout=0.0).eval()
+    pad = torch.zeros(4, 5, dtype=torch.bool)
+    pad[:, 3:] = True
+    pad[2] = True  # an empty sequence
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m), torch.no_grad():
+        m(torch.randn(4, 5, 16), src_key_padding_mask=pad)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.index[0], f.cause) == ("forward", "layers.0", 2, "created"), f
+    assert f.op is not None and "_transformer_encoder_layer_fwd" in f.op
+    assert "sequence 2 of the batch is padding at every position" in f.hint, f.hint
+    assert "fast path" in f.hint and "torch.where(row_masked" not in f.hint, f.hint
+
+
+def test_a_causal_mask_over_left_padding_in_multihead_attention_names_need_weights_false() -> None:
+    # a float -inf causal attn_mask and a key padding mask over left padding: the first query of the
+    # padded sequence has no key left; nn.MultiheadAttention's need_weights=True path takes a plain softmax
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(16, 2, batch_first=True)
+    causal = torch.triu(torch.full((6, 6), float("-inf")), 1)
+    pad = torch.zeros(3, 6)
+    pad[1, :2] = float("-inf")
+    x = torch.randn(3, 6, 16)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(attn):
+        attn(x, x, x, attn_mask=causal, key_padding_mask=pad)[0].sum().backward()
+    f = ei.value.finding
+    assert (f.phase, f.index[:2], f.cause) == ("forward", (1, 0), "created"), f
+    assert "inside torch's attention (MultiheadAttention)" in f.hint and "need_weights=False" in f.hint, f.hint
+    assert "torch.where(row_masked" not in f.hint, f.hint

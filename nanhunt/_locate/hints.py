@@ -322,6 +322,12 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
             elif name in _ATTENTION and any(i.code is not None and i.code.dim() and bool((i.code == 3).all(-1).any())
                                             for i in r.ins):  # (its mask: a row all -inf)
                 out["masked_row"] = True
+                out["masked_fused"] = name
+                pad = next((i for i in r.ins if i.pos > 0 and i.code is not None and i.code.dim() == 2
+                            and r.ins[0].shape and i.shape[0] == r.ins[0].shape[0]
+                            and bool((i.code == 3).all(-1).any())), None)
+                if pad is not None:  # a (batch, keys) padding mask: the sequences padded at every position
+                    out["masked_seqs"] = pad.code.eq(3).all(-1).nonzero().flatten().tolist()
         if getattr(rec, "mask_fed", False):
             out["mask_fed"] = True
         if _op_key(first.op).split(".")[0] == "exp":
@@ -776,6 +782,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "logsumexp(x) (Categorical(logits=...)'s normalisation, a log_softmax by hand) or x - x.amax() is "
                 "-inf - (-inf) = nan. Leave at least one position unmasked (a state with no legal action: give it "
                 "one, or drop it), or mask with torch.finfo(dtype).min instead of -inf.")
+    if fx.get("masked_row") and not fx.get("div_zero") and (fx.get("masked_fused") or f.module_type in _TORCH_ATTENTION):
+        return _torch_attention_masked_hint(f, fx)
     if fx.get("masked_row") and not fx.get("div_zero"):  # (a row a division by 0 made all -inf is no mask's)
         return ("A softmax over a fully masked row: every position of that row is -inf, so it normalises 0/0 "
                 "= nan; leave at least one position unmasked, or make the row finite before the softmax "
@@ -923,6 +931,31 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "that is 0, or by a learned temperature or scale that reached 0); "
                 "guard the denominator: clamp(min=1) for a count, + eps or clamp_min(eps) for anything else.")
     return ""
+
+
+# torch's own attention modules: their scores are out of the user's reach (no where() before the softmax)
+_TORCH_ATTENTION = frozenset({"MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+                              "TransformerEncoder", "TransformerDecoder", "Transformer"})
+
+
+def _torch_attention_masked_hint(f: Finding, fx: dict[str, Any]) -> str:
+    """A fully masked row inside nn.MultiheadAttention / nn.Transformer*: the masks the user passed did it."""
+    seqs = fx.get("masked_seqs") or []
+    which = (f"sequence{'s' if len(seqs) > 1 else ''} {', '.join(map(str, seqs[:8]))}{' …' if len(seqs) > 8 else ''} "
+             f"of the batch {'are' if len(seqs) > 1 else 'is'} padding at every position (its key padding mask all "
+             "True), so its queries have no key to attend to" if seqs else
+             "every key a query may attend to is masked (an empty, all-padding sequence, or a causal attn_mask "
+             "over left padding, which leaves a padded position no key)")
+    fused = fx.get("masked_fused") in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention")
+    tail = ("torch's fast path (eval mode, gradients off) gives nan here, where the training path "
+            "(scaled_dot_product_attention) gives such rows zeros." if fused else
+            "nn.MultiheadAttention with need_weights=False (scaled_dot_product_attention) gives such rows zeros "
+            "instead of nan." if f.module_type == "MultiheadAttention" and not fx.get("masked_fused") else
+            "a nan zeroed after the attention is still nan in its backward.")
+    return (f"A softmax over a fully masked row inside torch's attention ({f.module_type}): {which}; the softmax "
+            "normalises 0/0 = nan. Drop empty sequences "
+            "from the batch (or pad on the right under a causal mask), or leave one key unmasked in such rows "
+            f"(mask[row, 0] = False) and ignore their outputs; {tail}")
 
 
 def rows_sentence(fx: dict[str, Any]) -> str:
