@@ -1398,3 +1398,38 @@ def test_a_causal_mask_over_left_padding_in_multihead_attention_names_need_weigh
     assert (f.phase, f.index[:2], f.cause) == ("forward", (1, 0), "created"), f
     assert "inside torch's attention (MultiheadAttention)" in f.hint and "need_weights=False" in f.hint, f.hint
     assert "torch.where(row_masked" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_ctc_loss_with_no_alignment_names_the_row_and_the_frames_its_repeated_labels_need(reduction: str) -> None:
+    # an ASR batch whose row 1 has 4 frames for 4 labels, two of them equal neighbours (needs 4 + 1):
+    # the hint said only "a target too long for its input", which a user comparing 4 frames to 4
+    # labels reads as not the case; it now names the row, its frames and the frames it needs
+    torch.manual_seed(0)
+    rnn, head = nn.GRU(8, 16, batch_first=True), nn.Linear(16, 6)
+    model = nn.ModuleDict({"rnn": rnn, "head": head})
+    ctc = nn.CTCLoss(reduction=reduction)
+    targets = torch.tensor([[1, 2, 3, 4], [2, 3, 3, 4], [5, 1, 2, 0]])
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(model):
+        lp = head(rnn(torch.randn(3, 8, 8))[0]).log_softmax(-1).transpose(0, 1)
+        ctc(lp, targets, torch.tensor([8, 4, 8]), torch.tensor([4, 4, 3])).backward()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.value) == ("forward", "<outside>", "created", math.inf), f
+    assert f.op is not None and "ctc_loss" in f.op
+    assert "row 1: 4 frames for 4 labels, needing 5 with the blanks between repeated labels" in f.hint, f.hint
+    assert "zero_infinity=True" in f.hint and "row 0" not in f.hint, f.hint
+
+
+def test_a_ctc_loss_over_a_class_masked_with_minus_inf_is_told_as_a_blocked_alignment() -> None:
+    # a class masked with -inf before log_softmax, used by row 1's target: the CTC loss is inf with
+    # frames enough; the hint was the mask's generic "-inf * 0, label smoothing, F.kl_div", no CTC at all
+    torch.manual_seed(0)
+    m = nn.Linear(8, 6)
+    allowed = torch.tensor([True] * 5 + [False])
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m):
+        lp = m(torch.randn(10, 3, 8)).masked_fill(~allowed, float("-inf")).log_softmax(-1)
+        y = torch.tensor([[1, 2, 3], [1, 5, 2], [4, 4, 1]])
+        F.ctc_loss(lp, y, torch.tensor([10, 10, 10]), torch.tensor([3, 3, 3])).backward()
+    f = ei.value.finding
+    assert (f.module, f.op) == ("<outside>", "aten.masked_fill.Scalar"), f
+    assert "CTC loss is inf at row 1 although its 10 frames are enough for its 3 labels" in f.hint, f.hint

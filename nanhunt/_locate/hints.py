@@ -307,6 +307,10 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
                 code = r.ins[0].code
                 if code.dim() and bool((code == 3).all(-1).any()):
                     out["masked_row"] = True
+            elif "ctc_loss" in name and getattr(r, "call", None) is not None and len(r.call[1]) >= 4:
+                ctc = _ctc_rows(r.call[1], r.outs[0][1] if r.outs else None)
+                if ctc is not None:
+                    out["ctc"] = ctc
             elif name == "logsumexp" and r.ins and r.ins[0].code is not None:
                 code = r.ins[0].code  # (a row all -inf sums nothing: -inf)
                 if code.dim() and bool((code == 3).all(-1).any()):
@@ -405,6 +409,32 @@ def _made_by(rec: Any, inp: Any, op: str, depth: int = 4) -> bool:
     return False
 
 
+def _ctc_rows(args: Any, code: Any) -> dict[str, list[tuple[int, int, int, int]]] | None:
+    """The rows of a CTC loss with no alignment: (row, input length, target length, frames needed: the
+    labels plus one blank between each pair of equal neighbours), and the rows inf all the same
+    (``blocked``: every alignment passes a -inf log-probability, a masked class)."""
+    lp, targets, in_lens, tg_lens = args[:4]
+    if not isinstance(lp, torch.Tensor) or not isinstance(targets, torch.Tensor):
+        return None
+    in_l = [int(v) for v in (in_lens.tolist() if isinstance(in_lens, torch.Tensor) else in_lens)]
+    tg_l = [int(v) for v in (tg_lens.tolist() if isinstance(tg_lens, torch.Tensor) else tg_lens)]
+    if len(in_l) != len(tg_l):
+        return None
+    short, blocked = [], []
+    offset = 0
+    for row, (n_in, n_tg) in enumerate(zip(in_l, tg_l)):
+        if targets.dim() == 2:
+            seq = targets[row, :n_tg]
+        else:  # (1-D: the targets of every row, concatenated)
+            seq, offset = targets[offset:offset + n_tg], offset + n_tg
+        need = n_tg + int((seq[1:] == seq[:-1]).sum()) if n_tg > 1 else n_tg
+        if need > n_in:
+            short.append((row, n_in, n_tg, need))
+        elif code is not None and code.dim() == 1 and row < code.shape[0] and int(code[row]) != 0:
+            blocked.append((row, n_in, n_tg, need))
+    return {"short": short, "blocked": blocked} if short or blocked else None
+
+
 # batch norm's kernels: (input, weight, bias, running_mean, running_var, training, momentum, eps)
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm", "miopen_batch_norm")
 
@@ -432,6 +462,10 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
     if call is None:
         return out
     func, args, kwargs = call
+    if "ctc_loss" in name and len(args) >= 4:
+        ctc = _ctc_rows(args, r.outs[0][1] if r.outs else None)
+        if ctc is not None:
+            out["ctc"] = ctc
     # (batch norm: in training mode, over the batch per channel; its running statistics are never summed)
     batch = name in _BATCH_NORMS and len(args) >= 6 and args[5] is True and getattr(args[0], "ndim", 0) >= 2
     if batch or (name in ("native_layer_norm", "native_group_norm") and len(args) >= (2 if name == "native_layer_norm" else 7)
@@ -767,6 +801,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"largest finite value {fx['limit']:g}, so the softmax inside {op} takes inf - inf = nan (no mask "
                 "is the cause). The queries and keys themselves are too large: look for exploding activations or "
                 "weights (a lower learning rate, gradient clipping, a LayerNorm before the attention).")
+    if isinstance(fx.get("ctc"), dict):  # (a CTC loss on the road: its rows say why it is inf)
+        return _ctc_hint(fx)
     if fx.get("masked_row") == "logsumexp":
         return ("A logsumexp over a fully masked row: every position of that row is -inf, so there is nothing to sum "
                 "and its logsumexp is -inf (an anchor with no positive in a contrastive loss, a sequence with no valid "
@@ -862,8 +898,7 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "Make it positive by construction (predict its log, or exp / F.softplus(x) + eps of the raw output) "
                 "or clamp it (clamp_min(eps)) before the log.")
     if fx.get("ctc"):
-        return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
-                "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
+        return _ctc_hint(fx)
     if fx.get("div_zero"):
         if fx.get("div_float16"):
             return ("A division by 0 in float16: x/0 gives inf and 0/0 nan. An eps that guards the denominator "
@@ -956,6 +991,29 @@ def _torch_attention_masked_hint(f: Finding, fx: dict[str, Any]) -> str:
             "normalises 0/0 = nan. Drop empty sequences "
             "from the batch (or pad on the right under a causal mask), or leave one key unmasked in such rows "
             f"(mask[row, 0] = False) and ignore their outputs; {tail}")
+
+
+def _ctc_hint(fx: dict[str, Any]) -> str:
+    """A CTC loss's inf: the rows with no alignment (too few frames), or one whose every alignment is blocked."""
+    ctc = fx["ctc"] if isinstance(fx["ctc"], dict) else {}
+    short = ctc.get("short") or []
+    if short:
+        rows = "; ".join(f"row {r}: {n_in} frames for {n_tg} labels"
+                         f"{f', needing {need} with the blanks between repeated labels' if need > n_tg else ''}"
+                         for r, n_in, n_tg, need in short[:4]) + (" …" if len(short) > 4 else "")
+        return (f"CTC loss is inf when a target is too long for its input: no alignment exists ({rows}); a "
+                "target needs a frame per label plus one blank between each pair of equal neighbours. Pass "
+                "zero_infinity=True to F.ctc_loss / nn.CTCLoss (those samples then give 0 loss and 0 gradient), "
+                "drop them, or give the model more frames (less downsampling before the CTC head).")
+    if ctc.get("blocked"):
+        r = ctc["blocked"][0]
+        return (f"CTC loss is inf at row {r[0]} although its {r[1]} frames are enough for its {r[2]} labels: "
+                "every alignment passes a log-probability of -inf (a class masked with -inf that its target uses, "
+                "or a probability that underflowed to 0 before a log). Mask with a large finite value "
+                "(torch.finfo(dtype).min), take F.log_softmax of the logits, or keep masked classes out of the "
+                "targets.")
+    return ("CTC loss is inf when a target is too long for its input (no alignment exists); pass "
+            "zero_infinity=True to F.ctc_loss / nn.CTCLoss, or drop those samples.")
 
 
 def rows_sentence(fx: dict[str, Any]) -> str:

@@ -218,6 +218,10 @@ def _floating(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+# ops whose arguments the hints read also when an input was already non-finite
+_KEEP_CALL = frozenset({torch.ops.aten._ctc_loss.Tensor, torch.ops.aten._ctc_loss.default})
+
+
 def _code(t: torch.Tensor) -> torch.Tensor | None:
     """``None`` when finite, else a uint8 tensor: 0 finite, 1 nan, 2 +inf, 3 -inf."""
     if t.is_meta:  # no values (a jagged nested tensor's sequence lengths, held as sizes)
@@ -400,6 +404,8 @@ class _Recorder:
                     self.by_storage[st] = (ri, slot)
         if not any_bad and any(code is not None for _, code in rec.outs):
             rec.call = (func, args, kwargs)  # finite in, non-finite out: a candidate creator
+        elif func in _KEEP_CALL and any(code is not None for _, code in rec.outs):
+            rec.call = (func, args, kwargs)  # (a CTC loss fed a -inf: its lengths and targets tell the hint why)
         self.recs.append(rec)
         return out
 
