@@ -332,3 +332,38 @@ def test_the_loader_before_accelerates_prepare_is_told_and_left_working() -> Non
     assert type(original.batch_sampler).__name__ == "BatchSampler"
     assert [len(xb) for xb, _ in loader] == [4, 4, 4, 4]  # the recording sampler accelerate kept only hands on
     assert not loader.base_dataloader.batch_sampler._nanhunt_owner.queue
+
+
+class Targets(Dataset):
+    """Regression rows whose features are all fine; one row's target is missing (a CSV's empty cell
+    parsed as NaN): the model is fine, the loss code is fed the NaN."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(32, 4, generator=g)
+        self.y = torch.randn(32, 1, generator=g)
+        self.y[21, 0] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def test_a_nan_target_names_its_sample_at_the_loss() -> None:
+    loader = DataLoader(Targets(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1))
+    model = zoo.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    with pytest.raises(nanhunt.NonFiniteError) as err:
+        with nanhunt.watch(model, opt, loader=loader):
+            for x, y in loader:
+                seen.append(y)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    f = err.value.finding
+    assert (f.module, f.cause, f.shape) == ("<outside>", "input", ())  # the scalar loss, fed the target's NaN
+    assert f.step == len(seen) - 1 and not torch.isfinite(seen[-1]).all()
+    assert f.samples == (21,) and err.value.report.bad_samples == [21]

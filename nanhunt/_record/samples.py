@@ -216,11 +216,17 @@ class LoaderIndices:
         ``born_tops``: per finding, the top-level call that made it (`StepView.born_tops`)."""
         born = born if len(born) == len(found) else [None] * len(found)
         born_tops = born_tops if len(born_tops) == len(found) else [None] * len(found)
-        return [_with_samples(f, log, tops, b, t) for f, b, t in zip(found, born, born_tops)]
+        last = self.last
+        delivered = [t for r in self._last_tensors if (t := r()) is not None]  # (the last batch's own tensors,
+        return [_with_samples(f, log, tops, b, t, last, delivered)  # its targets too, not only what the model got)
+                for f, b, t in zip(found, born, born_tops)]
 
 
 def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None],
-                  born: tuple[int, list[int]] | None = None, top: int | None = None) -> Finding:
+                  born: tuple[int, list[int]] | None = None, top: int | None = None,
+                  last: Batch | None = None, delivered: Sequence[torch.Tensor] = ()) -> Finding:
+    """``last``, ``delivered``: the batch the loop received last and its tensors as the loader
+    returned them (a loss fed a NaN target: the rows of the batch that hold it are the samples)."""
     if f.phase not in ("forward", "backward", "check") or not tops:
         return f
     # the micro-batch the analysis placed it in (a backward's, a sentinel forward's), else by the log
@@ -235,8 +241,9 @@ def _with_samples(f: Finding, log: StepLog, tops: list[Batch | None],
         return dataclasses.replace(f, samples=tuple(batch[r] for r in rows if r < n)) if rows else f
     if n == 1:  # a batch of one sample (or batch_size=None): whatever it made is its
         return dataclasses.replace(f, samples=batch)
-    if not f.shape or f.shape[0] != n:
-        return f
+    if not f.shape or f.shape[0] != n:  # (a loss's scalar): fed a value of the batch's own (its targets)
+        rows = _bad_rows(list(delivered), n) if f.cause == "input" and batch is last else []
+        return dataclasses.replace(f, samples=tuple(batch[r] for r in rows if r < n)) if rows else f
     rows = _bad_rows(inputs, n)
     if not rows and born is not None and born[0] == n:  # the rows whose values its op made non-finite:
         rows = born[1]  # the reported tensor may be past a BatchNorm or a mean that mixed every row in
