@@ -139,6 +139,23 @@ def test_lightning_forward_nan_is_reported_at_its_step_before_the_update() -> No
 
 
 @_mark
+def test_lightning_a_nan_row_of_the_fit_loader_is_named_by_its_dataset_index() -> None:
+    pl, (Net, NanHunt) = _lightning_parts()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+    x[45, 2] = float("nan")  # a corrupt row of the data set; the model is fine
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True,
+                                         generator=torch.Generator().manual_seed(1))
+    model, cb = Net(), NanHunt()  # no loader= given: the callback takes the one fit() was given
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        _trainer(pl, cb, max_steps=16).fit(model, loader)
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.samples) == ("forward", "net.0", "input", (45,))
+    assert cb.report.bad_samples == [45] and f.step < 8
+    assert type(loader.batch_sampler) is torch.utils.data.BatchSampler and "_get_iterator" not in vars(loader)
+
+
+@_mark
 @pytest.mark.parametrize(("mode", "watched"), [("full", "model"), ("sentinel", "model"), ("full", "wrapper")])
 def test_lightning_forward_redirection_is_no_call_of_the_model(mode: str, watched: str) -> None:
     # Lightning's DDP/FSDP/DeepSpeed strategies (and Fabric) run training_step through the model's

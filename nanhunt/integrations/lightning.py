@@ -197,6 +197,13 @@ class NanHunt(HuntOwner, *_BASES):  # type: ignore[misc]
             scaler = _scaler_of(trainer)
             if scaler is not None:
                 options["scaler"] = scaler
+        if "loader" not in options and (getattr(trainer, "world_size", 1) or 1) == 1:
+            # the DataLoader given to fit(): its batches' dataset indices name a bad row (Finding.samples),
+            # as watch(loader=...) does; on one process Lightning iterates it as given (a loader from the
+            # module's train_dataloader() is made later, and one per rank is rebuilt with its own sampler)
+            source = getattr(getattr(getattr(trainer, "fit_loop", None), "_data_source", None), "instance", None)
+            if isinstance(source, torch.utils.data.DataLoader):
+                options["loader"] = source
         self.hunt = watch(pl_module, optimizer=optimizers or None, **options)
         if options.get("guard_saves", True):
             self._name_saves(trainer)
