@@ -384,6 +384,46 @@ def _hf_parts(tmp_path: Any, lr: float, *, optimizers: Any = None, watch_options
 
 
 @_mark
+def test_hf_a_nan_row_of_the_train_dataset_is_named_by_its_dataset_index(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from nanhunt.integrations.transformers import NanHuntCallback
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+            self.x[21, 1] = float("nan")  # a corrupt row of the data set; the model is fine
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    torch.manual_seed(0)
+    cb = NanHuntCallback()  # no loader= given: the callback takes the Trainer's (shuffled) train loader
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, num_train_epochs=1, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=Regression(), args=args, train_dataset=Rows(), callbacks=[cb])
+    with pytest.raises(nanhunt.NonFiniteError) as ei:
+        trainer.train()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.cause, f.samples) == ("forward", "net.0", "input", (21,))
+    assert cb.report.bad_samples == [21]
+
+
+@_mark
 def test_hf_exploding_learning_rate_is_found_and_nothing_left_behind(tmp_path: Any) -> None:
     from transformers import TrainerCallback
 

@@ -108,6 +108,10 @@ class NanHuntCallback(HuntOwner, TrainerCallback):
             scaler = getattr(optimizer, "scaler", None)  # accelerate's fp16 GradScaler
             if scaler is not None and hasattr(scaler, "step") and hasattr(scaler, "update"):
                 options["scaler"] = scaler
+        loader = kwargs.get("train_dataloader")  # (accelerate's prepared one: watch() reads its base loader)
+        if "loader" not in options and isinstance(loader, torch.utils.data.DataLoader) \
+                and getattr(args, "world_size", 1) == 1:
+            options["loader"] = loader  # the dataset indices of a bad row of the data (Finding.samples)
         closing = None
         if options.get("on_find", "raise") == "raise":
             closing = options["on_find"] = _RaiseClosing()
