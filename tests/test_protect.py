@@ -1024,3 +1024,39 @@ def test_buffers_resized_in_place_by_a_qat_fake_quant_are_backed_up_and_put_back
     with pytest.raises(nanhunt.NonFiniteError), nanhunt.watch(model, opt, mode=mode):
         run(model, opt, 0)
     assert zoo.same_state(before, zoo.snapshot(model))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_skip_with_a_gradscaler_leaves_its_scale_as_a_loop_that_never_saw_the_batch(mode: str) -> None:
+    """Under float16 autocast with a GradScaler: a skipped step (a NaN input, whose gradients the
+    scaler saw as an overflow; a batch whose labels are all ignore_index, a NaN loss with finite
+    gradients) must not halve the scale or count towards its growth. It did: the scale fell
+    1024 -> 256, so the gradients of every later step were rounded differently and the weights
+    and Adam's moments were no longer those of the loop that left the batches out."""
+    batches = _batches(8, {2}, (6,), 3)
+    batches[5] = (batches[5][0], torch.full((8,), -100))  # every target ignored: the mean is 0/0
+
+    def run(watched: bool) -> tuple[Any, nn.Module, torch.optim.Optimizer, Any]:
+        model = zoo.bnmlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        hunt = nanhunt.watch(model, opt, on_find="skip", scaler=scaler, mode=mode) if watched else None
+        for i, (x, y) in enumerate(batches):
+            if not watched and i in (2, 5):
+                continue
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if hunt is not None:
+            hunt.close()
+        return hunt, model, opt, scaler
+
+    hunt, model, opt, scaler = run(True)
+    _, ref, ref_opt, ref_scaler = run(False)
+    assert hunt.skipped == [2, 5]
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    _same(model, opt, ref, ref_opt)
+    assert "update" not in scaler.__dict__ and "step" not in scaler.__dict__

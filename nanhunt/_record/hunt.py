@@ -419,6 +419,7 @@ class Hunt:
         self._holds: dict[int, tuple[Any, bool, bool]] = {}
         self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
         self._hand_update = False  # judging a step at a hand-written update's write (see _drop_grads)
+        self._kept_scale: _KeepScale | None = None  # a skipped step's GradScaler update() to undo (see _skip)
         self._depth = 0  # `with hunt:` blocks entered and not left
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
@@ -2592,6 +2593,8 @@ class Hunt:
         self._skip_run = run
         self.skipped.append(step)
         self._drop_grads()
+        if self._scaler is not None:
+            self._kept_scale = _KeepScale.arm(self._scaler) or self._kept_scale
         _logger.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
         return True
 
@@ -2815,6 +2818,9 @@ class Hunt:
         if self._scaler is not None:
             self._unwrap_scaler()
         self._scaler = None
+        if self._kept_scale is not None:
+            self._kept_scale.remove()
+            self._kept_scale = None
         self._root = None
         self._opts = []
         self._later = []
@@ -3039,6 +3045,55 @@ class _ScalerStep:
 
     def remove(self) -> None:
         _take_off(self.scaler, self, self.own)
+
+
+class _KeepScale:
+    """A GradScaler's ``update()`` that leaves its scale and growth tracker as they were, once: put
+    on the instance when ``on_find="skip"`` drops a step whose iteration the scaler is in (its
+    ``update()`` not called yet), and off as that ``update()`` returns (or at ``close()``). A
+    dropped step is one the run never saw: the scaler backing off for its non-finite gradients (a
+    NaN input's, never the scale's: a skipped step's finding is made in forward or by the loss, a
+    scaled backward's overflow is not one) or counting it towards its growth would leave the scale,
+    and in float16 every later gradient, different from a loop that left the batch out, and each bad
+    batch would halve the scale for good. No work per step: only at a skip."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.own = scaler.__dict__.get("update", _NO)  # an instance attribute it was put over
+        self.orig = scaler.update
+        self.scale = scaler._scale.detach().clone()
+        self.tracker = scaler._growth_tracker.detach().clone()
+        scaler.update = self
+
+    @classmethod
+    def arm(cls, scaler: Any) -> _KeepScale | None:
+        """Put on ``scaler`` if its iteration is under way (a step of it taken, ``update()`` to come)."""
+        if isinstance(scaler.__dict__.get("update"), cls):
+            return None  # (armed already: another optimizer's or hunt's step of the same iteration)
+        scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+        states = getattr(scaler, "_per_optimizer_states", None)
+        ready = getattr(sys.modules.get("torch.amp.grad_scaler"), "OptState", None)
+        if not (isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor) and isinstance(states, dict)
+                and ready is not None and any(st.get("stage") is not ready.READY for st in states.values())):
+            return None
+        return cls(scaler)
+
+    def __call__(self, new_scale: Any = None) -> Any:
+        self.remove()
+        out = self.orig(new_scale)
+        if new_scale is None:  # (a scale the loop sets itself is its own)
+            with torch.no_grad():
+                self.scaler._scale.copy_(self.scale)
+                self.scaler._growth_tracker.copy_(self.tracker)
+        return out
+
+    def remove(self) -> None:
+        d = self.scaler.__dict__
+        if d.get("update") is self:
+            if self.own is _NO:
+                del d["update"]
+            else:
+                d["update"] = self.own
 
 
 class _WrapperStep:
