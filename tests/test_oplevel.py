@@ -1433,3 +1433,40 @@ def test_a_ctc_loss_over_a_class_masked_with_minus_inf_is_told_as_a_blocked_alig
     f = ei.value.finding
     assert (f.module, f.op) == ("<outside>", "aten.masked_fill.Scalar"), f
     assert "CTC loss is inf at row 1 although its 10 frames are enough for its 3 labels" in f.hint, f.hint
+
+
+def test_an_overflow_from_a_huge_label_or_input_names_the_data_not_the_learning_rate() -> None:
+    """A regression target of 1e20 (a sentinel for a missing value) makes the MSE inf; a record of
+    3e38 (a sensor's saturation value) makes a Linear's addmm inf. Both hints said "look for
+    exploding weights or inputs (a lower learning rate, gradient clipping, ...)", at the first step,
+    with moderate weights: the operand that alone is past the square root of the largest value is
+    named, with its element, as the data's (also when only a partial sum of the matmul overflowed)."""
+    def first(x: torch.Tensor, y: torch.Tensor) -> nanhunt.Finding:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nanhunt.watch(model, opt, on_find="skip") as hunt:
+            F.mse_loss(model(x).squeeze(-1), y).backward()
+            opt.step()
+        assert hunt.first is not None
+        return hunt.first
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, generator=g)
+    y[3] = 1e20
+    f = first(x, y)
+    assert (f.module, f.op) == ("<outside>", "aten.mse_loss.default"), str(f)
+    assert "its target holds 1e+20 at [3], while the prediction reaches only" in f.hint, f.hint
+    assert "label" in f.hint and "lower learning rate" not in f.hint.split("label")[0], f.hint
+    y = torch.randn(64, generator=g)  # (a mean over 64: only the squared difference overflows)
+    y[40] = 1e20
+    f = first(torch.randn(64, 6, generator=g), y)
+    assert "its target holds 1e+20 at [40], while the prediction reaches only" in f.hint, f.hint
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, generator=g)
+    x[5] = 3e38  # (output[5, 12] overflows in a partial sum only: its float64 value is within range)
+    f = first(x, y)
+    assert (f.module, f.op) == ("0", "aten.addmm.default"), str(f)
+    assert "its input holds 3e+38 at [5, 0], while the weights reach only" in f.hint, f.hint
+    x, y = torch.randn(8, 6, generator=g) * 1e20, torch.randn(8, generator=g)  # (a prediction past the square root: not the data's)
+    f = first(x, y)
+    assert "holds" not in f.hint and "not the training" not in f.hint, f.hint

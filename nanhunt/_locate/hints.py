@@ -372,6 +372,59 @@ def facts(rec: Any, path: list[int]) -> dict[str, Any]:
     return out
 
 
+# losses whose second argument is the target: (prediction, target, ...)
+_TARGET_LOSSES = frozenset({"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "soft_margin_loss",
+                            "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss"})
+
+
+def _huge_operand(name: str, args: Any, limit: float, out: dict[str, Any]) -> None:
+    """An op overflowed from finite operands: is one of them itself huge, past the square root of
+    the dtype's largest value, while the others are not (by 1e4 at least)? A loss's target (a label
+    of 1e20), an input that is no weight beside weights that are moderate (a saturated sensor's 3e38):
+    the data, not the training, made the overflow. Puts ``huge=(what, value, index, the others' largest)``
+    into ``out``."""
+    ts = [(k, a) for k, a in enumerate(args[:3]) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel()]
+    if len(ts) < 2:
+        return
+    mags = [float(a.detach().abs().amax()) for _, a in ts]
+    j = max(range(len(ts)), key=mags.__getitem__)
+    big, rest = mags[j], max(m for i, m in enumerate(mags) if i != j)
+    pos, t = ts[j]
+    if not (math.isfinite(big) and big * big > limit and big > 1e4 * rest) or _weight(t):
+        return
+    if name in _TARGET_LOSSES and pos == 1:
+        what = "target"
+    elif any(_weight(a) for _, a in ts):
+        what = "input"  # (x against the op's weight and bias: a convolution's, a Linear's addmm)
+    else:
+        return
+    at = int(t.detach().abs().argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(at), t.shape)) if t.dim() else ()
+    out["huge"] = (what, float(t.detach().reshape(-1)[at]), idx, rest)
+
+
+def _huge_sentence(fx: dict[str, Any]) -> str:
+    """What `_huge_operand` found, and what to do about it."""
+    what, big, idx, rest = fx["huge"]
+    at = f" at [{', '.join(map(str, idx))}]" if idx else ""
+    others = "the prediction reaches" if what == "target" else "the weights reach"
+    return (f"its {what} holds {big:.3g}{at}, while {others} only {rest:.3g}: "
+            + ("a label out of range (a corrupt record, a sentinel such as 1e20 for a missing value, targets not "
+               "normalised), not the training; check, filter or normalise the targets (a lower learning rate or "
+               "clipping would not help)" if what == "target" else
+               "a value fed in that large (a corrupt record, a sensor's saturation or fill value, inputs not "
+               "normalised), not weights that grew; check, filter or normalise the inputs (a lower learning rate "
+               "or clipping would not help)"))
+
+
+_ACCUMULATING = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "convolution", "linear"})
+
+
+def _weight(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a Linear's ``weight.t()`` in its addmm)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
+
+
 def _segment_max_sub(rec: Any, r: Any) -> bool:
     """Is ``r`` (a sub) ``e - m[dst]`` with ``m`` a scatter's max per row (a scatter softmax over each
     node's edges, a GAT's) and both -inf at one place: every edge into that node was masked?"""
@@ -598,8 +651,18 @@ def _creator_facts(r: Any, graded: set[int] | frozenset[int] = frozenset()) -> d
             big = max((float(t.detach().abs().amax()) for t in _leaves(args)  # (a term summed on the way overflowed)
                        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()), default=0.0)
             out.update(inner_overflow=(v, big), limit=limit)
+            _huge_operand(name, args, limit, out)  # (a loss's target of 1e20, its square past the limit, its mean not)
+        elif math.isfinite(v) and abs(v) <= limit and name in _ACCUMULATING:
+            # a matmul's or convolution's partial sum passed the largest value: said only when one
+            # operand is the data's and huge (else the op's generic line stays)
+            _huge_operand(name, args, limit, out)
+            if "huge" in out:
+                big = max(float(t.detach().abs().amax()) for t in _leaves(args)
+                          if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel())
+                out.update(inner_overflow=(v, big), limit=limit)
         if math.isfinite(v) and abs(v) > limit:
             out.update(reached=v, limit=limit, dtype=str(dtype).removeprefix("torch."))
+            _huge_operand(name, args, limit, out)
             if name in ("add", "add_") and v < 0 and any(  # a torch.finfo(dtype).min mask added to a negative score
                     isinstance(t, torch.Tensor) and t.dtype == dtype and bool((t == -limit).any()) for t in args[:2]):
                 out["min_mask"] = True
@@ -693,6 +756,8 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             # values are the trouble
             remedy = ("the values themselves are too large: look for exploding weights or inputs (a lower "
                       "learning rate, gradient clipping, normalising the inputs)")
+            if "huge" in fx:  # (one operand alone past the square root of the largest value: the data's)
+                remedy = _huge_sentence(fx)
             if _op_key(op) == "exp" and fx["reached"] > 0:  # (the exponent, not a value, is what to bound)
                 arg = fx.get("exp_arg", math.log(fx["reached"]))
                 what = ("clamp what goes into exp (a VAE's logvar.clamp(-30, 20)) or use a stable form (F.softplus, "
@@ -784,9 +849,12 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 f"largest finite value {fx['limit']:g}; {remedy}.")
     if "inner_overflow" in fx and f.value is not None and math.isinf(f.value):
         v, big = fx["inner_overflow"]
-        return (f"Overflow inside {op}: its result is {v:.3g} in float64, within float32's range, but a term it "
+        head = (f"Overflow inside {op}: its result is {v:.3g} in float64, within float32's range, but a term it "
                 f"computes on the way (a squared difference, a partial sum) passes float32's largest finite value "
-                f"{fx['limit']:g}: its inputs reach {big:.3g}. The values themselves are too large (targets or "
+                f"{fx['limit']:g}")
+        if "huge" in fx:
+            return f"{head}; {_huge_sentence(fx)}."
+        return (f"{head}: its inputs reach {big:.3g}. The values themselves are too large (targets or "
                 "rewards on a huge scale, a target network copied from a diverging one, exploding weights): "
                 "normalise or clip them, lower the learning rate, or compute it in float64.")
     if "norm_big" in fx:
