@@ -1060,3 +1060,35 @@ def test_skip_with_a_gradscaler_leaves_its_scale_as_a_loop_that_never_saw_the_ba
     assert scaler.state_dict() == ref_scaler.state_dict()
     _same(model, opt, ref, ref_opt)
     assert "update" not in scaler.__dict__ and "step" not in scaler.__dict__
+
+
+def test_a_skipped_steps_dropout_draws_are_dropped_too() -> None:
+    """A model with Dropout, no seed set per step: the skipped step's forward drew its dropout
+    mask from torch's stream, so every later step drew other masks than a loop that never saw the
+    batch, and all the weights differed. The stream goes back with the step."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(6)]
+    batches[2][0][3, 1] = float("nan")  # a corrupt record
+
+    def run(drop: set[int], on_find: str | None) -> tuple[nn.Module, torch.Tensor]:
+        model = zoo.mlp(p=0.5)
+        torch.manual_seed(7)  # (once, before the loop: as a user does)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        hunt = nanhunt.watch(model, opt, on_find=on_find) if on_find else None
+        try:
+            for i, (x, y) in enumerate(batches):
+                if i in drop:
+                    continue
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            if hunt is not None:
+                hunt.close()
+                assert hunt.skipped == [2]
+        return model, torch.get_rng_state()
+
+    clean, clean_rng = run({2}, None)
+    skipped, skipped_rng = run(set(), "skip")
+    assert zoo.same_state(zoo.snapshot(skipped), zoo.snapshot(clean))
+    assert torch.equal(skipped_rng, clean_rng)  # the loop's own draws after it go on as they would

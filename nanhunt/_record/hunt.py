@@ -420,6 +420,9 @@ class Hunt:
         self._pstores: tuple[StepLog | None, frozenset[int]] = (None, frozenset())  # see _before_write
         self._hand_update = False  # judging a step at a hand-written update's write (see _drop_grads)
         self._kept_scale: _KeepScale | None = None  # a skipped step's GradScaler update() to undo (see _skip)
+        # skip: torch's random streams as the step's first top-level call began (its Top's), put
+        # back when the step is dropped (`_skip`)
+        self._step_rng: tuple[int, torch.Tensor, list[torch.Tensor] | None] | None = None
         self._depth = 0  # `with hunt:` blocks entered and not left
         self._closure_calls: dict[int, int] = {}  # per optimizer: closure calls in its step() under way
         self._step_backups: dict[int, StepBackup] = {}  # per optimizer: its weights when its step(closure) began
@@ -1157,6 +1160,8 @@ class Hunt:
         if self._batches is not None:
             self._batches.top_started()
         t = _capture_top(module, args)
+        if not log.tops and self.on_find == "skip":
+            self._step_rng = (self.step, t.rng, t.cuda_rng)
         t.clock = _tick()
         t.outside_at = len(log.outside)
         t.src = user_line()[0]
@@ -2585,6 +2590,7 @@ class Hunt:
             # the step was skipped already (at another optimizer's step(): a GAN's D, then G, fed
             # the same bad batch): what was computed since is dropped too
             self._drop_grads()
+            self._rewind_rng(step)
             return True
         run = self._skip_run + 1 if self.skipped and self.skipped[-1] == step - 1 else 1
         if run > self._max_skips:
@@ -2593,10 +2599,26 @@ class Hunt:
         self._skip_run = run
         self.skipped.append(step)
         self._drop_grads()
+        self._rewind_rng(step)
         if self._scaler is not None:
             self._kept_scale = _KeepScale.arm(self._scaler) or self._kept_scale
         _logger.warning("nanhunt: skipped step %d (%d in a row): %s", step, run, found[0].summary())
         return True
+
+    def _rewind_rng(self, step: int) -> None:
+        """Dropped step ``step``'s draws from torch's random streams (Dropout's masks) are dropped
+        too: the CPU and CUDA generators go back to where the step's first top-level call found
+        them, so that the next step draws what it would have drawn had the loop never seen the
+        batch. (Also after a second optimizer's step() in the same step: what it drew since.)"""
+        got = self._step_rng
+        if got is None or got[0] != step:
+            return  # (no top-level call in that step: nothing of the model's was drawn)
+        try:
+            torch.set_rng_state(got[1])
+            if got[2] is not None:
+                torch.cuda.set_rng_state_all(got[2])
+        except Exception as exc:  # (never the user's run over it: the streams go on as they are)
+            _logger.debug("nanhunt: the random streams of a skipped step were not put back (%s)", exc)
 
     def _drop_grads(self) -> None:
         if self._hand_update:
