@@ -1470,3 +1470,25 @@ def test_an_overflow_from_a_huge_label_or_input_names_the_data_not_the_learning_
     x, y = torch.randn(8, 6, generator=g) * 1e20, torch.randn(8, generator=g)  # (a prediction past the square root: not the data's)
     f = first(x, y)
     assert "holds" not in f.hint and "not the training" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_weight_cast_past_float16s_range_is_not_said_to_be_created_by_its_transpose(autocast: bool) -> None:
+    # an fp32 weight past 65504 is ±inf after model.half() (under autocast: after its cast). The walk
+    # followed t(weight) at the untransposed element, a +inf, then took the weight's -inf behind it
+    # for an additive mask: "from a non-finite parameter ...; created in aten.t.default", a view
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        m[1].weight.copy_(torch.tensor([[0.1, -1e5, 0.1, 0.1], [1e5, 0.1, 0.1, 0.1],
+                                        [0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1]]))
+    if not autocast:
+        m.half()
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    with nanhunt.watch(m, on_find="record") as hunt, torch.autocast("cpu", torch.float16, enabled=autocast):
+        m(x if autocast else x.half())
+    f = hunt.first
+    assert f is not None and f.module == "1", f
+    if autocast:  # the cast of the finite float32 weight made it: that op, from finite inputs
+        assert (f.cause, f.op, f.verdict) == ("created", "aten._to_copy.default", "precision"), f
+    else:  # already inf in the model: poisoned weights, not localised to an op
+        assert (f.cause, f.op, f.chain) == ("parameter", None, ()), f

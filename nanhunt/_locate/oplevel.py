@@ -264,15 +264,16 @@ def _geo(t: torch.Tensor) -> _Geo | None:
 
 
 class _In:
-    __slots__ = ("pos", "shape", "code", "prod", "geo")
+    __slots__ = ("pos", "shape", "code", "prod", "geo", "param")
 
     def __init__(self, pos: int, shape: tuple[int, ...], code: torch.Tensor | None, prod: tuple[int, int] | None,
-                 geo: _Geo | None = None):
+                 geo: _Geo | None = None, param: bool = False):
         self.pos = pos  # position among the op's tensor arguments
         self.shape = shape
         self.code = code  # None: finite
         self.prod = prod  # (record, output slot) that last wrote it, None: made before the call
         self.geo = geo
+        self.param = param  # an nn.Parameter: a learned weight, never an intended mask
 
 
 class _Rec:
@@ -356,7 +357,8 @@ class _Recorder:
             if code is not None and prod is None and t.dim() == 0 and not t.requires_grad \
                     and not isinstance(t, nn.Parameter):
                 code = None  # a literal (``h[m] = -inf``): this op is where it enters
-            rec.ins.append(_In(pos, _shape(t), code, prod, _geo(t) if prod is not None else None))
+            rec.ins.append(_In(pos, _shape(t), code, prod, _geo(t) if prod is not None else None,
+                               code is not None and isinstance(t, nn.Parameter)))
             if code is not None:
                 any_bad = True
         name = getattr(func, "__name__", "")
@@ -445,10 +447,11 @@ class _Recorder:
                 return path  # every input that matters was finite: created here
             key, inp, in_idx = min(cands, key=lambda c: c[0])
             if inp.prod is None:
-                if inp.code is not None and int(inp.code[in_idx]) == 3:
+                if inp.code is not None and int(inp.code[in_idx]) == 3 and not inp.param:
                     # a -inf fed in from before the call: an additive mask (attention's key mask, as
                     # Hugging Face passes it). It is no creation; the op that made something else of
-                    # it (softmax of a fully masked row: nan) is where the value was born
+                    # it (softmax of a fully masked row: nan) is where the value was born. A -inf
+                    # weight is no mask: poisoned weights (a float16 cast past 65504), not localised
                     k = len(kinds) - 1
                     while k >= 0 and kinds[k] == 3:
                         k -= 1
