@@ -1492,3 +1492,4 @@ def test_a_weight_cast_past_float16s_range_is_not_said_to_be_created_by_its_tran
         assert (f.cause, f.op, f.verdict) == ("created", "aten._to_copy.default", "precision"), f
     else:  # already inf in the model: poisoned weights, not localised to an op
         assert (f.cause, f.op, f.chain) == ("parameter", None, ()), f
+        assert "65504 becomes inf when a float32/bfloat16 model or checkpoint is cast" in f.hint, f.hint

@@ -1486,7 +1486,7 @@ def _start_hint(ctx: _Ctx, f: Finding) -> str:
             continue
         what = f"{name!r} of `{f.module or type(root).__name__}`"
         if _at_start(ctx, t):
-            return _hints.at_start_hint(what)
+            return _hints.at_start_hint(what, t)
         if any(x is t for x in ctx.view.known_bad):
             return _hints.carried_hint(what)
         line = _outside.writer(ctx.log, t)

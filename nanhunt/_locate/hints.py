@@ -1289,11 +1289,18 @@ def _cap(what: str) -> str:
     return what[:1].upper() + what[1:]
 
 
-def at_start_hint(what: str) -> str:
+def at_start_hint(what: str, t: torch.Tensor | None = None) -> str:
     """A tensor that was already non-finite when the watch began (before its first step)."""
-    return (f"{_cap(what)} was already non-finite when the watch began: it was loaded or set "
+    said = (f"{_cap(what)} was already non-finite when the watch began: it was loaded or set "
             "that way before nanhunt's first step, so where it was born is not known here (run "
             "`nanhunt audit` on the checkpoint it came from; re-initialise or drop the non-finite rows).")
+    if t is not None and t.dtype in (torch.float16, torch.float8_e5m2) and not bool(t.isnan().any()):
+        # infinities only, in a narrow dtype: what a cast of a wider model makes of a value past its range
+        name = str(t.dtype).replace("torch.", "")
+        said += (f" It holds inf and no NaN, in {name}: a weight past {torch.finfo(t.dtype).max:g} becomes "
+                 "inf when a float32/bfloat16 model or checkpoint is cast (model.half(), .to(torch.float16)); "
+                 "keep the weights in float32 and run under torch.autocast, or use bfloat16.")
+    return said
 
 
 def stale_grad_hint(name: str, at_start: bool) -> str:
