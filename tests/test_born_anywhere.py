@@ -2374,3 +2374,42 @@ def test_a_perplexity_that_overflows_in_the_loop_names_the_metric_not_a_learned_
     assert not torch.isfinite(ppl) and f is not None, "test set-up: the perplexity overflows"
     assert (f.module, f.op, f.source, f.value) == ("<outside>", "aten.exp.default", line("perplexity"), math.inf), f
     assert f.hint is not None and "perplexity" in f.hint and "CLIP" not in f.hint, f.hint
+
+
+class _TwoHeads(nn.Module):
+    """A Gaussian policy: a mean head and a scale head on one shared body (both take the same ``h``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+        self.mu, self.s = nn.Linear(16, 2), nn.Linear(16, 2)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(obs)
+        return self.mu(h), self.s(h)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_the_loss_made_nan_at_one_head_is_not_blamed_on_the_head_beside_it(mode: str) -> None:
+    """Normal(mu, softplus(s)).log_prob(mu.detach()) with a scale of 1e-21 (softplus of a scale head
+    driven to -48): the variance scale ** 2 is 2e-42, so the backward of (value - loc) ** 2 / (2 * var)
+    is inf, and inf * 0 = nan at the mean head's output. The mean head and the scale head take the
+    same body output, whose gradient sums both: the scale head (its own gradients finite) was blamed
+    as having made the nan in its backward ("born here", no op, no line)."""
+    m = _TwoHeads()
+    with torch.no_grad():
+        m.s.bias.fill_(-48.0)
+        m.s.weight.mul_(0.01)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    obs = torch.randn(8, 6)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(m, opt, mode=mode):
+        mu, s = m(obs)
+        dist = torch.distributions.Normal(mu, F.softplus(s), validate_args=False)
+        (-dist.log_prob(mu.detach()).mean()).backward()  # @tiny-scale-log-prob
+        opt.step()
+    f = ei.value.finding
+    assert (f.phase, f.module, f.op, f.cause) == ("backward", "<outside>", "DivBackward0", "created"), f
+    assert same_source(f.source, line("tiny-scale-log-prob")), f
+    assert m.s.weight.grad is not None and torch.isfinite(m.s.weight.grad).all()
+    assert not torch.isfinite(m.mu.weight.grad).all()

@@ -922,13 +922,17 @@ def _check_finding(ctx: _Ctx, i: int) -> Finding | None:
 
 # ---------------------------------------------------------------- backward
 def _backward_culprit(
-    events: list[tuple[int, bool]], calls: list[Any]
+    events: list[tuple[int, bool]], calls: list[Any], everyone: list[Any] | None = None
 ) -> tuple[Any, int, Path, str] | None:
     """The call whose backward made the first non-finite gradient from finite ones.
 
     ``events``: (tensor key, non-finite?) in the order autograd produced the gradients. A call
     *created* it when a gradient w.r.t. one of its inputs is non-finite while every gradient
     w.r.t. its outputs was finite; the earliest such input wins, ties go to the innermost call.
+    A tensor's gradient sums all its uses: an input that another call (not one inside this one)
+    also takes, and whose gradient that call was handed non-finite first (``mu(h), s(h)`` with a
+    nan at ``mu``'s output from the loss), came in through that call, and is no creation of this
+    one. ``everyone``: the list the calls' ``parent`` indices point into (``calls`` by default).
     """
     bad_at: dict[int, int] = {}
     seen: set[int] = set()
@@ -936,9 +940,23 @@ def _backward_culprit(
         seen.add(k)
         if b and k not in bad_at:
             bad_at[k] = n
+    table = calls if everyone is None else everyone
+
+    def inside(c2: Any, c: Any) -> bool:  # is c2 a call made within c?
+        p = c2.parent
+        while 0 <= p < len(table):
+            if table[p] is c:
+                return True
+            p = table[p].parent
+        return False
+
+    def fed_through(c: Any, k: int) -> bool:
+        return any(c2 is not c and any(kk == k for kk, _ in c2.in_keys) and not inside(c2, c)
+                   and any(bad_at.get(ko, len(events)) < bad_at[k] for ko, _ in c2.out_keys) for c2 in calls)
+
     best: tuple[int, int, Any, int, Path] | None = None
     for c in calls:
-        ins = [(bad_at[k], k, p) for k, p in c.in_keys if k in bad_at]
+        ins = [(bad_at[k], k, p) for k, p in c.in_keys if k in bad_at and not fed_through(c, k)]
         if not ins:
             continue
         if any(k in bad_at for k, _ in c.out_keys):
@@ -977,7 +995,7 @@ def _backward_finding(ctx: _Ctx, i: int, sbad: list[bool]) -> Finding | None:
         return None
     # no replay: attribute from the log alone (no element)
     events = [(m.tensor, b) for m, b in zip(log.meta, sbad) if isinstance(m, Bwd)]
-    got = _backward_culprit(events, [c for c in log.calls if c.top == top_i])
+    got = _backward_culprit(events, [c for c in log.calls if c.top == top_i], log.calls)
     reproducible = False if r is not None and r.error is None else None
     if got is not None:
         c, _, path, cause = got
