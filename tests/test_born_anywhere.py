@@ -2413,3 +2413,25 @@ def test_a_gradient_the_loss_made_nan_at_one_head_is_not_blamed_on_the_head_besi
     assert same_source(f.source, line("tiny-scale-log-prob")), f
     assert m.s.weight.grad is not None and torch.isfinite(m.s.weight.grad).all()
     assert not torch.isfinite(m.mu.weight.grad).all()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_gumbel_noise_of_a_bfloat16_uniform_draw_of_0_is_told_as_such(mode: str) -> None:
+    """Gumbel-softmax by hand in bfloat16, -log(-log(u)) with u = torch.rand(..., dtype=bfloat16): one
+    draw in 256 is exactly 0, so the noise is -inf and the log_softmax of the class that drew it -inf,
+    0 * -inf = nan in the one-hot loss. Found at the log and its line; the hint was a box regression
+    target's ("a ground-truth box of width or height 0 ... where the targets are encoded")."""
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        logits = out.bfloat16()
+        u = torch.rand(64, 3, dtype=torch.bfloat16)  # (run_steps seeds the RNG: two draws of 0)
+        assert bool((u == 0).any())  # the mechanism: a bfloat16 draw of exactly 0
+        g = -torch.log(-torch.log(u))  # @bf16-gumbel
+        logp = F.log_softmax((logits.repeat(11, 1)[:64] + g) / 0.5, -1)
+        return -(F.one_hot(y.repeat(11)[:64], 3) * logp).sum(-1).float().mean()
+
+    f = run_steps(model(), loss_fn, mode=mode)
+    assert (f.phase, f.module, f.op, f.cause) == ("forward", "<outside>", "aten.log.default", "created"), f
+    assert same_source(f.source, line("bf16-gumbel")), f
+    assert "uniform random draw" in f.hint and "clamp_min(torch.finfo(u.dtype).tiny)" in f.hint, f.hint
+    assert "box" not in f.hint, f.hint

@@ -948,6 +948,13 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
                 "small a, more often once cast to float32: log(lam) or log(1 - lam) is -inf) or a count that is 0, "
                 "is 0. Clip it (lam = min(max(lam, eps), 1 - eps); a count: clamp(min=1)) or leave out the term it "
                 "weighs when it is 0.")
+    if fx.get("log_zero") and fx.get("log_of") in ("rand", "rand_like", "uniform"):
+        return (f"Log of exactly 0 of a uniform random draw: {op}'s input comes from torch.rand, whose [0, 1) "
+                "holds 0 (about one draw in 2 ** 24 in float32, one in 256 in bfloat16), and log(0) = -inf: "
+                "Gumbel noise -log(-log(u)) (a Gumbel-softmax or Gumbel-max sampler written by hand) or an "
+                "exponential draw -log(u) is then infinite. Keep u off 0, "
+                "u = torch.rand(...).clamp_min(torch.finfo(u.dtype).tiny), draw it in float32, or use "
+                "F.gumbel_softmax.")
     if fx.get("log_zero") and fx.get("log_data"):
         return (f"Log of exactly 0 in a value computed from the data alone, not from the model's outputs: {op}'s "
                 "input is 0 there (a box regression target log(w_gt / w_anchor) of a ground-truth box of width or "
