@@ -975,6 +975,31 @@ def test_a_vae_whose_logvar_overflowed_exp_is_told_to_clamp_the_exponent(where: 
     assert "logvar.clamp" in f.hint and "past 88.72" in f.hint, f.hint
 
 
+@pytest.mark.parametrize("where", ["std", "kl"])
+def test_a_float16_vae_whose_exp_overflowed_is_told_its_exponent_not_to_scale_its_input(where: str) -> None:
+    # under float16 autocast exp passes 65504 once its input passes 11.09: the reparameterisation's
+    # exp(0.5 * logvar) in the forward (logvar 30) or the KL term's logvar.exp() in the loss code
+    # (logvar 14). The hint said "keep this module in float32/bfloat16 or scale before it" (or
+    # "compute it in float32 ... or scale before it"): no word of exp's input or of clamping logvar
+    torch.manual_seed(0)
+    vae = _VAE()
+    with torch.no_grad():
+        vae.logvar.weight.mul_(0.01)
+        vae.logvar.bias.fill_(30.0 if where == "std" else 14.0)
+    opt = torch.optim.SGD(vae.parameters(), 1e-3)
+    x = torch.randn(8, 16)
+    with pytest.raises(nanhunt.NonFiniteError) as ei, nanhunt.watch(vae, opt):
+        with torch.autocast("cpu", dtype=torch.float16):
+            rec, mu, logvar = vae(x)
+            kl = -0.5 * torch.mean(1 + logvar - mu.pow(2) - logvar.exp())
+        (F.mse_loss(rec.float(), x) + kl.float()).backward()
+        opt.step()
+    f = ei.value.finding
+    assert (f.module, f.cause, f.op, f.verdict) == ("" if where == "std" else "<outside>", "created", "aten.exp.default",
+                                                    "precision"), str(f)
+    assert "past 11.09" in f.hint and "logvar" in f.hint and "scale before it" not in f.hint, f.hint
+
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "jagged"])

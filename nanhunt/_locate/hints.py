@@ -789,6 +789,14 @@ def from_facts(f: Finding, fx: dict[str, Any]) -> str:
             remedy = "keep this module in float32 or scale before it"
         else:
             remedy = "keep this module in float32/bfloat16 or scale before it"
+        if (_op_key(op) == "exp" and 0 < fx["reached"] <= _F32_MAX and fx["dtype"] in ("float16", "bfloat16")
+                and not fx.get("exp_scaled") and fx.get("exp_of") not in ("sub", "rsub")):  # (no input to scale: the exponent is what passed the range)
+            arg = fx.get("exp_arg", math.log(fx["reached"]))
+            wide = (".float() before it, outside autocast" if f.module == "<outside>"
+                    else "x.float().exp(), or this module in float32")
+            remedy = (f"its input, {arg:.4g}, is past {math.log(fx['limit']):.4g}, where exp passes {fx['dtype']}'s "
+                      f"largest value: compute the exp in float32 ({wide}), or clamp what goes into it below "
+                      f"{math.log(fx['limit']):.4g} (a VAE's logvar before logvar.exp())")
         if (_op_key(op) in ("bmm", "mm", "matmul", "baddbmm") and fx["dtype"] != "float32" and abs(fx["reached"]) <= _F32_MAX
                 and any("softmax" in c.split(" @ ")[0] for c in f.chain[1:5])):  # (q @ k^T, scaled, masked, softmax)
             remedy = (f"these are attention scores, q @ k^T before a softmax: scale q by head_dim ** -0.5 before "
