@@ -2435,3 +2435,23 @@ def test_gumbel_noise_of_a_bfloat16_uniform_draw_of_0_is_told_as_such(mode: str)
     assert same_source(f.source, line("bf16-gumbel")), f
     assert "uniform random draw" in f.hint and "clamp_min(torch.finfo(u.dtype).tiny)" in f.hint, f.hint
     assert "box" not in f.hint, f.hint
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_categorical_over_a_row_with_no_legal_action_names_that_row_not_a_masked_position(mode: str) -> None:
+    """Categorical(logits=logits.masked_fill(~legal, -inf)) over a batch whose row 4 has no legal action:
+    the logits - logsumexp(logits) it normalises are nan in row 4, -inf at every other row's masked
+    positions, and its argument check raises ValueError. The finding named the first masked position
+    of row 0 (output[0, 1] = -inf, as meant) instead of the nan of row 4."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    legal = torch.ones(6, 3, dtype=torch.bool)
+    legal[:, 1] = False
+    legal[4] = False
+    with pytest.raises(ValueError), nanhunt.watch(m, optimizer=opt, mode=mode) as hunt:
+        logits = m(torch.randn(6, 4)).masked_fill(~legal, float("-inf"))  # @no-legal-action
+        torch.distributions.Categorical(logits=logits, validate_args=True).log_prob(torch.zeros(6)).mean().backward()
+    f = hunt.first
+    assert f is not None and (f.phase, f.module, f.op) == ("forward", "<outside>", "aten.masked_fill.Scalar"), f
+    assert f.index == (4, 0) and f.value is not None and math.isnan(f.value), f
+    assert same_source(f.source, line("no-legal-action")) and "fully masked row" in f.hint, f

@@ -316,11 +316,13 @@ def producer(recs: list[OutRec], t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def forward_origin(recs: list[OutRec], ri: int, j: int,
-                   returned: dict[int, torch.Tensor] | None = None) -> tuple[OpOrigin | None, dict[str, Any]]:
-    """Op, line and chain of the first non-finite value in output ``j`` of recorded call ``ri``;
-    and what the hints need (the reduction's input rows). ``returned``: the values at their
-    call's return of watched outputs the code wrote in place since (``out.mul_(s)``), from the
-    root's replay: the replay starts from them, not from what they hold now."""
+                   returned: dict[int, torch.Tensor] | None = None,
+                   at: tuple[int, ...] | None = None) -> tuple[OpOrigin | None, dict[str, Any]]:
+    """Op, line and chain of the first non-finite value in output ``j`` of recorded call ``ri``
+    (of element ``at`` when given, if non-finite in the replay); and what the hints need (the
+    reduction's input rows). ``returned``: the values at their call's return of watched outputs
+    the code wrote in place since (``out.mul_(s)``), from the root's replay: the replay starts
+    from them, not from what they hold now."""
     facts: dict[str, Any] = {}
     try:
         rep = _Replay(recs, grad=False, returned=returned)
@@ -345,7 +347,8 @@ def forward_origin(recs: list[OutRec], ri: int, j: int,
                 return OpOrigin(ops[-1], src, [f"{ops[-1]} @ {src}" if src else ops[-1]], facts), facts
         if code is None or prod is None:
             return None, facts
-        got = rec.walk(prod, _first(code))
+        start = at if at is not None and len(at) == code.dim() and bool(code[at]) else _first(code)
+        got = rec.walk(prod, start)
         if not got:
             return None, facts
         first = rec.recs[got[0]]
@@ -466,6 +469,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
     if not in_place(name) and any(x is t for x in leaves):
         return None  # an input handed back unchanged (.to() its own device): not born here
     bad_in = [x for x in leaves if isinstance(x, torch.Tensor) and x is not t and is_bad(x)]
+    masks_nan = False
     if not bad_in and in_place(name) and not bool(torch.isnan(values(t)).any()) and _held_before(log, rec_i, t):
         # what it wrote into held them already (a -inf mask set to 0 where allowed): carried on. A
         # NaN it made of them is born here (in-place arithmetic on a NaN or +inf is never judged)
@@ -488,6 +492,7 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
             # NaN (softmax of a fully masked row) or reduced a row to nothing but it (logsumexp,
             # max over a fully masked row), else it only carries the mask on
             nan = bool(torch.isnan(t).any())
+            masks_nan = nan  # (its -infs are the mask's, carried on: the NaN it made is the element to show)
             if not (nan or (t.numel() < max(x.numel() for x in bad_in) and _loss_bad(log))):
                 return None  # (a row reduced to -inf that the code filters out: no loss is harmed)
             if any(_model_made(log, x) for x in bad_in):
@@ -512,8 +517,14 @@ def forward_finding(log: StepLog, step: int, rec_i: int, out_i: int, grads: froz
         # not a NaN literal that made all of a differentiated value NaN (loss * nan) on the way
         # to a non-finite loss
         return None
-    got, fx = forward_origin(log.outside, rec_i, out_i, returned)
     index, value, counts = element(t)
+    if masks_nan and t.layout == torch.strided and not t.is_nested and not t.is_complex() and t.dim():
+        # a fully masked row made nan among the other rows' carried -inf (x - logsumexp(x): Categorical's
+        # logits): its first NaN, not the first masked position of a row that is fine
+        with torch.no_grad():
+            i = int(torch.isnan(t.detach()).reshape(-1).nonzero()[0, 0])
+        index, value = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), t.shape)), math.nan
+    got, fx = forward_origin(log.outside, rec_i, out_i, returned, at=index if masks_nan else None)
     tensor = "output" if len(outs) == 1 else f"output[{out_i}]"
     dtype = dtype_name(t)
     # float32/float64 code outside autocast, reproduced by its replay: that replay is the float32
