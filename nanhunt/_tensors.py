@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 __all__ = [
+    "all_finite_cpu",
+    "joined",
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
     "stack_probes", "element", "dtype_name", "dtype_max", "own_tensors", "optimizer_tensors", "local", "values",
     "strided", "same", "shape_of", "SPARSE", "GRAIN", "grain", "poison", "any_bad", "read_nan", "real_view",
@@ -263,6 +266,71 @@ def stack_probes(ts: list[torch.Tensor]) -> torch.Tensor:
     except RuntimeError:
         dev = ts[0].device
         return torch.stack([t.to(dev) for t in ts])
+
+
+_JOIN = 1 << 16  # elements: a smaller tensor is joined with others of its device and dtype (dispatch-bound)
+_CHUNK = 1 << 22  # elements per joined chunk (16 MB of float32): the copy stays small beside any model
+
+
+_CHECK_ALL = torch._amp_foreach_non_finite_check_and_unscale_
+_BELOW_AUTOGRAD = torch._C._AutoDispatchBelowADInplaceOrView
+_DENSE_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
+def all_finite_cpu(ts: Sequence[torch.Tensor]) -> bool | None:
+    """After a hit: are all of ``ts`` finite, judged in one dispatch (the kernel GradScaler unscales
+    with, at an inverse scale of 1: each value written back as it was read, bit for bit, below
+    autograd's in-place layer, no version moved; as the hot path's probes, `_record/probe.py`)?
+    None when that cannot say: not all plain float32 CPU tensors, dense and not overlapping."""
+    if (not ts or set(map(type, ts)) - _DENSE_TYPES or set(map(_DTYPE, ts)) != {torch.float32}
+            or set(map(_LAYOUT, ts)) != {torch.strided} or any(map(_NESTED, ts)) or not all(map(_IS_CPU, ts))
+            or not all(map(_CONTIGUOUS, ts)) or any(map(_INFERENCE, ts))):
+        return None
+    found = torch.zeros(())
+    try:
+        with torch.no_grad(), _BELOW_AUTOGRAD():
+            _CHECK_ALL(list(ts), found, torch.ones(()))
+    except RuntimeError:
+        return None
+    return not bool(found)
+
+
+_DTYPE = attrgetter("dtype")
+_LAYOUT = attrgetter("layout")
+_NESTED = attrgetter("is_nested")
+_IS_CPU = attrgetter("is_cpu")
+_CONTIGUOUS = methodcaller("is_contiguous")
+_INFERENCE = methodcaller("is_inference")
+
+
+def joined(ts: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Tensor]], list[int]]:
+    """After a hit: the small plain tensors of ``ts`` flattened and joined, a few per copy, for a
+    reduction over many in one dispatch (the analysis's reads of every weight and state tensor of a
+    small model were most of its cost: ~10 us each, one by one). Returns ``(chunks, rest)``:
+    ``chunks`` as (positions in ``ts``, their values in one flat tensor), ``rest`` the positions
+    not joined (large, sparse, nested, non-contiguous, sharded, complex or not floating)."""
+    groups: dict[tuple[Any, ...], list[list[int]]] = {}
+    sizes: dict[tuple[Any, ...], int] = {}
+    rest: list[int] = []
+    for i, t in enumerate(ts):
+        n = t.numel()
+        if (0 < n < _JOIN and t.layout is torch.strided and not t.is_nested and t.is_floating_point()
+                and t.dtype.itemsize > 1 and t.is_contiguous() and not t.is_meta and local(t) is t):
+            key = (t.device, t.dtype)
+            chunks = groups.setdefault(key, [[]])
+            if sizes.get(key, 0) + n > _CHUNK:
+                chunks.append([])
+                sizes[key] = 0
+            chunks[-1].append(i)
+            sizes[key] = sizes.get(key, 0) + n
+        else:
+            rest.append(i)
+    out = []
+    with torch.no_grad():
+        for cs in groups.values():
+            for c in cs:
+                out.append((c, torch.cat([ts[i].detach().reshape(-1) for i in c])))
+    return out, rest
 
 
 def element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dict[str, int]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import nanhunt
 from nanhunt._cli.main import main
@@ -422,3 +423,45 @@ def test_a_file_nesting_lists_thousands_deep_is_walked_in_linear_memory(tmp_path
     assert peak < 40 << 20, peak  # (a tuple per level: 400 MB)
     assert main(["audit", str(path)]) == 3
     assert "1 nan" in capsys.readouterr().out
+
+
+def test_all_bad_names_exactly_the_non_finite_tensors_of_a_mixed_list() -> None:
+    """The analysis judges every gradient, weight and state tensor at once (`Report.damage`, an
+    audit): small plain ones joined a few thousand at a time, the rest one by one. Whatever the
+    mix (dtypes, views, sparse, sizes past the join) and wherever the NaN/Inf, exactly the tensors
+    holding one are named, as a check of each alone says."""
+    from nanhunt._locate.checkpoint import _is_bad, all_bad, judgeable
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        ts: list[torch.Tensor] = []
+        for k in range(int(torch.randint(1, 40, (1,), generator=g))):
+            kind = int(torch.randint(0, 7, (1,), generator=g))
+            n = int(torch.randint(1, 50, (1,), generator=g))
+            if kind == 0:
+                t = torch.randn(n, 3, generator=g)
+            elif kind == 1:
+                t = torch.randn(n, 3, generator=g).half()
+            elif kind == 2:
+                t = torch.randn(3, n, generator=g).t()  # not contiguous
+            elif kind == 3:
+                t = torch.randn(1, n, generator=g).expand(4, n)  # reads each element four times
+            elif kind == 4:
+                t = torch.randn(70_000, generator=g)  # past the join
+            elif kind == 5:
+                t = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.randn(2, generator=g), (n + 3,))
+            else:
+                t = nn.Parameter(torch.randn(n, generator=g))
+            if bool(torch.rand(1, generator=g) < 0.3):
+                v = t._values() if t.layout is torch.sparse_coo else t
+                with torch.no_grad():
+                    if v.is_contiguous():
+                        v.view(-1)[int(torch.randint(0, v.numel(), (1,), generator=g))] = (
+                            float("nan") if k % 2 else float("-inf"))
+                    else:  # (a view: its first element's storage)
+                        v.as_strided((1,), (1,), v.storage_offset()).fill_(float("inf"))
+            ts.append(t)
+        truth = [i for i, t in enumerate(ts) if judgeable(t) and _is_bad(t)]
+        assert all_bad(ts) == truth, (trial, [(tuple(t.shape), t.dtype, t.layout) for t in ts])
+        ts32 = [t for t in ts if t.dtype is torch.float32 and t.layout is torch.strided and t.is_contiguous()]
+        assert all_bad(ts32) == [i for i, t in enumerate(ts32) if _is_bad(t)]  # (the one-dispatch path)

@@ -41,6 +41,7 @@ from .._tensors import (
     element,
     format_path,
     is_bad,
+    joined,
     optimizer_tensors,
     own_tensors,
     shape_of,
@@ -1427,7 +1428,7 @@ def _grown(ctx: _Ctx) -> tuple[str, float, str, tuple[int, float] | None] | None
     updates), with its optimizer and lr as "SGD lr=2" ("" when no watched optimizer holds it), and
     the step and lr of its group's largest lr so far when that was 1 or more and far larger (a
     warm-up that began at 1e38: the schedule has brought the lr down since)."""
-    largest = _largest_weight_up_to(ctx.view.root, None)
+    largest = _largest_weight_up_to(ctx.view.root, None, _hints.HUGE_WEIGHT)
     if largest is None or largest[1] <= _hints.HUGE_WEIGHT:
         return None
     p = ctx.view.root.get_parameter(largest[0]) if ctx.view.root is not None else None
@@ -1457,10 +1458,20 @@ def _given_huge(ctx: _Ctx, where: tuple[str, int, int, Any] | None) -> tuple[str
     return best
 
 
-def _largest_weight_up_to(root: nn.Module | None, mname: str | None) -> tuple[str, float] | None:
+def _largest_weight_up_to(root: nn.Module | None, mname: str | None,
+                          huge: float | None = None) -> tuple[str, float] | None:
     """The largest weight of the modules registered up to ``mname`` (those that feed it, in a
     Sequential; None: all of them): grown huge by the updates, not a huge sample, they may have
-    made its input."""
+    made its input. With ``huge`` (the common case, no weight past it): None as soon as a few joined
+    reductions say no weight is (`joined`), without reading each one."""
+    if huge is not None and root is not None and mname is None:
+        ps = [p for p in root.parameters() if p.is_floating_point() and p.numel()]
+        chunks, rest = joined(ps)
+        if not rest and chunks:
+            with torch.no_grad():
+                top = float(torch.stack([flat.abs().max().float() for _, flat in chunks]).max())
+            if top <= huge:  # (finite: nothing non-finite either, whose weights the loop below skips)
+                return None
     best: tuple[str, float] | None = None
     for name, m in root.named_modules() if root is not None else ():
         for pname, p in m.named_parameters(prefix=name, recurse=False):

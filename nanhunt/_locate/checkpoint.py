@@ -23,15 +23,16 @@ from torch.nn.parameter import is_lazy
 from .._finding import Finding
 from .._tensors import (
     SPARSE,
+    all_finite_cpu,
     dtype_name,
     element,
     is_bad,
     is_checked,
+    joined,
     local,
     probe,
     real_view,
     shape_of,
-    stack_probes,
     values,
 )
 
@@ -289,13 +290,32 @@ def _element(t: torch.Tensor) -> tuple[tuple[int, ...] | None, float | None, dic
 
 
 def all_bad(ts: list[torch.Tensor]) -> list[int]:
-    """Indices of the non-finite tensors: one fused probe and one read, then exact checks of the hits."""
+    """Indices of the non-finite tensors: one fused probe and one read, then exact checks of the
+    hits. Small plain tensors are judged a few thousand at a time (`joined`: one copy and check per
+    chunk), the others one probe each."""
+    if all_finite_cpu(ts):  # (a small model's grads or state on the CPU: one dispatch, no walk)
+        return []
     idx = [i for i, t in enumerate(ts) if judgeable(t)]
     if not idx:
         return []
+    chunks, rest = joined([ts[i] for i in idx])
     with torch.no_grad():
-        flags = (~torch.isfinite(stack_probes([probe(_probed(ts[i])) for i in idx]))).tolist()
-    return [i for i, f in zip(idx, flags) if f and _is_bad(ts[i])]
+        checks = [~torch.isfinite(flat).all() for _, flat in chunks]  # (exact: no sum to overflow)
+        checks += [~torch.isfinite(probe(_probed(ts[idx[j]]))) for j in rest]
+        flags = torch.stack(checks).tolist() if checks else []
+    out = [idx[j] for (c, flat), f in zip(chunks, flags) if f for j, b in zip(c, _each_bad(flat, [ts[idx[j]] for j in c])) if b]
+    out += [idx[j] for j, f in zip(rest, flags[len(chunks):]) if f and _is_bad(ts[idx[j]])]
+    return sorted(out)
+
+
+def _each_bad(flat: torch.Tensor, ts: list[torch.Tensor]) -> list[bool]:
+    """Which of ``ts``, joined as ``flat``, hold a non-finite value: their counts, as differences
+    of one running count at their ends (one read, however many: a NaN loss's every gradient)."""
+    with torch.no_grad():
+        ends = torch.tensor([t.numel() for t in ts], device=flat.device).cumsum(0)
+        running = torch.cat([flat.new_zeros(1, dtype=torch.long), (~torch.isfinite(flat)).cumsum(0)])
+        at = running[ends]
+        return (at - torch.cat([at.new_zeros(1), at[:-1]]) > 0).tolist()
 
 
 def _probed(t: torch.Tensor) -> torch.Tensor:
