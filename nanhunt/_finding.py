@@ -179,9 +179,19 @@ class NonFiniteError(FloatingPointError):
         text = paragraph(finding, first=first)
         super().__init__(f"{why} {text}" if why else text)
         self.finding = finding
-        self.report = report
+        self._report = report  # (or what makes it, from the hunt as it was when raised: made on first read)
         self.why = why  # why a run that was going on stops now (on_find="skip": max_skips), else None
         self.first = first  # the hunt's first finding (False: a later one, raised after a run went on)
+
+    @property
+    def report(self) -> Any:
+        if callable(self._report) and not hasattr(self._report, "findings"):
+            self._report = self._report()
+        return self._report
+
+    @report.setter
+    def report(self, value: Any) -> None:
+        self._report = value
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.finding, self.report, self.why, self.first))

@@ -48,6 +48,14 @@ class History:
         self._ring: deque[tuple[int, list[tuple[str, str, int]], torch.Tensor]] = deque(maxlen=max(maxlen, 0))
         self.scales: deque[tuple[int, Any]] = deque(maxlen=max(maxlen, 4))
 
+    def snapshot(self) -> History:
+        """The ring as it is now (its entries are never written after they are added): what a
+        report made later reads, whatever steps come meanwhile."""
+        h = History(0)
+        h._ring = deque(self._ring)
+        h.scales = deque(self.scales)
+        return h
+
     def add(self, step: int, rows: list[tuple[str, str, int]], values: list[Any]) -> None:
         """``values``: a row's statistics, or the index of the row it repeats (handed on)."""
         if self._ring.maxlen and values:

@@ -474,9 +474,19 @@ class Hunt:
 
     @property
     def report(self) -> Report:
-        hist = self._history.to_dict()
-        return Report(self.findings, history=hist, warnings=self._history.warnings(hist), meta=self._meta(),
-                      damage=self._damage, skipped=self.skipped, bad_samples=sorted(self._bad_samples))
+        return self._report_now()()
+
+    def _report_now(self) -> Callable[[], Report]:
+        """The report as the hunt stands now, made when first called (an error's ``.report``: the
+        history's plain data is built only if the user reads it, not as the error is raised)."""
+        history, findings, meta = self._history.snapshot(), list(self.findings), self._meta()
+        damage, skipped, bad = self._damage, list(self.skipped), sorted(self._bad_samples)
+
+        def make() -> Report:
+            hist = history.to_dict()
+            return Report(findings, history=hist, warnings=history.warnings(hist), meta=meta,
+                          damage=damage, skipped=skipped, bad_samples=bad)
+        return make
 
     @property
     def closed(self) -> bool:
@@ -2567,7 +2577,7 @@ class Hunt:
                 why = (f"nanhunt: on_find='skip' dropped {self._max_skips} steps in a row "
                        f"({', '.join(map(str, self.skipped[-self._max_skips:]))}; max_skips={self._max_skips}) "
                        f"and step {found[0].step} has a finding again, so the run stops. The first finding:")
-            error = NonFiniteError(self.findings[0] if why else found[0], self.report, why, first=first or bool(why))
+            error = NonFiniteError(self.findings[0] if why else found[0], self._report_now(), why, first=first or bool(why))
             if unwritten is not None:
                 error.add_note(unwritten)  # (also warned and logged: a -W error run sees it here)
             if self._close_before_raise:  # a loop with no exception hook (HF Trainer): leave nothing behind
@@ -2705,7 +2715,7 @@ class Hunt:
             self._damage = damage(self._root, self._opts)
         if self._report_path is not None:
             self._write_report()
-        return NonFiniteError(f, self.report)
+        return NonFiniteError(f, self._report_now())
 
     def _write_report(self) -> str | None:
         """Write ``report=``; what went wrong if it could not be written (warned and logged, never
