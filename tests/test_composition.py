@@ -244,6 +244,39 @@ def test_an_on_find_that_opens_or_closes_a_hunt_at_an_unwatched_optimizers_step_
     assert not optimizer_mod._global_optimizer_pre_hooks
 
 
+@pytest.mark.parametrize("where", ["step", "forward"])
+def test_a_hunt_the_on_find_opens_and_calls_does_not_take_the_judged_step_as_its_outside_code(where: str) -> None:
+    """A callback that opens a hunt on a second model and calls it (a probe of a healthy reference
+    model) turned the loss-code recorder on in the middle of the first hunt's judgement: the new
+    hunt recorded the rest of the judged step, the optimizer's update of the first model with its
+    -inf gradients, as its own outside code, and its close() raised a NonFiniteError ('add_ was fed
+    a non-finite value') about a model it does not watch. As opened anywhere else, it sees nothing
+    of the other model's step."""
+    model, reference = zoo.lognet(), zoo.mlp(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opened: list[nanhunt.Hunt] = []
+
+    def on_find(f: nanhunt.Finding) -> None:
+        if not opened:
+            opened.append(nanhunt.watch(reference))  # on_find="raise"
+            reference(torch.randn(2, 4))
+
+    hunt = nanhunt.watch(model, opt if where == "step" else None, on_find=on_find)
+    try:
+        x = torch.rand(8, 4)
+        x[0] = -100.0  # ReLU zeros the row: log(0)
+        for _ in range(2):
+            model(x).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hunt.close()
+        for h in opened:
+            h.close()  # raised for the other model's step
+    assert [f.module for f in hunt.findings][:1] == ["log"]
+    assert opened and opened[0].findings == []
+
+
 class _Normalize(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h / h.norm(dim=-1, keepdim=True)  # no epsilon: 0/0 for an all-zero row

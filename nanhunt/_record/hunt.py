@@ -103,7 +103,7 @@ from .forwards import Forward, install, remove
 from .guard import SaveGuard
 from .history import History, stats, stats_of_rows
 from .options import Options
-from .outside import Outside, user_line, user_stacklevel
+from .outside import _SWITCH, Outside, user_line, user_stacklevel
 from .probe import Fused, GradProbe, OptimizerProbe
 from .protect import BufferBackup, StepBackup, drop_grads, moves_in_step
 from .retain import settle
@@ -2546,6 +2546,11 @@ class Hunt:
                     _logger.info("%s", paragraph(f, first=first and i == 0))
         if callable(self.on_find):
             outer, self._in_on_find = self._in_on_find, _get_ident()
+            # the loss-code recorder is off while a step is judged (a root call runs, or step()
+            # began): a hunt the callback opened and called its model in turned it on, and it
+            # recorded the rest of the judged step (the optimizer's own update of these weights)
+            # as that hunt's outside code. Off again after the callback, as without it
+            was_off = _SWITCH.on is None
             try:
                 for f in found:
                     try:
@@ -2556,6 +2561,8 @@ class Hunt:
                         raise
             finally:
                 self._in_on_find = outer
+                if was_off and _SWITCH.on is not None:
+                    _SWITCH.off()
         elif warn:
             # at most one warning per step (also on the logger); only the hunt's first finding is
             # called the first (another thread's calls warn each: they leave the step's alone)
