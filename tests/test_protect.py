@@ -89,6 +89,34 @@ def test_skip_is_bit_identical_to_dropping_the_batch_by_hand(name: str, build: A
     assert hunt.report.damage == {"grads": [], "parameters": [], "buffers": [], "optimizer_state": []}
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel", "ops"])
+@pytest.mark.parametrize("on_find", ["skip", "raise"])
+def test_a_batchnorm_swapped_in_while_watched_gets_its_statistics_back(on_find: str, mode: str) -> None:
+    """Model surgery under a hunt: the BatchNorm replaced by a fresh one after the first step (a
+    re-initialised head, a fine-tuning swap). The buffers to put back were listed once, at the
+    first step, so the new module's were none of them: after a skipped (or raised) step its
+    running statistics stayed NaN, and every later eval() prediction was NaN."""
+    batches = _batches(4, {2}, (6,), 3)
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanhunt.watch(model, opt, on_find=on_find, mode=mode) as hunt:
+        for i, (x, y) in enumerate(batches):
+            if i == 1:
+                model.bn = nn.BatchNorm1d(16)
+                opt.add_param_group({"params": list(model.bn.parameters())})
+            if i == 2:
+                before = zoo.snapshot(model)
+            try:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            except nanhunt.NonFiniteError:
+                assert on_find == "raise"
+                assert zoo.same_state(zoo.snapshot(model), before)
+            opt.zero_grad()
+    assert hunt.first is not None and hunt.first.step == 2
+    assert torch.isfinite(model.bn.running_mean).all() and torch.isfinite(model.bn.running_var).all()
+
+
 def test_skip_without_the_buffer_restore_would_differ() -> None:
     """The comparison above is sharp: the failing forward did write NaN into the running stats."""
     batches = _batches(4, {2}, (1, 8, 8), 3)

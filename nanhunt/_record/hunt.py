@@ -702,6 +702,8 @@ class Hunt:
                         ignored.add(id(m))
         self._names = names
         self._ignored = ignored
+        if self._backup is not None:  # (a module swapped in since: its buffers go back too)
+            self._backup.regroup()
         self._defer.clear()  # ids are of live modules only from here on
         self._eager.clear()
         self._lean = not (self._ignored or self._grad_hooks)  # see _done
@@ -1032,6 +1034,11 @@ class Hunt:
     def _on_register(self, parent: nn.Module, name: str, sub: Any) -> None:
         """torch's global module registration hook: a watched module gained or swapped a child."""
         names = self._names
+        if names is None and self._backup is not None:
+            # no name map (sentinel mode keeps none): whose child it is cannot be told, so the
+            # buffers to put back are listed again at the next step (in raise/skip mode only, and
+            # only after a module was registered somewhere: one walk of the model)
+            self._backup.regroup()
         if names is not None and id(parent) in names:
             self._names = None  # rebuilt at the next call
             if self._inner and self._global is not None:  # the new module has no wrapper yet: the hooks see the rest

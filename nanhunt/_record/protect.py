@@ -43,12 +43,15 @@ class BufferBackup:
         self._copy: list[torch.Tensor] = []
         self._captured = False  # a copy was taken at this step's start
         self._armed = False  # ... for the step that just ended: restore() may put it back
+        self._before: list[tuple[dict[str, torch.Tensor | None], str, str]] | None = None  # see regroup
 
     def capture(self, root: nn.Module) -> None:
         """At the step's first top-level call: copy every buffer (one fused copy). The buffers are
-        found at the first step (watch() itself never walks the model)."""
+        found at the first step and after the model's modules changed (`regroup`); watch() itself
+        never walks the model."""
         if self._slots is None:
             self._slots = buffer_slots(root)
+            self._before = None
         if not self._slots:
             return
         now = [d.get(k) for d, k, _ in self._slots]
@@ -68,6 +71,13 @@ class BufferBackup:
                 self._copy = [t.detach().clone() if t is not None else torch.empty(0) for t in now]
         self._captured = True
 
+    def regroup(self) -> None:
+        """The watched model's modules changed (a BatchNorm swapped in, a block added): its buffers
+        are found anew when the next step begins (a restore before then puts back those the
+        current step's copies were taken of)."""
+        if self._slots is not None:
+            self._before, self._slots = self._slots, None  # (the copies taken so far are of these)
+
     def taken(self) -> dict[int, torch.Tensor]:
         """The copies taken at this step's start, by id of the buffer (empty before the first)."""
         if not self._captured:
@@ -81,12 +91,13 @@ class BufferBackup:
     def restore(self) -> list[str]:
         """Put back every buffer the step that just ended wrote; their qualified names. After a hit
         only (it reads values back to compare)."""
-        if not self._armed or not self._slots:
+        slots = self._before if self._before is not None else self._slots
+        if not self._armed or not slots:
             return []
         self._armed = False
         names: list[str] = []
         with torch.no_grad():
-            for (d, k, name), src, c in zip(self._slots, self._src, self._copy):
+            for (d, k, name), src, c in zip(slots, self._src, self._copy):
                 if src is None:
                     continue
                 t = d.get(k)
@@ -107,7 +118,7 @@ class BufferBackup:
         return names
 
     def clear(self) -> None:
-        self._slots = None
+        self._slots = self._before = None
         self._src = []
         self._copy = []
         self._captured = self._armed = False
