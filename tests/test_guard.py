@@ -729,3 +729,60 @@ def test_safetensors_part_of_a_poisoned_state_is_refused_a_clean_copy_of_it_is_n
             st.save_file(part, str(tmp_path / "part.safetensors"))
     assert (tmp_path / "ema.safetensors").exists() and not (tmp_path / "part.safetensors").exists()
     assert ei.value.finding.tensor == "['fc2.weight']" and "part of" in ei.value.finding.hint
+
+
+@pytest.mark.parametrize("surgery", ["double", "bfloat16", "fresh batchnorm"])
+def test_running_statistics_poisoned_after_model_surgery_are_refused(surgery: str, tmp_path: Any) -> None:
+    """The guard judged a buffer only when its storage was one the model had at the first step (a
+    buffer the model's code puts in place later may be an intended -inf mask): model.double(),
+    .to(torch.bfloat16) (or .to(device)) and a BatchNorm swapped for a fresh one give the same
+    buffers new storages, so a checkpoint with NaN running statistics was written. Same name,
+    same shape: the same state, judged."""
+    model = zoo.bnmlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "ck.pt"
+    with nanhunt.watch(model, opt, on_find="record"):
+        model(torch.randn(8, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        dtype = {"double": torch.float64, "bfloat16": torch.bfloat16}.get(surgery, torch.float32)
+        if surgery == "fresh batchnorm":
+            model.bn = torch.nn.BatchNorm1d(16)
+        else:
+            model.to(dtype)
+        x = torch.randn(8, 6, dtype=dtype)
+        x[1, 0] = float("nan")  # a corrupt record in a no-grad pass: the running statistics take it
+        with torch.no_grad():
+            model(x)
+        assert not torch.isfinite(model.bn.running_mean).all()
+        with pytest.raises(nanhunt.NonFiniteError, match="bn.running_mean"):
+            torch.save(model.state_dict(), path)
+    assert not path.exists()
+
+
+class _FixedMask(torch.nn.Module):
+    """A causal mask kept as a finite placeholder of its final shape, then put in place on first use."""
+
+    def __init__(self, t: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.register_buffer("mask", torch.zeros(t, t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isinf(self.mask).any():
+            self.mask = torch.full_like(self.mask, float("-inf")).triu(1)
+        return ((self.lin(x) @ x.transpose(-1, -2)) + self.mask).softmax(-1) @ x
+
+
+def test_a_mask_put_in_place_at_the_placeholders_shape_is_still_not_judged(tmp_path: Any) -> None:
+    """(The surgery test's rule is narrow: same name and shape alone is not the same state.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_FixedMask(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanhunt.watch(model, opt) as hunt:
+        for _ in range(2):
+            model(torch.randn(2, 4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save(model.state_dict(), tmp_path / "ckpt.pt")
+    assert hunt.findings == [] and (tmp_path / "ckpt.pt").exists()

@@ -247,6 +247,15 @@ def _unguard_writers() -> None:
     _patched.clear()
 
 
+def _kind(root: torch.nn.Module, name: str, b: torch.Tensor) -> tuple[Any, ...]:
+    """A buffer's shape, dtype, device and the id of the module holding it (see `SaveGuard._converted`)."""
+    try:
+        owner: Any = root.get_submodule(name.rpartition(".")[0])
+    except AttributeError:
+        owner = None
+    return tuple(b.shape), b.dtype, b.device, id(owner)
+
+
 class SaveGuard:
     """One hunt's judge of the objects handed to ``torch.save`` (and to safetensors' writers)."""
 
@@ -261,6 +270,7 @@ class SaveGuard:
         self._exempt_names: set[str] | None = None
         self._exempt: set[tuple[Any, int]] = set()
         self._known: set[tuple[Any, int]] | None = None  # the buffers' storages when the watch began
+        self._shapes: dict[str, tuple[Any, ...]] = {}  # ... by name: shape, dtype, device, owner (see _converted)
 
     def first_step(self, root: torch.nn.Module) -> None:
         """The first step begins: probe the buffers as they were at watch() (no read)."""
@@ -269,6 +279,7 @@ class SaveGuard:
         self._buffers = [(n, b) for n, b in root.named_buffers() if judgeable(b)]
         self._buffers += [(n, p) for n, p in root.named_parameters() if not p.requires_grad and judgeable(p)]
         self._known = {k for _, b in self._buffers if (k := _storage(b)) is not None}
+        self._shapes = {n: _kind(root, n, b) for n, b in root.named_buffers() if judgeable(b)}
         if self._buffers:
             with torch.no_grad():
                 # exact (not a sum, which a huge finite buffer could overflow); once per hunt
@@ -324,11 +335,13 @@ class SaveGuard:
         out: list[tuple[str, torch.Tensor]] = []
         root = hunt._root
         if root is not None:
-            # a buffer put in place since the watch began, while the hunt has found nothing
+            # a buffer put in place since the watch began, while the hunt has found nothing; not
+            # one that is the same state in new storage (`_converted`)
             found = any(f.phase != "checkpoint" for f in hunt.findings)
             known = self._known if self._known is not None and not found else None
             for n, t in [*root.named_parameters(), *((n, b) for n, b in root.named_buffers()
-                                                       if known is None or _storage(b) in known)]:
+                                                       if known is None or _storage(b) in known
+                                                       or self._converted(root, n, b))]:
                 if n not in exempt_names and is_checked(t) and not is_lazy(t):
                     out.append((n, t))
         for opt in hunt._opts:
@@ -337,6 +350,18 @@ class SaveGuard:
                     if isinstance(v, torch.Tensor) and is_checked(v):
                         out.append((_OPTIMIZER_STATE, v))
         return out
+
+    def _converted(self, root: torch.nn.Module, name: str, b: torch.Tensor) -> bool:
+        """A buffer in storage the model did not have at the first step is the same state as the
+        one of its name then, not one the model's code put in place (a lazily built mask, judged
+        only once the hunt has a finding), when it has that one's shape and either another dtype
+        or device (model.double(), .to(device)) or another module holds it (a BatchNorm swapped
+        for a fresh one)."""
+        was = self._shapes.get(name)
+        if was is None:
+            return False
+        now = _kind(root, name, b)
+        return was[0] == now[0] and (was[1:3] != now[1:3] or was[3] != now[3])
 
     def _watched(self, hunt: Hunt) -> tuple[dict[tuple[Any, int], str], dict[str, tuple[int, ...]]]:
         storages: dict[tuple[Any, int], str] = {}
