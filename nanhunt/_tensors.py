@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 __all__ = [
+    "add_chunked",
     "all_finite_cpu",
     "joined",
     "Path", "tensors", "format_path", "get_path", "is_checked", "is_bad", "version", "probe",
@@ -272,6 +273,17 @@ _JOIN = 1 << 16  # elements: a smaller tensor is joined with others of its devic
 _CHUNK = 1 << 22  # elements per joined chunk (16 MB of float32): the copy stays small beside any model
 
 
+def add_chunked(groups: dict[Any, list[list[int]]], sizes: dict[Any, int], key: Any, i: int, n: int, cut: int) -> None:
+    """Position ``i`` (of ``n`` elements) into the last chunk of ``groups[key]``; a new chunk when
+    that one would reach ``cut`` elements (0: never)."""
+    chunks = groups.setdefault(key, [[]])
+    if cut and sizes.get(key, 0) + n >= cut:
+        chunks.append([])
+        sizes[key] = 0
+    chunks[-1].append(i)
+    sizes[key] = sizes.get(key, 0) + n
+
+
 _CHECK_ALL = torch._amp_foreach_non_finite_check_and_unscale_
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowADInplaceOrView
 _DENSE_TYPES = {torch.Tensor, torch.nn.Parameter}
@@ -316,13 +328,7 @@ def joined(ts: Sequence[torch.Tensor]) -> tuple[list[tuple[list[int], torch.Tens
         n = t.numel()
         if (0 < n < _JOIN and t.layout is torch.strided and not t.is_nested and t.is_floating_point()
                 and t.dtype.itemsize > 1 and t.is_contiguous() and not t.is_meta and local(t) is t):
-            key = (t.device, t.dtype)
-            chunks = groups.setdefault(key, [[]])
-            if sizes.get(key, 0) + n > _CHUNK:
-                chunks.append([])
-                sizes[key] = 0
-            chunks[-1].append(i)
-            sizes[key] = sizes.get(key, 0) + n
+            add_chunked(groups, sizes, (t.device, t.dtype), i, n, _CHUNK)
         else:
             rest.append(i)
     out = []
