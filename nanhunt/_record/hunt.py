@@ -363,7 +363,9 @@ class Hunt:
         self._evbuf: list[Any] = []
         self._ev: list[Any] | None = None
         self._cparts: dict[int, CompiledRoot] = {}  # full mode: submodule.compile()'d parts (see _catch_compiled_parts)
-        # (both before the first name map: model.compile()'s slots build it, and it catches compiled parts)
+        # (these before the first name map: model.compile()'s slots build it, it catches compiled
+        # parts, and a rebuilt map regroups the buffers the backup puts back)
+        self._backup = BufferBackup() if _restores(o.on_find) else None
         self._compiled: CompiledChecks | None = None
         if getattr(model, "_compiled_call_impl", None) is not None:  # model.compile(): hooks are traced
             self._prepare_compiled(None)
@@ -399,7 +401,6 @@ class Hunt:
         self._damage: dict[str, list[str]] | None = None
         self._damage_at: torch.optim.Optimizer | None = None  # damage read again after this optimizer's step
         self._bad_samples: set[int] = set()
-        self._backup = BufferBackup() if _restores(o.on_find) else None
         self._batches = LoaderIndices(o.loader) if o.loader is not None else None
         self._close_before_raise = False
         self._guard = SaveGuard(self) if o.guard_saves else None
