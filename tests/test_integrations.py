@@ -242,27 +242,6 @@ def test_lightning_clean_fit_counts_optimizer_steps_with_accumulation() -> None:
     assert not _ours()
 
 
-class _Lookahead(torch.optim.Optimizer):
-    """Lookahead as timm writes it: ``Optimizer.__init__`` over the param_groups of ``inner``, whose
-    step() it runs, then every ``k`` steps the weights pulled in place towards slow copies."""
-
-    def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
-        super().__init__(inner.param_groups, inner.defaults)
-        self.optimizer, self.k, self.alpha, self.counter = inner, k, alpha, 0
-        self.param_groups = inner.param_groups
-        self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = self.optimizer.step(closure)
-        self.counter += 1
-        if self.counter % self.k == 0:
-            for p, slow in zip((p for g in self.param_groups for p in g["params"]), self.slow):
-                slow.lerp_(p, self.alpha)
-                p.copy_(slow)
-        return loss
-
-
 @_mark
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_lightning_a_lookaheads_pull_back_is_part_of_the_optimizer_step(mode: str) -> None:
@@ -279,7 +258,7 @@ def test_lightning_a_lookaheads_pull_back_is_part_of_the_optimizer_step(mode: st
             return super().training_step(batch, i) * 100
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _Lookahead(torch.optim.SGD(self.parameters(), lr=0.05))
+            return zoo.Lookahead(torch.optim.SGD(self.parameters(), lr=0.05))
 
     model, cb = LookaheadNet(), NanHunt(mode=mode)
     trainer = _trainer(pl, cb)
@@ -464,7 +443,7 @@ def test_hf_a_lookaheads_pull_back_is_part_of_the_optimizer_step(tmp_path: Any) 
 
     def optimizers(model: nn.Module) -> tuple[Any, Any]:
         made.append(torch.optim.SGD(model.parameters(), lr=1e-2))
-        return _Lookahead(made[0]), torch.optim.lr_scheduler.LambdaLR(made[0], lambda s: 1.0)
+        return zoo.Lookahead(made[0]), torch.optim.lr_scheduler.LambdaLR(made[0], lambda s: 1.0)
 
     class Spike(TrainerCallback):  # a weight decay of 1e3 at an lr of 3e38: the update overflows at step 3
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:

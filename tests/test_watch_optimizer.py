@@ -572,27 +572,6 @@ def test_an_lr_scheduler_built_over_a_watched_lookahead_wraps_its_step_as_it_wou
     assert opt._opt_called  # (the scheduler's own note that step() ran)
 
 
-class _InitLookahead(torch.optim.Optimizer):
-    """Lookahead as timm writes it: it runs ``Optimizer.__init__`` (torch runs its own step hooks,
-    around the pull-back) over the param_groups of the optimizer it steps."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.optimizer, self.k, self.alpha, self.counter = optimizer, k, alpha, 0
-        self.param_groups = optimizer.param_groups
-        self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = self.optimizer.step(closure)
-        self.counter += 1
-        if self.counter % self.k == 0:
-            for p, slow in zip((p for g in self.param_groups for p in g["params"]), self.slow):
-                p.lerp_(slow, weight=1.0 - self.alpha)
-                slow.copy_(p)
-        return loss
-
-
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_lookahead_set_up_by_torch_names_the_update_op_of_the_optimizer_it_steps(mode: str) -> None:
     # watched through its own step hooks (they run around the pull-back), its update's op was looked
@@ -600,7 +579,7 @@ def test_a_lookahead_set_up_by_torch_names_the_update_op_of_the_optimizer_it_ste
     # hint of a hand-written optimizer ("a denominator like sqrt(exp_avg_sq) + eps at 0") for an SGD
     model = zoo.cnn()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = _InitLookahead(inner)
+    opt = zoo.Lookahead(inner)
     f = _lr_blown_at_step_3(model, inner, opt, mode=mode)
     assert (f.phase, f.step, f.cause, f.op) == ("optimizer", 3, "created", "aten.add_.Tensor"), f
     assert "its lr is 1e+38" in f.hint and "exp_avg_sq" not in f.hint, f.hint

@@ -716,6 +716,27 @@ def train_with_a_nan_batch(model: nn.Module, opt: torch.optim.Optimizer, shape: 
             after_step()
 
 
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead as timm writes it: it runs ``Optimizer.__init__`` (torch runs its own step hooks,
+    around the pull-back) over the param_groups of the optimizer it steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer, self.k, self.alpha, self.counter = optimizer, k, alpha, 0
+        self.param_groups = optimizer.param_groups
+        self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = self.optimizer.step(closure)
+        self.counter += 1
+        if self.counter % self.k == 0:
+            for p, slow in zip((p for g in self.param_groups for p in g["params"]), self.slow):
+                p.lerp_(slow, weight=1.0 - self.alpha)
+                slow.copy_(p)
+        return loss
+
+
 def gan_round(D: nn.Module, fake: torch.Tensor, od: torch.optim.Optimizer, og: torch.optim.Optimizer) -> None:
     """One round of a GAN's loop: the discriminator's step on the generator's output (detached),
     then the generator's step through the discriminator."""
